@@ -1,0 +1,1 @@
+"""Fencegate's fencing gateway: a reverse proxy that lets only current, new writes through."""

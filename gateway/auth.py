@@ -1,0 +1,60 @@
+"""Bearer-token auth of the control listener: worker tokens for ``/v1/``, admin tokens
+for everything; ``/healthz`` and ``/readyz`` are open."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from enum import Enum
+
+from aiohttp import web
+
+from lease_core import exceptions as exc
+
+from .config import AuthSettings
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Role(Enum):
+    WORKER = "worker"
+    ADMIN = "admin"
+
+
+ROLE = web.RequestKey("role", Role)
+
+
+def _matches(presented: bytes, tokens: list[bytes]) -> bool:
+    # Compare against every token so the time taken says nothing about which matched.
+    found = False
+    for token in tokens:
+        found |= hmac.compare_digest(presented, token)
+    return found
+
+
+def auth_middleware(settings: AuthSettings) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    admin = [t.get_secret_value().encode() for t in settings.admin_tokens]
+    worker = [t.get_secret_value().encode() for t in settings.worker_tokens]
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS or not settings.enabled:
+            request[ROLE] = Role.ADMIN
+            return await handler(request)
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise exc.Unauthorized("send Authorization: Bearer <token>")
+        token = presented.strip().encode("utf-8", "surrogateescape")
+        if _matches(token, admin):
+            role = Role.ADMIN
+        elif _matches(token, worker):
+            role = Role.WORKER
+        else:
+            raise exc.Unauthorized("unknown bearer token")
+        if role is Role.WORKER and not request.path.startswith("/v1/"):
+            raise exc.Forbidden("worker tokens may only use /v1/; this path needs an admin token")
+        request[ROLE] = role
+        return await handler(request)
+
+    return middleware

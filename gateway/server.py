@@ -1,0 +1,139 @@
+"""The ``fencegate serve`` process: one database engine, two listeners.
+
+The engine belongs to the process, not to either app, because both listeners share it;
+it is opened before the apps start and disposed after both have stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from lease_core import api as lease_api
+from lease_core import exceptions as exc
+from lease_core.db import Clock, create_engine
+from lease_core.problems import problem_middleware
+from lease_core.store import LeaseStore
+
+from . import migrate, tasks
+from .auth import auth_middleware
+from .config import Settings, parse_listen
+
+log = logging.getLogger("fencegate.server")
+
+SETTINGS = web.AppKey("settings", Settings)
+CONTROL_MAX_BODY = 1024 * 1024
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    store = request.app[lease_api.STORE]
+    try:
+        at_head = await migrate.is_at_head(store.engine)
+    except Exception as error:
+        raise exc.StoreUnavailable(f"database not reachable: {type(error).__name__}") from error
+    if not at_head:
+        raise exc.StoreUnavailable("database schema is not at the newest migration")
+    return web.json_response({"status": "ready"})
+
+
+def create_control_app(settings: Settings, store: LeaseStore) -> web.Application:
+    """The control listener: lease API, admin API, health."""
+    app = web.Application(
+        middlewares=[problem_middleware, auth_middleware(settings.auth)],
+        client_max_size=CONTROL_MAX_BODY,
+    )
+    app[SETTINGS] = settings
+    app[lease_api.STORE] = store
+    app[lease_api.SETTINGS] = settings.lease
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    lease_api.add_routes(app)
+    tasks.every(app, "fail-exhausted-leases", settings.gateway.purge_interval_seconds,
+                store.fail_exhausted)
+    return app
+
+
+def create_proxy_app(settings: Settings, store: LeaseStore) -> web.Application:
+    """The proxy listener. Until the gateway lands, every upstream is unknown."""
+    app = web.Application(middlewares=[problem_middleware])
+    app[SETTINGS] = settings
+    return app
+
+
+async def prepare_database(settings: Settings, store: LeaseStore) -> None:
+    """SQLite migrates itself so the quickstart is one command; PostgreSQL is migrated by
+    ``fencegate migrate`` (a deploy step), and a server on an old schema refuses to start."""
+    if settings.sqlite:
+        await asyncio.to_thread(migrate.upgrade, settings.database_url)
+        return
+    try:
+        at_head = await migrate.is_at_head(store.engine)
+    except Exception as error:
+        raise SystemExit(f"fencegate: cannot reach the database: {error}") from error
+    if not at_head:
+        raise SystemExit(
+            "fencegate: the database schema is not at the newest migration; "
+            "run `fencegate migrate` first"
+        )
+
+
+async def serve(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    on_ready: Callable[[list[str]], Awaitable[None] | None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run both listeners until SIGTERM / SIGINT (or ``stop`` is set)."""
+    engine = create_engine(settings.database_url)
+    store = LeaseStore(engine, clock=clock)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    runners: list[web.AppRunner] = []
+    try:
+        await prepare_database(settings, store)
+        addresses = []
+        for name, app, listen in (
+            ("control", create_control_app(settings, store), settings.control_listen),
+            ("proxy", create_proxy_app(settings, store), settings.proxy_listen),
+        ):
+            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await runner.setup()
+            runners.append(runner)
+            host, port = parse_listen(listen)
+            site = web.TCPSite(runner, host, port, shutdown_timeout=10.0)
+            await site.start()
+            addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
+        log.info("fencegate listening: %s", " ".join(addresses))
+        print("fencegate listening:", " ".join(addresses), flush=True)
+        if on_ready is not None:
+            result = on_ready(addresses)
+            if result is not None:
+                await result
+        await stop.wait()
+        log.info("fencegate stopping")
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        await engine.dispose()
+
+
+def _addresses(runner: web.AppRunner) -> list[str]:
+    out = []
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            host = address[0]
+            out.append(f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}")
+    return out

@@ -1,0 +1,77 @@
+"""Engines, clocks and the dialect differences the statements need."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+Clock = Callable[[], float]
+"""Seconds since the epoch. Injected in tests; None means the authoritative clock."""
+
+
+def is_sqlite(url: str | sa.URL) -> bool:
+    return sa.make_url(url).get_backend_name() == "sqlite"
+
+
+def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> AsyncEngine:
+    """An engine tuned for the backend.
+
+    SQLite: one connection for the whole process (SQLite has one writer anyway, and a
+    queue in the pool is cheaper than the file lock's busy-wait), WAL, and every
+    transaction begins IMMEDIATE so another process's writer makes us wait, not fail.
+    PostgreSQL: a pool with pre-ping so a restarted server is recovered from.
+    """
+    url = sa.make_url(url)
+    if is_sqlite(url):
+        engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=60)
+        _sqlite_setup(engine)
+        return engine
+    return create_async_engine(
+        url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, pool_timeout=30
+    )
+
+
+def _sqlite_setup(engine: AsyncEngine) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA busy_timeout = 10000")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class Dialect:
+    """What differs between SQLite and PostgreSQL in our statements."""
+
+    def __init__(self, engine: AsyncEngine, clock: Clock | None = None) -> None:
+        self.name = engine.dialect.name
+        self.sqlite = self.name == "sqlite"
+        if clock is None and self.sqlite:
+            clock = time.time
+        self._clock = clock
+
+    def now(self) -> sa.ColumnElement[float]:
+        """The authoritative 'now' as an SQL expression: the injected clock's reading as
+        a parameter, or the database server's clock on PostgreSQL."""
+        if self._clock is not None:
+            return sa.literal(self._clock(), sa.Float)
+        return sa.cast(sa.extract("epoch", sa.func.now()), sa.Float)
+
+    def insert(self, table: sa.Table) -> Any:
+        """An INSERT that supports ``on_conflict_do_nothing`` / ``_do_update``."""
+        if self.sqlite:
+            return sqlite.insert(table)
+        return postgresql.insert(table)

@@ -1,0 +1,85 @@
+"""RFC 9457 problem documents: the one place HTTP errors are built."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from . import exceptions as exc
+
+log = logging.getLogger("fencegate.problems")
+
+PROBLEM_TYPE_BASE = "https://fencegate.dev/problems/"
+CONTENT_TYPE = "application/problem+json"
+
+
+def problem_response(
+    *,
+    status: int,
+    reason: str,
+    title: str,
+    detail: str,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> web.Response:
+    doc: dict[str, Any] = {
+        "type": PROBLEM_TYPE_BASE + reason,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "reason": reason,
+    }
+    doc.update({k: v for k, v in extra.items() if v is not None})
+    return web.Response(
+        status=status,
+        body=json.dumps(doc, separators=(",", ":")).encode(),
+        content_type=CONTENT_TYPE,
+        headers=headers,
+    )
+
+
+def from_error(error: exc.LeaseError) -> web.Response:
+    return problem_response(
+        status=error.status,
+        reason=error.reason,
+        title=error.title,
+        detail=error.detail,
+        headers=error.headers or None,
+        **error.extra,
+    )
+
+
+_HTTP_REASONS: dict[int, type[exc.LeaseError]] = {
+    404: exc.NotFound,
+    405: exc.MethodNotAllowed,
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Domain errors and aiohttp's own HTTP errors become problem documents."""
+    try:
+        return await handler(request)
+    except exc.LeaseError as error:
+        return from_error(error)
+    except web.HTTPException as http_error:
+        if http_error.status < 400:
+            raise
+        cls = _HTTP_REASONS.get(http_error.status)
+        if cls is not None:
+            return from_error(cls())
+        return problem_response(
+            status=http_error.status,
+            reason="http-error",
+            title=http_error.reason,
+            detail=http_error.text or http_error.reason,
+        )
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return from_error(exc.LeaseError("an unexpected error occurred; see the server log"))

@@ -1,0 +1,555 @@
+"""The lease store: every grant and every ownership check is one conditional statement.
+
+A statement that matches zero rows means the caller lost; only then is the job read, to
+tell the caller why (``rules.refusal_reason``). Nothing is decided from a read.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from . import exceptions as exc
+from . import rules, tokens
+from .db import Clock, Dialect
+from .rules import State
+from .schema import job_tombstones, jobs, leases
+
+
+def rfc3339(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    job_id: str
+    queue: str
+    state: str
+    generation: int
+    owner: str | None
+    lease_expires_at: float | None
+    attempts: int
+    max_attempts: int
+    payload: Any
+    result: Any
+    error: str | None
+    created_at: float
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> JobRecord:
+        return cls(**{name: row[name] for name in cls.__slots__})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "queue": self.queue,
+            "state": self.state,
+            "generation": self.generation,
+            "owner": self.owner,
+            "lease_expires_at": rfc3339(self.lease_expires_at),
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "payload": self.payload,
+            "result": self.result,
+            "error": self.error,
+            "created_at": rfc3339(self.created_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    job_id: str
+    generation: int
+    owner: str
+    expires_at: float
+    ttl_seconds: float
+    payload: Any
+    lease_token: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "job_id": self.job_id,
+            "generation": self.generation,
+            "owner": self.owner,
+            "expires_at": rfc3339(self.expires_at),
+            "ttl_seconds": self.ttl_seconds,
+            "payload": self.payload,
+        }
+        if self.lease_token is not None:
+            doc["lease_token"] = self.lease_token
+        return doc
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    items: list[JobRecord]
+    next_cursor: str | None
+
+
+_JOB_COLUMNS = [jobs.c[name] for name in JobRecord.__slots__]
+_LEASE_RETURNING = (
+    jobs.c.job_id,
+    jobs.c.generation,
+    jobs.c.owner,
+    jobs.c.lease_expires_at,
+    jobs.c.lease_ttl_seconds,
+    jobs.c.payload,
+)
+
+# Errors that mean "the database is not there right now", translated in one place.
+_UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, OSError, TimeoutError)
+
+
+class LeaseStore:
+    """Jobs and leases on one database (SQLite or PostgreSQL)."""
+
+    def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
+        self.engine = engine
+        self.dialect = Dialect(engine, clock)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        """One transaction; connection failures become ``StoreUnavailable``."""
+        try:
+            async with self.engine.begin() as conn:
+                yield conn
+        except _UNAVAILABLE as error:
+            if isinstance(error, sa.exc.DBAPIError) and not _is_connection_error(error):
+                raise
+            raise exc.StoreUnavailable() from error
+
+    # -- jobs ---------------------------------------------------------------------
+
+    async def enqueue(
+        self,
+        *,
+        queue: str,
+        job_id: str | None = None,
+        payload: Any = None,
+        max_attempts: int = 3,
+    ) -> JobRecord:
+        job_id = job_id or uuid.uuid4().hex
+        now = self.dialect.now()
+        stmt = (
+            self.dialect.insert(jobs)
+            .values(self._new_job_values(job_id, queue, payload, max_attempts, now))
+            .on_conflict_do_nothing(index_elements=[jobs.c.job_id])
+            .returning(*_JOB_COLUMNS)
+        )
+        async with self.transaction() as conn:
+            row = (await conn.execute(stmt)).mappings().first()
+        if row is None:
+            raise exc.JobExists(f"a job with id {job_id!r} exists already", job_id=job_id)
+        return JobRecord.from_row(row)
+
+    @staticmethod
+    def _new_job_values(
+        job_id: str, queue: str, payload: Any, max_attempts: int, now: sa.ColumnElement[float]
+    ) -> dict[str, Any]:
+        # A job created again after a purge continues above its last generation.
+        floor = (
+            sa.select(job_tombstones.c.generation)
+            .where(job_tombstones.c.job_id == job_id)
+            .scalar_subquery()
+        )
+        return {
+            "job_id": job_id,
+            "queue": queue,
+            "state": State.PENDING.value,
+            "generation": sa.func.coalesce(floor, 0),
+            "attempts": 0,
+            "max_attempts": max_attempts,
+            "payload": payload,
+            "claimable_at": now,
+            "created_at": now,
+            "updated_at": now,
+        }
+
+    async def get_job(self, job_id: str) -> JobRecord:
+        stmt = sa.select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id)
+        async with self.transaction() as conn:
+            row = (await conn.execute(stmt)).mappings().first()
+        if row is None:
+            raise exc.JobNotFound(f"no job with id {job_id!r}", job_id=job_id)
+        return JobRecord.from_row(row)
+
+    async def list_jobs(
+        self,
+        *,
+        queue: str | None = None,
+        state: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> JobPage:
+        """Jobs in creation order, ``limit`` at a time; pass ``next_cursor`` on."""
+        stmt = sa.select(*_JOB_COLUMNS).order_by(jobs.c.created_at, jobs.c.job_id)
+        if queue is not None:
+            stmt = stmt.where(jobs.c.queue == queue)
+        if state is not None:
+            stmt = stmt.where(jobs.c.state == state)
+        if cursor is not None:
+            after_ts, after_id = decode_cursor(cursor)
+            stmt = stmt.where(sa.tuple_(jobs.c.created_at, jobs.c.job_id) > (after_ts, after_id))
+        async with self.transaction() as conn:
+            rows = (await conn.execute(stmt.limit(limit + 1))).mappings().all()
+        items = [JobRecord.from_row(row) for row in rows[:limit]]
+        next_cursor = None
+        if len(rows) > limit:
+            last = items[-1]
+            next_cursor = encode_cursor(last.created_at, last.job_id)
+        return JobPage(items, next_cursor)
+
+    async def purge_job(self, job_id: str) -> None:
+        """Delete a job that no current lease holds, remembering its generation."""
+        now = self.dialect.now()
+        async with self.transaction() as conn:
+            deleted = (
+                await conn.execute(
+                    sa.delete(jobs)
+                    .where(
+                        jobs.c.job_id == job_id,
+                        sa.or_(jobs.c.state != State.LEASED.value, jobs.c.lease_expires_at <= now),
+                    )
+                    .returning(jobs.c.generation)
+                )
+            ).first()
+            if deleted is None:
+                exists = (
+                    await conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id))
+                ).first()
+                if exists is None:
+                    raise exc.JobNotFound(f"no job with id {job_id!r}", job_id=job_id)
+                raise exc.LeaseHeld("a current lease holds this job", job_id=job_id)
+            tomb = self.dialect.insert(job_tombstones).values(
+                job_id=job_id, generation=deleted.generation, purged_at=now
+            )
+            await conn.execute(
+                tomb.on_conflict_do_update(
+                    index_elements=[job_tombstones.c.job_id],
+                    set_={"generation": tomb.excluded.generation, "purged_at": now},
+                )
+            )
+
+    # -- grants -------------------------------------------------------------------
+
+    def _grant_values(
+        self, owner: str, ttl: float, token_hash: str, now: sa.ColumnElement[float]
+    ) -> dict[str, Any]:
+        return {
+            "state": State.LEASED.value,
+            "generation": jobs.c.generation + 1,
+            "owner": owner,
+            "lease_token_hash": token_hash,
+            "lease_ttl_seconds": ttl,
+            "lease_expires_at": now + ttl,
+            "claimable_at": now + ttl,
+            "attempts": jobs.c.attempts + 1,
+            "updated_at": now,
+        }
+
+    async def _record_grant(
+        self,
+        conn: AsyncConnection,
+        row: Mapping[str, Any],
+        token: str,
+        token_hash: str,
+        now: sa.ColumnElement[float],
+    ) -> LeaseRecord:
+        await conn.execute(
+            sa.insert(leases).values(
+                token_hash=token_hash,
+                job_id=row["job_id"],
+                generation=row["generation"],
+                owner=row["owner"],
+                granted_at=now,
+                expires_at=row["lease_expires_at"],
+            )
+        )
+        return _lease(row, token)
+
+    async def claim(self, *, queue: str, owner: str, ttl: float) -> LeaseRecord | None:
+        """Lease the next claimable job of ``queue``: pending and due, or expired."""
+        token, token_hash = tokens.new_token()
+        now = self.dialect.now()
+        candidate = (
+            sa.select(jobs.c.job_id)
+            .where(
+                jobs.c.queue == queue,
+                jobs.c.claimable_at.is_not(None),
+                jobs.c.claimable_at <= now,
+                jobs.c.attempts < jobs.c.max_attempts,
+            )
+            .order_by(jobs.c.claimable_at)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
+        )
+        stmt = (
+            sa.update(jobs)
+            .where(jobs.c.job_id == candidate)
+            .values(self._grant_values(owner, ttl, token_hash, now))
+            .returning(*_LEASE_RETURNING)
+        )
+        async with self.transaction() as conn:
+            row = (await conn.execute(stmt)).mappings().first()
+            if row is None:
+                return None
+            return await self._record_grant(conn, row, token, token_hash, now)
+
+    async def acquire(
+        self,
+        *,
+        job_id: str,
+        owner: str,
+        ttl: float,
+        queue: str,
+        payload: Any = None,
+        max_attempts: int = 3,
+    ) -> LeaseRecord:
+        """Lease a named job, creating it if absent.
+
+        Granted when the job is pending, its lease expired, or the same owner holds it
+        (a restarted process under the same name fences its predecessor off).
+        """
+        token, token_hash = tokens.new_token()
+        now = self.dialect.now()
+        create = (
+            self.dialect.insert(jobs)
+            .values(self._new_job_values(job_id, queue, payload, max_attempts, now))
+            .on_conflict_do_nothing(index_elements=[jobs.c.job_id])
+        )
+        grant = (
+            sa.update(jobs)
+            .where(
+                jobs.c.job_id == job_id,
+                sa.or_(
+                    jobs.c.state == State.PENDING.value,
+                    sa.and_(
+                        jobs.c.state == State.LEASED.value,
+                        sa.or_(jobs.c.lease_expires_at <= now, jobs.c.owner == owner),
+                    ),
+                ),
+            )
+            .values(self._grant_values(owner, ttl, token_hash, now))
+            .returning(*_LEASE_RETURNING)
+        )
+        async with self.transaction() as conn:
+            await conn.execute(create)
+            row = (await conn.execute(grant)).mappings().first()
+            if row is not None:
+                return await self._record_grant(conn, row, token, token_hash, now)
+            current = (
+                await conn.execute(
+                    sa.select(jobs.c.state, jobs.c.lease_expires_at).where(jobs.c.job_id == job_id)
+                )
+            ).first()
+        if current is not None and current.state in rules.FINISHED:
+            raise exc.JobFinished(f"job {job_id!r} is {current.state}", job_id=job_id)
+        raise exc.LeaseHeld(
+            "another current lease holds this job",
+            job_id=job_id,
+            lease_expires_at=rfc3339(current.lease_expires_at) if current else None,
+        )
+
+    # -- the current lease's operations ---------------------------------------------
+
+    def _current(self, token: str, now: sa.ColumnElement[float]) -> list[sa.ColumnElement[bool]]:
+        """The lease behind ``token`` is current: granted last, not ended, not expired."""
+        return [
+            jobs.c.lease_token_hash == _token_hash(token),
+            jobs.c.state == State.LEASED.value,
+            jobs.c.lease_expires_at > now,
+        ]
+
+    async def renew(self, token: str, ttl: float | None = None) -> LeaseRecord:
+        now = self.dialect.now()
+        new_ttl: Any = jobs.c.lease_ttl_seconds if ttl is None else ttl
+        stmt = (
+            sa.update(jobs)
+            .where(*self._current(token, now))
+            .values(
+                lease_ttl_seconds=new_ttl,
+                lease_expires_at=now + new_ttl,
+                claimable_at=now + new_ttl,
+                updated_at=now,
+            )
+            .returning(*_LEASE_RETURNING)
+        )
+        return _lease(await self._on_current(token, stmt), None)
+
+    async def complete(self, token: str, result: Any = None) -> JobRecord:
+        now = self.dialect.now()
+        stmt = (
+            sa.update(jobs)
+            .where(*self._current(token, now))
+            .values(
+                state=State.COMPLETED.value,
+                result=result,
+                lease_token_hash=None,
+                lease_expires_at=None,
+                claimable_at=None,
+                updated_at=now,
+            )
+            .returning(*_JOB_COLUMNS)
+        )
+        return JobRecord.from_row(await self._on_current(token, stmt))
+
+    async def fail(self, token: str, error: str | None = None, retry_in: float = 0) -> JobRecord:
+        """Back to pending after ``retry_in`` seconds, or ``failed`` when out of attempts."""
+        now = self.dialect.now()
+        exhausted = jobs.c.attempts >= jobs.c.max_attempts
+        stmt = (
+            sa.update(jobs)
+            .where(*self._current(token, now))
+            .values(
+                state=sa.case((exhausted, State.FAILED.value), else_=State.PENDING.value),
+                claimable_at=sa.case((exhausted, sa.null()), else_=now + retry_in),
+                error=error,
+                lease_token_hash=None,
+                lease_expires_at=None,
+                updated_at=now,
+            )
+            .returning(*_JOB_COLUMNS)
+        )
+        return JobRecord.from_row(await self._on_current(token, stmt))
+
+    async def release(self, token: str) -> JobRecord:
+        """Give the job back at once, without using up an attempt."""
+        now = self.dialect.now()
+        stmt = (
+            sa.update(jobs)
+            .where(*self._current(token, now))
+            .values(
+                state=State.PENDING.value,
+                claimable_at=now,
+                attempts=sa.case((jobs.c.attempts > 0, jobs.c.attempts - 1), else_=0),
+                lease_token_hash=None,
+                lease_expires_at=None,
+                updated_at=now,
+            )
+            .returning(*_JOB_COLUMNS)
+        )
+        return JobRecord.from_row(await self._on_current(token, stmt))
+
+    async def _on_current(self, token: str, stmt: sa.Update) -> Mapping[str, Any]:
+        """Run ``stmt`` (conditional on the lease being current) or raise why not."""
+        if not tokens.is_well_formed(token):
+            raise exc.InvalidLeaseToken()
+        async with self.transaction() as conn:
+            row = (await conn.execute(stmt)).mappings().first()
+            if row is not None:
+                return row
+            reason = await self._refusal(conn, token)
+        raise exc.LOST_BY_REASON[reason]()
+
+    async def _refusal(self, conn: AsyncConnection, token: str) -> str:
+        now = self.dialect.now()
+        row = (
+            await conn.execute(
+                sa.select(
+                    leases.c.job_id,
+                    leases.c.generation.label("lease_generation"),
+                    jobs.c.state,
+                    jobs.c.generation,
+                    jobs.c.lease_expires_at,
+                    now.label("now"),
+                )
+                .select_from(leases.outerjoin(jobs, jobs.c.job_id == leases.c.job_id))
+                .where(leases.c.token_hash == _token_hash(token))
+            )
+        ).first()
+        if row is None:
+            raise exc.InvalidLeaseToken()
+        job = None
+        if row.state is not None:
+            job = rules.Job(
+                row.job_id, State(row.state), row.generation, lease_expires_at=row.lease_expires_at
+            )
+        return rules.refusal_reason(row.lease_generation, job, row.now)
+
+    # -- maintenance --------------------------------------------------------------
+
+    async def fail_exhausted(self) -> int:
+        """Expired leases on their last attempt become ``failed`` (a worker that keeps
+        crashing on a job must not get it forever). Returns how many."""
+        now = self.dialect.now()
+        stmt = (
+            sa.update(jobs)
+            .where(
+                jobs.c.state == State.LEASED.value,
+                jobs.c.lease_expires_at <= now,
+                jobs.c.attempts >= jobs.c.max_attempts,
+            )
+            .values(
+                state=State.FAILED.value,
+                error="the lease expired on the last attempt",
+                lease_token_hash=None,
+                claimable_at=None,
+                lease_expires_at=None,
+                updated_at=now,
+            )
+        )
+        async with self.transaction() as conn:
+            return (await conn.execute(stmt)).rowcount
+
+    async def ping(self) -> None:
+        async with self.transaction() as conn:
+            await conn.execute(sa.text("SELECT 1"))
+
+
+def _token_hash(token: str) -> str:
+    return tokens.hash_token(token) if tokens.is_well_formed(token) else ""
+
+
+def _lease(row: Mapping[str, Any], token: str | None) -> LeaseRecord:
+    return LeaseRecord(
+        job_id=row["job_id"],
+        generation=row["generation"],
+        owner=row["owner"],
+        expires_at=row["lease_expires_at"],
+        ttl_seconds=row["lease_ttl_seconds"],
+        payload=row["payload"],
+        lease_token=token,
+    )
+
+
+def _is_connection_error(error: sa.exc.DBAPIError) -> bool:
+    if error.connection_invalidated:
+        return True
+    text = str(error.orig).lower()
+    return any(
+        word in text
+        for word in ("connect", "closed", "terminat", "shutdown", "database is locked")
+    )
+
+
+def encode_cursor(created_at: float, job_id: str) -> str:
+    raw = json.dumps([created_at, job_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created_at, job_id = json.loads(raw)
+        if not isinstance(created_at, int | float) or not isinstance(job_id, str):
+            raise ValueError
+        return float(created_at), job_id
+    except (ValueError, TypeError) as error:
+        raise exc.InvalidRequest("cursor: not a cursor this server gave out", field="cursor") from error
+
+
+__all__: Sequence[str] = ["JobPage", "JobRecord", "LeaseRecord", "LeaseStore"]

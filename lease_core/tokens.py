@@ -1,0 +1,31 @@
+"""Lease tokens: 192 random bits behind a recognisable prefix, stored only as a hash."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+
+PREFIX = "fgl_"
+TOKEN_PATTERN = re.compile(r"fgl_[A-Za-z0-9_-]{32}")
+
+
+def new_token() -> tuple[str, str]:
+    """A fresh token and the hash the store keeps of it."""
+    token = PREFIX + secrets.token_urlsafe(24)
+    return token, hash_token(token)
+
+
+def hash_token(token: str) -> str:
+    # The token carries 192 random bits, so a fast hash is enough: there is nothing to
+    # brute-force that a slow one would protect.
+    return hashlib.sha256(token.encode("ascii")).hexdigest()
+
+
+def is_well_formed(token: str) -> bool:
+    return TOKEN_PATTERN.fullmatch(token) is not None
+
+
+def redact(token: str) -> str:
+    """What may appear in logs and the audit: the prefix and four characters."""
+    return token[:8] + "…" if len(token) > 8 else "…"
