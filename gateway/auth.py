@@ -33,7 +33,9 @@ def _matches(presented: bytes, tokens: list[bytes]) -> bool:
     return found
 
 
-def auth_middleware(settings: AuthSettings) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(
+    settings: AuthSettings,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     admin = [t.get_secret_value().encode() for t in settings.admin_tokens]
     worker = [t.get_secret_value().encode() for t in settings.worker_tokens]
 

@@ -37,24 +37,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="run the proxy and control listeners",
-                       description="Run the proxy listener and the control listener. On "
-                       "SQLite the schema is migrated at start; on PostgreSQL run "
-                       "`fencegate migrate` first.")
+    p = sub.add_parser(
+        "serve",
+        help="run the proxy and control listeners",
+        description="Run the proxy listener and the control listener. On "
+        "SQLite the schema is migrated at start; on PostgreSQL run "
+        "`fencegate migrate` first.",
+    )
     _config_arg(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
-    p = sub.add_parser("migrate", help="upgrade the database schema to the newest revision",
-                       description="Run the alembic migrations up to head (idempotent).")
+    p = sub.add_parser(
+        "migrate",
+        help="upgrade the database schema to the newest revision",
+        description="Run the alembic migrations up to head (idempotent).",
+    )
     _config_arg(p)
 
-    p = sub.add_parser("check-config", help="validate the configuration and print a summary",
-                       description="Validate the config file and environment; exit 0 when "
-                       "valid, 2 with one line per bad key otherwise.")
+    p = sub.add_parser(
+        "check-config",
+        help="validate the configuration and print a summary",
+        description="Validate the config file and environment; exit 0 when "
+        "valid, 2 with one line per bad key otherwise.",
+    )
     _config_arg(p)
 
-    p = sub.add_parser("jobs", help="list jobs, show one, or purge one",
-                       description="Read jobs straight from the database.")
+    p = sub.add_parser(
+        "jobs",
+        help="list jobs, show one, or purge one",
+        description="Read jobs straight from the database.",
+    )
     _config_arg(p)
     p.add_argument("action", nargs="?", default="list", choices=["list", "show", "purge"])
     p.add_argument("job_id", nargs="?", help="job id (for show and purge)")
@@ -155,12 +167,23 @@ async def _jobs(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         await engine.dispose()
     if args.json:
-        print(json.dumps({"items": [j.to_json() for j in page.items],
-                          "next_cursor": page.next_cursor}, indent=2))
+        print(
+            json.dumps(
+                {"items": [j.to_json() for j in page.items], "next_cursor": page.next_cursor},
+                indent=2,
+            )
+        )
         return 0
     rows = [
-        [j.job_id, j.queue, j.state, str(j.generation), j.owner or "-",
-         rfc3339(j.lease_expires_at) or "-", f"{j.attempts}/{j.max_attempts}"]
+        [
+            j.job_id,
+            j.queue,
+            j.state,
+            str(j.generation),
+            j.owner or "-",
+            rfc3339(j.lease_expires_at) or "-",
+            f"{j.attempts}/{j.max_attempts}",
+        ]
         for j in page.items
     ]
     print_table(["JOB", "QUEUE", "STATE", "GEN", "OWNER", "LEASE EXPIRES", "ATTEMPTS"], rows)
@@ -175,8 +198,11 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         return
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
-              .rstrip())
+        print(
+            "  ".join(
+                str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)
+            ).rstrip()
+        )
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Any], int]] = {

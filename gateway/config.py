@@ -176,9 +176,7 @@ class Settings(BaseSettings):
         except sa.exc.ArgumentError as error:
             raise ValueError("not a database URL") from error
         if url.drivername not in ("sqlite+aiosqlite", "postgresql+asyncpg"):
-            raise ValueError(
-                "use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
-            )
+            raise ValueError("use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db")
         return value
 
     @model_validator(mode="after")

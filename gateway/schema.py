@@ -1,5 +1,74 @@
-"""All tables, for alembic: the lease service's and the gateway's share one MetaData."""
+"""The gateway's tables. They share one MetaData with the lease service's, so alembic
+sees every table and the lease check and the fence update can run in one transaction."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
 
 from lease_core.schema import metadata
 
-__all__ = ["metadata"]
+# Per job, the highest generation that the gateway admitted to write.
+fences = sa.Table(
+    "fences",
+    metadata,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+# One row per (job, idempotency key), across generations. Writes without a key get a
+# synthetic key (never replayed) so that in-flight tracking and ordering see them too.
+#   state: in_flight -> completed | unknown ; unknown -> in_flight (retry policy or
+#   operator "not applied") | completed (operator "applied")
+requests = sa.Table(
+    "idempotency_records",
+    metadata,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("attempt", sa.String(32), nullable=False),
+    sa.Column("upstream", sa.String(63), nullable=False),
+    sa.Column("method", sa.String(32), nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("deadline", sa.Float, nullable=False),
+    sa.Column("status", sa.Integer),
+    sa.Column("headers", sa.JSON),
+    sa.Column("body", sa.LargeBinary),
+    sa.Column("note", sa.Text),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Index("ix_idempotency_records_in_flight", "job_id", "state", "generation"),
+    sa.Index("ix_idempotency_records_state_updated", "state", "updated_at"),
+)
+
+# Every request the gateway answered itself (rejections and replays).
+audit = sa.Table(
+    "audit_log",
+    metadata,
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("reason", sa.String(40), nullable=False),
+    sa.Column("status", sa.Integer, nullable=False),
+    sa.Column("job_id", sa.String(200)),
+    sa.Column("generation", sa.BigInteger),
+    sa.Column("highest_generation", sa.BigInteger),
+    sa.Column("owner", sa.String(200)),
+    sa.Column("upstream", sa.String(63)),
+    sa.Column("method", sa.String(32), nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("idempotency_key", sa.String(255)),
+    sa.Column("client", sa.String(64)),
+    sa.Column("fingerprint", sa.String(64)),
+    sa.Column("body", sa.LargeBinary),
+    sa.Index("ix_audit_log_at", "at"),
+    sa.Index("ix_audit_log_job_id_at", "job_id", "at"),
+)
+
+__all__ = ["audit", "fences", "metadata", "requests"]

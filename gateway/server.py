@@ -20,9 +20,10 @@ from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
-from . import migrate, tasks
+from . import admin, migrate, tasks
 from .auth import auth_middleware
 from .config import Settings, parse_listen
+from .proxy import Gateway, create_proxy_app
 
 log = logging.getLogger("fencegate.server")
 
@@ -45,8 +46,12 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
-def create_control_app(settings: Settings, store: LeaseStore) -> web.Application:
-    """The control listener: lease API, admin API, health."""
+def create_control_app(
+    settings: Settings, store: LeaseStore, gateway: Gateway | None = None
+) -> web.Application:
+    """The control listener: lease API, admin API, health; and the background upkeep
+    (expired last attempts, retention)."""
+    gateway = gateway or Gateway(settings, store)
     app = web.Application(
         middlewares=[problem_middleware, auth_middleware(settings.auth)],
         client_max_size=CONTROL_MAX_BODY,
@@ -57,16 +62,32 @@ def create_control_app(settings: Settings, store: LeaseStore) -> web.Application
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     lease_api.add_routes(app)
-    tasks.every(app, "fail-exhausted-leases", settings.gateway.purge_interval_seconds,
-                store.fail_exhausted)
+    admin.add_routes(app, gateway)
+    tasks.every(
+        app,
+        "upkeep",
+        settings.gateway.purge_interval_seconds,
+        lambda: upkeep(settings, store, gateway),
+    )
     return app
 
 
-def create_proxy_app(settings: Settings, store: LeaseStore) -> web.Application:
-    """The proxy listener. Until the gateway lands, every upstream is unknown."""
-    app = web.Application(middlewares=[problem_middleware])
-    app[SETTINGS] = settings
-    return app
+async def upkeep(settings: Settings, store: LeaseStore, gateway: Gateway) -> None:
+    """Expired last attempts become failed; records and audit past retention go."""
+    failed = await store.fail_exhausted()
+    records = await gateway.store.purge_records(settings.gateway.idempotency_retention_seconds)
+    audit_seconds = settings.gateway.audit_retention_days * 86400
+    entries = await gateway.audit.purge(audit_seconds)
+    grants = await store.purge_grants(audit_seconds)
+    if failed or records or entries or grants:
+        log.info(
+            "upkeep: %d job(s) failed after their last lease expired; purged %d "
+            "idempotency record(s), %d audit entr(ies), %d old grant(s)",
+            failed,
+            records,
+            entries,
+            grants,
+        )
 
 
 async def prepare_database(settings: Settings, store: LeaseStore) -> None:
@@ -105,9 +126,10 @@ async def serve(
     try:
         await prepare_database(settings, store)
         addresses = []
+        gateway = Gateway(settings, store)
         for name, app, listen in (
-            ("control", create_control_app(settings, store), settings.control_listen),
-            ("proxy", create_proxy_app(settings, store), settings.proxy_listen),
+            ("control", create_control_app(settings, store, gateway), settings.control_listen),
+            ("proxy", create_proxy_app(gateway), settings.proxy_listen),
         ):
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()

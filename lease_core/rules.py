@@ -72,8 +72,10 @@ def check_ttl(ttl: float, max_ttl: float) -> str | None:
 
 
 def is_expired(job: Job, now: float) -> bool:
-    return job.state is State.LEASED and job.lease_expires_at is not None and (
-        job.lease_expires_at <= now
+    return (
+        job.state is State.LEASED
+        and job.lease_expires_at is not None
+        and (job.lease_expires_at <= now)
     )
 
 

@@ -28,9 +28,7 @@ from .schema import job_tombstones, jobs, leases
 def rfc3339(ts: float | None) -> str | None:
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z"
-    )
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,6 +503,19 @@ class LeaseStore:
         async with self.transaction() as conn:
             return (await conn.execute(stmt)).rowcount
 
+    async def purge_grants(self, older_than_seconds: float) -> int:
+        """Forget grants older than the audit's retention (their tokens then answer
+        'invalid' instead of 'stale'); the current grant of a job is always kept."""
+        now = self.dialect.now()
+        stmt = sa.delete(leases).where(
+            leases.c.expires_at < now - older_than_seconds,
+            ~sa.exists().where(
+                jobs.c.job_id == leases.c.job_id, jobs.c.generation == leases.c.generation
+            ),
+        )
+        async with self.transaction() as conn:
+            return (await conn.execute(stmt)).rowcount
+
     async def ping(self) -> None:
         async with self.transaction() as conn:
             await conn.execute(sa.text("SELECT 1"))
@@ -531,8 +542,7 @@ def _is_connection_error(error: sa.exc.DBAPIError) -> bool:
         return True
     text = str(error.orig).lower()
     return any(
-        word in text
-        for word in ("connect", "closed", "terminat", "shutdown", "database is locked")
+        word in text for word in ("connect", "closed", "terminat", "shutdown", "database is locked")
     )
 
 
@@ -549,7 +559,9 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
             raise ValueError
         return float(created_at), job_id
     except (ValueError, TypeError) as error:
-        raise exc.InvalidRequest("cursor: not a cursor this server gave out", field="cursor") from error
+        raise exc.InvalidRequest(
+            "cursor: not a cursor this server gave out", field="cursor"
+        ) from error
 
 
 __all__: Sequence[str] = ["JobPage", "JobRecord", "LeaseRecord", "LeaseStore"]

@@ -147,3 +147,117 @@ async def control(
     app = create_control_app(make_settings(), store)
     client: TestClient[Any, Any] = await aiohttp_client(app)
     return client
+
+
+# -- gateway fixtures -------------------------------------------------------------------
+
+
+class Upstream:
+    """A real HTTP server standing in for a payment / storage API. It records every
+    request it receives; ``behaviour`` decides the answer."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        self.status = 201
+        self.delay = 0.0
+        self.body: bytes | None = None
+        self.headers: dict[str, str] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.url = ""
+
+    async def handler(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.read()
+        record = {
+            "method": request.method,
+            "path": request.path_qs,
+            "headers": dict(request.headers),
+            "body": body,
+            "generation": request.headers.get("Fencing-Generation"),
+            "key": request.headers.get("Idempotency-Key"),
+        }
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            self.received.append(record)
+        finally:
+            self.in_flight -= 1
+        answer = self.body if self.body is not None else (
+            b'{"applied": %d}' % len(self.received)
+        )
+        return web.Response(
+            status=self.status, body=answer, content_type="application/json",
+            headers=self.headers,
+        )
+
+
+@pytest.fixture
+async def upstream(aiohttp_server: Callable[..., Any]) -> Upstream:
+    from aiohttp import web
+
+    up = Upstream()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", up.handler)
+    server = await aiohttp_server(app)
+    up.url = str(server.make_url("")).rstrip("/")
+    return up
+
+
+class Stack:
+    """A control client and a proxy client on one store (one gateway replica)."""
+
+    def __init__(self, control: TestClient[Any, Any], proxy: TestClient[Any, Any]) -> None:
+        self.control = control
+        self.proxy = proxy
+
+    async def lease(self, job_id: str, owner: str = "worker-a", ttl: float = 30) -> dict[str, Any]:
+        resp = await self.control.put(
+            f"/v1/jobs/{job_id}/lease", json={"owner": owner, "ttl_seconds": ttl}
+        )
+        assert resp.status == 201, await resp.text()
+        lease: dict[str, Any] = await resp.json()
+        return lease
+
+    async def write(
+        self, path: str, lease: dict[str, Any] | None, key: str | None = "k1",
+        body: Any = None, method: str = "POST", headers: dict[str, str] | None = None,
+    ) -> Any:
+        h = dict(headers or {})
+        if lease is not None:
+            h["Fencing-Token"] = lease["lease_token"]
+        if key is not None:
+            h["Idempotency-Key"] = key
+        return await self.proxy.request(method, path, json=body or {"amount": 1}, headers=h)
+
+    async def audit(self, **query: str) -> list[dict[str, Any]]:
+        resp = await self.control.get("/admin/rejections", params=query)
+        assert resp.status == 200, await resp.text()
+        items: list[dict[str, Any]] = (await resp.json())["items"]
+        return items
+
+
+@pytest.fixture
+def make_stack(
+    aiohttp_client: Callable[..., Any], make_settings: Callable[..., Settings], engine: AsyncEngine,
+    clock: FakeClock,
+) -> Callable[..., Any]:
+    """Build a gateway replica: ``await make_stack(upstreams=[...], clock=None)``."""
+    from gateway.proxy import Gateway, create_proxy_app
+
+    async def make(*, use_clock: bool = True, **overrides: Any) -> Stack:
+        settings = make_settings(**overrides)
+        store = LeaseStore(engine, clock=clock if use_clock else None)
+        gateway = Gateway(settings, store)
+        control = await aiohttp_client(create_control_app(settings, store, gateway))
+        proxy = await aiohttp_client(create_proxy_app(gateway))
+        return Stack(control, proxy)
+
+    return make
+
+
+def upstream_config(up: Upstream, name: str = "pay", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "url": up.url, **extra}

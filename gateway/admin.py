@@ -1,0 +1,117 @@
+"""The admin API (control listener, admin tokens): the audit, unknown outcomes, upstreams."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Any
+
+from aiohttp import web
+from pydantic import Field
+
+from lease_core import exceptions as exc
+from lease_core.api import Body, Id, query_limit, read_body
+from lease_core.store import rfc3339
+
+from .audit import MAX_PAGE, AuditQuery, parse_time
+from .proxy import Gateway
+
+GATEWAY_STATE = web.AppKey("gateway_state", Gateway)
+
+
+async def rejections(request: web.Request) -> web.Response:
+    """``GET /admin/rejections?job_id=&reason=&upstream=&since=&until=&limit=&cursor=``"""
+    q = request.query
+    since = parse_time(q["since"], "since") if "since" in q else None
+    until = parse_time(q["until"], "until") if "until" in q else None
+    items, next_cursor = await request.app[GATEWAY_STATE].audit.query(
+        AuditQuery(
+            job_id=q.get("job_id"),
+            reason=q.get("reason"),
+            upstream=q.get("upstream"),
+            since=since,
+            until=until,
+            limit=min(query_limit(q.get("limit"), default=100), MAX_PAGE),
+            cursor=q.get("cursor"),
+        )
+    )
+    return web.json_response({"items": items, "next_cursor": next_cursor})
+
+
+async def unknown_outcomes(request: web.Request) -> web.Response:
+    rows = await request.app[GATEWAY_STATE].store.list_unknown(
+        query_limit(request.query.get("limit"), default=100)
+    )
+    items = [{**row, "state": "unknown", "updated_at": rfc3339(row["updated_at"])} for row in rows]
+    return web.json_response({"items": items})
+
+
+class ResolveBody(Body):
+    job_id: Id
+    key: Annotated[str, Field(min_length=1, max_length=255)]
+    applied: bool
+    status: Annotated[int, Field(ge=100, le=599)] | None = None
+    headers: dict[str, str] | None = None
+    body_base64: str | None = None
+    body: str | None = None
+
+
+async def resolve(request: web.Request) -> web.Response:
+    """``POST /admin/unknown-outcomes/resolve``: mark a held key applied (with the answer
+    later duplicates get) or not applied (the next request with it is forwarded)."""
+    body = await read_body(request, ResolveBody)
+    raw: bytes | None = None
+    if body.body_base64 is not None:
+        try:
+            raw = base64.b64decode(body.body_base64, validate=True)
+        except binascii.Error as error:
+            raise exc.InvalidRequest("body_base64: not base64", field="body_base64") from error
+    elif body.body is not None:
+        raw = body.body.encode()
+    if body.applied and body.status is None:
+        raise exc.InvalidRequest(
+            "status: required when applied is true (the status duplicates will get)",
+            field="status",
+        )
+    done = await request.app[GATEWAY_STATE].store.resolve(
+        body.job_id,
+        body.key,
+        applied=body.applied,
+        status=body.status,
+        headers=list((body.headers or {}).items()),
+        body=raw,
+    )
+    if not done:
+        raise exc.NotFound(f"no unknown outcome for key {body.key!r} of job {body.job_id!r}")
+    return web.json_response(
+        {
+            "job_id": body.job_id,
+            "key": body.key,
+            "resolved": "applied" if body.applied else "not-applied",
+        }
+    )
+
+
+async def upstreams(request: web.Request) -> web.Response:
+    items: list[dict[str, Any]] = [
+        {
+            "name": u.name,
+            "url": u.url,
+            "fenced_methods": u.fenced_methods,
+            "require_idempotency_key": u.require_idempotency_key,
+            "timeout_seconds": u.timeout_seconds,
+            "max_body_bytes": u.max_body_bytes,
+            "unknown_outcome": u.unknown_outcome,
+            "set_headers": sorted(u.set_headers),
+        }
+        for u in request.app[GATEWAY_STATE].upstreams.values()
+    ]
+    return web.json_response({"items": items})
+
+
+def add_routes(app: web.Application, gateway: Gateway) -> None:
+    app[GATEWAY_STATE] = gateway
+    app.router.add_get("/admin/rejections", rejections)
+    app.router.add_get("/admin/unknown-outcomes", unknown_outcomes)
+    app.router.add_post("/admin/unknown-outcomes/resolve", resolve)
+    app.router.add_get("/admin/upstreams", upstreams)

@@ -1,0 +1,241 @@
+"""The fencing decision as pure functions: what the gateway knows about a request, the
+lease behind its token and the key's record in, a verdict out. No I/O here.
+
+The order of checks is the spec's table: the first row that applies is the answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from lease_core import rules
+
+
+class Reason(StrEnum):
+    UNKNOWN_UPSTREAM = "unknown-upstream"
+    INVALID_REQUEST = "invalid-request"
+    MISSING_FENCING_TOKEN = "missing-fencing-token"
+    INVALID_FENCING_TOKEN = "invalid-fencing-token"
+    MISSING_IDEMPOTENCY_KEY = "missing-idempotency-key"
+    STALE_GENERATION = "stale-generation"
+    LEASE_ENDED = "lease-ended"
+    LEASE_EXPIRED = "lease-expired"
+    BODY_TOO_LARGE = "body-too-large"
+    IDEMPOTENCY_KEY_REUSED = "idempotency-key-reused"
+    REQUEST_IN_PROGRESS = "request-in-progress"
+    OUTCOME_UNKNOWN = "outcome-unknown"
+    ORDERING_TIMEOUT = "ordering-timeout"
+    UPSTREAM_UNAVAILABLE = "upstream-unavailable"
+    UPSTREAM_TIMEOUT = "upstream-timeout"
+    STORE_UNAVAILABLE = "store-unavailable"
+    IDEMPOTENT_REPLAY = "idempotent-replay"
+
+
+@dataclass(frozen=True, slots=True)
+class ReasonInfo:
+    status: int
+    title: str
+    detail: str
+
+
+REASONS: dict[Reason, ReasonInfo] = {
+    Reason.UNKNOWN_UPSTREAM: ReasonInfo(404, "Unknown upstream", "No upstream of that name."),
+    Reason.INVALID_REQUEST: ReasonInfo(
+        400, "Invalid request", "The request is malformed or not allowed through the gateway."
+    ),
+    Reason.MISSING_FENCING_TOKEN: ReasonInfo(
+        428, "Fencing token required", "This method is fenced: send Fencing-Token."
+    ),
+    Reason.INVALID_FENCING_TOKEN: ReasonInfo(
+        403, "Invalid fencing token", "The fencing token is malformed or unknown."
+    ),
+    Reason.MISSING_IDEMPOTENCY_KEY: ReasonInfo(
+        400,
+        "Idempotency key required",
+        "This upstream requires an Idempotency-Key: a quoted string or a token, 1 to 255 "
+        "characters.",
+    ),
+    Reason.STALE_GENERATION: ReasonInfo(
+        409, "Stale generation", "A newer generation of this job exists or has already written."
+    ),
+    Reason.LEASE_ENDED: ReasonInfo(
+        409, "Lease ended", "The lease was completed, failed or released."
+    ),
+    Reason.LEASE_EXPIRED: ReasonInfo(409, "Lease expired", "The lease behind this token expired."),
+    Reason.BODY_TOO_LARGE: ReasonInfo(
+        413, "Body too large", "The body is over this upstream's limit."
+    ),
+    Reason.IDEMPOTENCY_KEY_REUSED: ReasonInfo(
+        422,
+        "Idempotency key reused",
+        "This key was used for this job with a different request.",
+    ),
+    Reason.REQUEST_IN_PROGRESS: ReasonInfo(
+        409, "Request in progress", "A request with this key is being forwarded right now."
+    ),
+    Reason.OUTCOME_UNKNOWN: ReasonInfo(
+        409,
+        "Outcome unknown",
+        "An earlier forward with this key has an unknown outcome; an operator must resolve it.",
+    ),
+    Reason.ORDERING_TIMEOUT: ReasonInfo(
+        503,
+        "Ordering timeout",
+        "A write of an older generation of this job did not settle in time.",
+    ),
+    Reason.UPSTREAM_UNAVAILABLE: ReasonInfo(
+        502, "Upstream unavailable", "The upstream refused the connection or failed to answer."
+    ),
+    Reason.UPSTREAM_TIMEOUT: ReasonInfo(
+        504, "Upstream timeout", "The upstream did not answer in time."
+    ),
+    Reason.STORE_UNAVAILABLE: ReasonInfo(
+        503, "Store unavailable", "The gateway's database is not reachable; try again shortly."
+    ),
+}
+
+# -- idempotency keys ---------------------------------------------------------------
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
+ANONYMOUS_PREFIX = "\u2205"  # never the first character of a key that parse_key accepts
+
+
+def parse_key(header: str, max_length: int = 255) -> str | None:
+    """The key of an ``Idempotency-Key`` header, or None when malformed.
+
+    A structured-field string (``"abc"``) or a bare run of RFC 9110 token characters;
+    ``"abc"`` and ``abc`` name the same key.
+    """
+    header = header.strip(" \t")
+    match = _SF_STRING.fullmatch(header)
+    if match is not None:
+        key = re.sub(r"\\(.)", r"\1", match.group(1))
+    elif _TOKEN.fullmatch(header):
+        key = header
+    else:
+        return None
+    return key if 1 <= len(key) <= max_length else None
+
+
+def anonymous_key() -> str:
+    """A key for a write that carries none: tracked while in flight, never replayed."""
+    return ANONYMOUS_PREFIX + uuid.uuid4().hex
+
+
+def is_anonymous(key: str) -> bool:
+    return key.startswith(ANONYMOUS_PREFIX)
+
+
+def fingerprint(method: str, upstream: str, path: str, query: str, body: bytes) -> str:
+    """What makes two requests 'the same request' for an idempotency key."""
+    digest = hashlib.sha256()
+    for part in (method.upper(), upstream, path, query):
+        encoded = part.encode("utf-8", "surrogateescape")
+        digest.update(len(encoded).to_bytes(8, "big"))
+        digest.update(encoded)
+    digest.update(body)
+    return digest.hexdigest()
+
+
+# -- records and verdicts -----------------------------------------------------------
+
+
+class RecordState(StrEnum):
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """The stored state of one (job, key)."""
+
+    fingerprint: str
+    state: RecordState
+    generation: int
+    attempt: str
+    deadline: float
+    status: int | None = None
+    headers: list[tuple[str, str]] | None = None
+    body: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Presented:
+    """The lease behind the presented token (as granted) and the job as it is now."""
+
+    job_id: str
+    generation: int
+    owner: str
+    job: rules.Job | None
+
+
+class Action(StrEnum):
+    FORWARD = "forward"
+    REPLAY = "replay"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    action: Action
+    reason: Reason | None = None
+
+    @classmethod
+    def reject(cls, reason: Reason) -> Verdict:
+        return cls(Action.REJECT, reason)
+
+
+FORWARD = Verdict(Action.FORWARD)
+REPLAY = Verdict(Action.REPLAY, Reason.IDEMPOTENT_REPLAY)
+
+
+def lease_reason(presented: Presented | None, now: float) -> Reason | None:
+    """None when the presented lease may write now; else why not."""
+    if presented is None:
+        return Reason.INVALID_FENCING_TOKEN
+    lease = rules.Lease(presented.job_id, presented.generation, presented.owner, 0.0)
+    job = presented.job
+    if job is not None and rules.is_current(lease, job, now):
+        return None
+    return Reason(rules.refusal_reason(presented.generation, job, now))
+
+
+def effective_state(record: Record, now: float) -> RecordState:
+    """An in-flight record whose deadline passed (its replica crashed or hung) is unknown."""
+    if record.state is RecordState.IN_FLIGHT and record.deadline <= now:
+        return RecordState.UNKNOWN
+    return record.state
+
+
+def record_verdict(record: Record, fingerprint: str, now: float, policy: str) -> Verdict:
+    """What a request whose key already has a record gets."""
+    if record.fingerprint != fingerprint:
+        return Verdict.reject(Reason.IDEMPOTENCY_KEY_REUSED)
+    state = effective_state(record, now)
+    if state is RecordState.COMPLETED:
+        return REPLAY
+    if state is RecordState.IN_FLIGHT:
+        return Verdict.reject(Reason.REQUEST_IN_PROGRESS)
+    if policy == "retry":
+        return FORWARD
+    return Verdict.reject(Reason.OUTCOME_UNKNOWN)
+
+
+def problem_extra(presented: Presented | None, highest: int | None = None) -> dict[str, Any]:
+    """The extension members of a problem document, where known."""
+    if presented is None:
+        return {}
+    job_generation = presented.job.generation if presented.job is not None else None
+    candidates = [g for g in (highest, job_generation) if g is not None]
+    return {
+        "job_id": presented.job_id,
+        "generation": presented.generation,
+        "highest_generation": max(candidates) if candidates else None,
+    }

@@ -1,0 +1,498 @@
+"""The proxy listener: ``/{upstream}/{path}`` to the upstream's base URL + ``/{path}``.
+
+Fenced writes are admitted (``store.admit``: one transaction before forwarding), forwarded
+with header hygiene, streamed back to the client while the part needed for replay is
+kept, and settled (one statement after). Everything else is answered here with a
+problem document and audited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from lease_core import exceptions as lease_exc
+from lease_core import tokens
+from lease_core.problems import problem_response
+from lease_core.store import LeaseStore
+
+from . import fence
+from .audit import Audit, AuditEntry
+from .config import Settings, UpstreamSettings
+from .fence import Action, Reason, Record, RecordState
+from .store import Admission, GatewayStore, WriteRequest
+
+log = logging.getLogger("fencegate.proxy")
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Connection",
+    )
+)
+# Never forwarded from the client: the credential, what we set ourselves, what aiohttp sets.
+DROP_FROM_CLIENT = HOP_BY_HOP | {
+    "fencing-token",
+    "fencing-job",
+    "fencing-generation",
+    "host",
+    "content-length",
+    "expect",
+}
+DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
+PROTECTED = frozenset({"fencing-token", "idempotency-key"})
+# Upstream answers that do not tell whether the side effect happened.
+UNKNOWN_STATUSES = frozenset({502, 504})
+DEADLINE_MARGIN = 5.0
+ORDERING_POLL = 0.02
+MAX_REPLAY_BODY = 1024 * 1024
+
+
+@dataclass(slots=True)
+class Ctx:
+    """What is known about one request so far (for the answer and its audit entry)."""
+
+    request: web.Request
+    upstream: UpstreamSettings | None = None
+    key: str | None = None
+    fingerprint: str | None = None
+    admission: Admission | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Gateway:
+    """The proxy's state: settings, stores and the one client session."""
+
+    def __init__(self, settings: Settings, lease_store: LeaseStore) -> None:
+        self.settings = settings
+        self.store = GatewayStore(lease_store)
+        self.audit = Audit(lease_store)
+        self.upstreams = {u.name: u for u in settings.upstreams}
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=256),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # -- answering ourselves ------------------------------------------------------------
+
+    async def reject(
+        self,
+        ctx: Ctx,
+        reason: Reason,
+        *,
+        detail: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        info = fence.REASONS[reason]
+        presented = ctx.admission.presented if ctx.admission else None
+        extra = fence.problem_extra(presented, ctx.admission.highest if ctx.admission else None)
+        await self._audit(ctx, reason.value, info.status)
+        return problem_response(
+            status=info.status,
+            reason=reason.value,
+            title=info.title,
+            detail=detail or info.detail,
+            headers=headers,
+            **extra,
+            **ctx.extra,
+        )
+
+    async def replay(self, ctx: Ctx, record: Record) -> web.Response:
+        await self._audit(ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0)
+        headers = CIMultiDict(record.headers or [])
+        headers["Idempotent-Replayed"] = "true"
+        return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
+
+    async def _audit(self, ctx: Ctx, reason: str, status: int) -> None:
+        request = ctx.request
+        presented = ctx.admission.presented if ctx.admission else None
+        highest = fence.problem_extra(presented, ctx.admission.highest if ctx.admission else None)
+        await self.audit.record(
+            AuditEntry(
+                reason=reason,
+                status=status,
+                method=request.method,
+                path=request.raw_path,
+                job_id=presented.job_id if presented else None,
+                generation=presented.generation if presented else None,
+                highest_generation=highest.get("highest_generation"),
+                owner=presented.owner if presented else None,
+                upstream=ctx.upstream.name if ctx.upstream else None,
+                idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
+                client=request.remote,
+                fingerprint=ctx.fingerprint,
+            )
+        )
+
+    # -- the request path ---------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        ctx = Ctx(request)
+        try:
+            return await self._handle(ctx)
+        except lease_exc.StoreUnavailable:
+            return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
+
+    async def _handle(self, ctx: Ctx) -> web.StreamResponse:
+        request = ctx.request
+        target = self._target(request)
+        if isinstance(target, str):
+            return await self.reject(ctx, Reason.INVALID_REQUEST, detail=target)
+        name, rest, query = target
+        ctx.upstream = upstream = self.upstreams.get(name)
+        if upstream is None:
+            return await self.reject(
+                ctx, Reason.UNKNOWN_UPSTREAM, detail=f"No upstream named {name[:100]!r}."
+            )
+        if request.method not in upstream.fenced_methods:
+            return await self._pass_through(ctx, upstream, rest, query)
+
+        # Fenced: the token, then the key, as the table orders them.
+        presented_tokens = request.headers.getall("Fencing-Token", [])
+        if not presented_tokens:
+            return await self.reject(ctx, Reason.MISSING_FENCING_TOKEN)
+        if len(presented_tokens) > 1:
+            return await self.reject(
+                ctx, Reason.INVALID_REQUEST, detail="Send exactly one Fencing-Token header."
+            )
+        token = presented_tokens[0].strip()
+        if not tokens.is_well_formed(token):
+            return await self.reject(ctx, Reason.INVALID_FENCING_TOKEN)
+        named = {
+            h.strip().lower()
+            for v in request.headers.getall("Connection", [])
+            for h in v.split(",")
+        }
+        if named & PROTECTED:
+            return await self.reject(
+                ctx,
+                Reason.INVALID_REQUEST,
+                detail=("The Connection header must not name Fencing-Token or Idempotency-Key."),
+            )
+        key_headers = request.headers.getall("Idempotency-Key", [])
+        key = None
+        if len(key_headers) == 1:
+            key = fence.parse_key(key_headers[0], self.settings.gateway.max_idempotency_key_length)
+        if key is None and (key_headers or upstream.require_idempotency_key):
+            return await self.reject(ctx, Reason.MISSING_IDEMPOTENCY_KEY)
+        ctx.key = key or fence.anonymous_key()
+        token_hash = tokens.hash_token(token)
+
+        body = await self._read_body(request, upstream)
+        if body is None:  # over the limit: but a lease refusal comes first in the table
+            ctx.admission = await self.store.check_lease(token_hash)
+            reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
+            ctx.extra["max_body_bytes"] = upstream.max_body_bytes
+            return await self.reject(ctx, reason or Reason.BODY_TOO_LARGE)
+
+        ctx.fingerprint = fence.fingerprint(request.method, upstream.name, rest, query, body)
+        deadline_in = (
+            self.settings.gateway.ordering_wait_seconds
+            + upstream.timeout_seconds
+            + upstream.connect_timeout_seconds
+            + DEADLINE_MARGIN
+        )
+        ctx.admission = admission = await self.store.admit(
+            WriteRequest(
+                token_hash=token_hash,
+                key=ctx.key,
+                fingerprint=ctx.fingerprint,
+                upstream=upstream.name,
+                method=request.method,
+                path=rest,
+                deadline_in=deadline_in,
+            )
+        )
+        reason = fence.lease_reason(admission.presented, admission.now)
+        if reason is not None:
+            return await self.reject(ctx, reason)
+        assert admission.presented is not None
+        job_id, generation = admission.presented.job_id, admission.presented.generation
+
+        attempt, back_to, older = admission.attempt, None, admission.older_in_flight
+        if not admission.claimed:
+            record = admission.record
+            if record is None:  # its record vanished between our claim and our read
+                return await self.reject(
+                    ctx, Reason.REQUEST_IN_PROGRESS, headers={"Retry-After": "1"}
+                )
+            verdict = fence.record_verdict(
+                record, ctx.fingerprint, admission.now, upstream.unknown_outcome
+            )
+            if verdict.action is Action.REPLAY:
+                return await self.replay(ctx, record)
+            if verdict.action is Action.REJECT:
+                assert verdict.reason is not None
+                retry = (
+                    {"Retry-After": "1"} if verdict.reason is Reason.REQUEST_IN_PROGRESS else None
+                )
+                return await self.reject(ctx, verdict.reason, headers=retry)
+            attempt = await self.store.take_over(job_id, ctx.key, record, generation, deadline_in)
+            if attempt is None:
+                return await self.reject(
+                    ctx, Reason.REQUEST_IN_PROGRESS, headers={"Retry-After": "1"}
+                )
+            back_to = record
+            older = await self.store.older_in_flight(job_id, generation)
+        assert attempt is not None
+
+        if older and not await self._wait_for_older(job_id, generation):
+            await self.store.release(job_id, ctx.key, attempt, back_to)
+            return await self.reject(ctx, Reason.ORDERING_TIMEOUT, headers={"Retry-After": "1"})
+
+        url = _upstream_url(upstream, rest, query)
+        headers = forward_headers(request, upstream, job_id, generation)
+        return await self._forward(ctx, upstream, url, headers, body, attempt, back_to)
+
+    def _target(self, request: web.Request) -> tuple[str, str, str] | str:
+        """(upstream name, rest of the path, raw query), or why the target is refused."""
+        if request.method == "CONNECT":
+            return "CONNECT is not supported: this is not an open proxy."
+        raw = request.raw_path
+        if not raw.startswith("/"):
+            return "Absolute-form targets are not supported: this is not an open proxy."
+        path, _, query = raw.partition("?")
+        name, _, rest = path[1:].partition("/")
+        name = unquote(name)
+        for segment in rest.split("/"):
+            if unquote(segment) in (".", ".."):
+                return "Dot-segments are not allowed in the path."
+        if "\\" in unquote(rest):
+            return "Backslashes are not allowed in the path."
+        return name, rest, query
+
+    async def _read_body(self, request: web.Request, upstream: UpstreamSettings) -> bytes | None:
+        """The whole body, or None when it is over the upstream's limit."""
+        limit = upstream.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return None
+        chunks, size = [], 0
+        async for chunk in _chunks(request):
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _wait_for_older(self, job_id: str, generation: int) -> bool:
+        """Wait (bounded) until no older generation's write to this job is in flight."""
+        deadline = time.monotonic() + self.settings.gateway.ordering_wait_seconds
+        while time.monotonic() < deadline:
+            await asyncio.sleep(ORDERING_POLL)
+            if not await self.store.older_in_flight(job_id, generation):
+                return True
+        return False
+
+    async def _pass_through(
+        self, ctx: Ctx, upstream: UpstreamSettings, rest: str, query: str
+    ) -> web.StreamResponse:
+        body = await self._read_body(ctx.request, upstream)
+        if body is None:
+            ctx.extra["max_body_bytes"] = upstream.max_body_bytes
+            return await self.reject(ctx, Reason.BODY_TOO_LARGE)
+        headers = forward_headers(ctx.request, upstream, None, None)
+        return await self._forward(
+            ctx, upstream, _upstream_url(upstream, rest, query), headers, body, None, None
+        )
+
+    async def _forward(
+        self,
+        ctx: Ctx,
+        upstream: UpstreamSettings,
+        url: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        attempt: str | None,
+        back_to: Record | None,
+    ) -> web.StreamResponse:
+        """Send to the upstream, stream the answer back, settle the key's record."""
+        assert self.session is not None
+        request = ctx.request
+        presented = ctx.admission.presented if ctx.admission else None
+        key = ctx.key or ""
+        job_id = presented.job_id if presented else ""
+        timeout = aiohttp.ClientTimeout(
+            total=upstream.timeout_seconds, sock_connect=upstream.connect_timeout_seconds
+        )
+        try:
+            upstream_response = await self.session.request(
+                request.method,
+                url,
+                headers=headers,
+                data=body or None,
+                allow_redirects=False,
+                timeout=timeout,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
+            # Not sent: the key is free again (or back to its earlier unknown state).
+            if attempt is not None:
+                await self.store.release(job_id, key, attempt, back_to)
+            reason = (
+                Reason.UPSTREAM_TIMEOUT
+                if isinstance(error, aiohttp.ConnectionTimeoutError)
+                else Reason.UPSTREAM_UNAVAILABLE
+            )
+            return await self.reject(ctx, reason)
+        except (TimeoutError, aiohttp.ClientError) as error:
+            # Sent, but no answer: whether it was applied is unknown.
+            if attempt is not None:
+                await self.store.settle(
+                    job_id,
+                    key,
+                    attempt,
+                    state=RecordState.UNKNOWN,
+                    status=None,
+                    headers=None,
+                    body=None,
+                    note=f"no answer: {type(error).__name__}",
+                )
+            reason = (
+                Reason.UPSTREAM_TIMEOUT
+                if isinstance(error, TimeoutError)
+                else Reason.UPSTREAM_UNAVAILABLE
+            )
+            return await self.reject(ctx, reason)
+
+        async with upstream_response:
+            response_headers = [
+                (k, v)
+                for k, v in upstream_response.headers.items()
+                if k.lower() not in DROP_FROM_UPSTREAM
+            ]
+            out = web.StreamResponse(
+                status=upstream_response.status, reason=upstream_response.reason
+            )
+            for k, v in response_headers:
+                out.headers.add(k, v)
+            stored: bytearray | None = bytearray()
+            client_gone = False
+            complete = False
+            try:
+                await out.prepare(request)
+            except (ConnectionError, RuntimeError):
+                client_gone = True
+            try:
+                async for chunk in upstream_response.content.iter_any():
+                    if stored is not None:
+                        if len(stored) + len(chunk) <= MAX_REPLAY_BODY:
+                            stored += chunk
+                        else:
+                            stored = None
+                    if not client_gone:
+                        try:
+                            await out.write(chunk)
+                        except (ConnectionError, RuntimeError):
+                            client_gone = True
+                complete = True
+            except (TimeoutError, aiohttp.ClientError) as error:
+                log.warning("upstream %s cut its answer short: %s", upstream.name, error)
+            finally:
+                if attempt is not None:
+                    known = complete and upstream_response.status not in UNKNOWN_STATUSES
+                    await asyncio.shield(
+                        self.store.settle(
+                            job_id,
+                            key,
+                            attempt,
+                            state=RecordState.COMPLETED if known else RecordState.UNKNOWN,
+                            status=upstream_response.status,
+                            headers=response_headers,
+                            body=bytes(stored) if stored is not None else None,
+                            note=None
+                            if known
+                            else (
+                                f"upstream answered {upstream_response.status}"
+                                if complete
+                                else "the upstream's answer was cut short"
+                            ),
+                        )
+                    )
+            if not client_gone:
+                if complete:
+                    await out.write_eof()
+                elif request.transport is not None:
+                    request.transport.close()  # the client must not take a cut body as whole
+            return out
+
+
+async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return
+        yield chunk
+
+
+def _upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
+    url = f"{upstream.url}/{rest}"
+    return f"{url}?{query}" if query else url
+
+
+def forward_headers(
+    request: web.Request, upstream: UpstreamSettings, job_id: str | None, generation: int | None
+) -> CIMultiDict[str]:
+    """Client headers minus hop-by-hop, the credential and what we set; plus fencing
+    headers, forwarding headers and the upstream's own configured headers."""
+    incoming: CIMultiDictProxy[str] = request.headers
+    named = {h.strip().lower() for v in incoming.getall("Connection", []) for h in v.split(",")}
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lower = name.lower()
+        if lower in DROP_FROM_CLIENT or lower in named or lower.startswith("x-forwarded-"):
+            continue
+        out.add(name, value)
+    if job_id is not None and generation is not None:
+        out["Fencing-Job"] = job_id
+        out["Fencing-Generation"] = str(generation)
+    previous = incoming.get("X-Forwarded-For")
+    remote = request.remote or "unknown"
+    out["X-Forwarded-For"] = f"{previous}, {remote}" if previous else remote
+    out["X-Forwarded-Proto"] = request.scheme
+    for name, secret in upstream.set_headers.items():
+        out[name] = secret.get_secret_value()
+    return out
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def create_proxy_app(gateway: Gateway) -> web.Application:
+    """The proxy listener's app; it owns the gateway's client session."""
+    app = web.Application()
+    app[GATEWAY] = gateway
+
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        await gateway.start()
+        yield
+        await gateway.close()
+
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_route("*", "/{tail:.*}", gateway.handle)
+    return app

@@ -1,0 +1,381 @@
+"""The gateway's atomic statements: admit a write (lease check + fence + key claim in one
+transaction), settle it, wait for older generations, resolve unknown outcomes.
+
+Nothing authoritative lives in process memory: several replicas on one PostgreSQL
+answer as one. The job row is locked (``FOR SHARE``) while a write is admitted, so a
+reclaim cannot slip between the lease check and the fence update.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from lease_core import rules
+from lease_core.rules import State
+from lease_core.schema import jobs, leases
+from lease_core.store import LeaseStore
+
+from . import fence
+from .fence import Presented, Record, RecordState
+from .schema import fences, requests
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Everything the admit transaction learned, for ``fence`` to judge."""
+
+    now: float
+    presented: Presented | None
+    highest: int | None = None
+    claimed: bool = False
+    attempt: str | None = None
+    record: Record | None = None
+    older_in_flight: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WriteRequest:
+    token_hash: str
+    key: str
+    fingerprint: str
+    upstream: str
+    method: str
+    path: str
+    deadline_in: float
+
+
+class GatewayStore:
+    def __init__(self, leases_store: LeaseStore) -> None:
+        self.lease_store = leases_store
+        self.dialect = leases_store.dialect
+
+    # -- reading the lease --------------------------------------------------------
+
+    async def _presented(
+        self, conn: AsyncConnection, token_hash: str, *, lock: bool
+    ) -> tuple[Presented | None, int | None, float]:
+        now = self.dialect.now()
+        stmt = (
+            sa.select(
+                leases.c.job_id,
+                leases.c.generation.label("lease_generation"),
+                leases.c.owner.label("lease_owner"),
+                jobs.c.state,
+                jobs.c.generation,
+                jobs.c.owner,
+                jobs.c.lease_expires_at,
+                jobs.c.attempts,
+                jobs.c.max_attempts,
+                fences.c.generation.label("fence_generation"),
+                now.label("now"),
+            )
+            .select_from(
+                leases.join(jobs, jobs.c.job_id == leases.c.job_id).outerjoin(
+                    fences, fences.c.job_id == leases.c.job_id
+                )
+            )
+            .where(leases.c.token_hash == token_hash)
+        )
+        if lock and not self.dialect.sqlite:
+            stmt = stmt.with_for_update(read=True, of=jobs)
+        row = (await conn.execute(stmt)).first()
+        if row is None:
+            # An unknown token, or the token of a job that has since been purged.
+            orphan = (
+                await conn.execute(
+                    sa.select(leases.c.job_id, leases.c.generation, leases.c.owner, now).where(
+                        leases.c.token_hash == token_hash
+                    )
+                )
+            ).first()
+            if orphan is None:
+                return None, None, float((await conn.execute(sa.select(now))).scalar_one())
+            presented = Presented(orphan[0], orphan[1], orphan[2], None)
+            return presented, None, float(orphan[3])
+        job = rules.Job(
+            row.job_id,
+            State(row.state),
+            row.generation,
+            owner=row.owner,
+            lease_expires_at=row.lease_expires_at,
+            attempts=row.attempts,
+            max_attempts=row.max_attempts,
+        )
+        presented = Presented(row.job_id, row.lease_generation, row.lease_owner, job)
+        return presented, row.fence_generation, float(row.now)
+
+    async def check_lease(self, token_hash: str) -> Admission:
+        """Read-only: may this token write now? (For refusals before the body is read.)"""
+        async with self.lease_store.transaction() as conn:
+            presented, highest, now = await self._presented(conn, token_hash, lock=False)
+        return Admission(now=now, presented=presented, highest=highest)
+
+    # -- admitting a write ----------------------------------------------------------
+
+    async def admit(self, write: WriteRequest) -> Admission:
+        """In one transaction: check the lease, raise the job's fence to this generation,
+        claim the key (or read its record), and see whether an older generation's write
+        is still in flight."""
+        async with self.lease_store.transaction() as conn:
+            presented, highest, now = await self._presented(conn, write.token_hash, lock=True)
+            if fence.lease_reason(presented, now) is not None:
+                return Admission(now=now, presented=presented, highest=highest)
+            assert presented is not None
+            job_id, generation = presented.job_id, presented.generation
+            upsert = self.dialect.insert(fences).values(
+                job_id=job_id, generation=generation, updated_at=now
+            )
+            await conn.execute(
+                upsert.on_conflict_do_update(
+                    index_elements=[fences.c.job_id],
+                    set_={"generation": generation, "updated_at": now},
+                    where=fences.c.generation < generation,
+                )
+            )
+            attempt = uuid.uuid4().hex
+            claim = (
+                self.dialect.insert(requests)
+                .values(
+                    job_id=job_id,
+                    key=write.key,
+                    fingerprint=write.fingerprint,
+                    state=RecordState.IN_FLIGHT.value,
+                    generation=generation,
+                    attempt=attempt,
+                    upstream=write.upstream,
+                    method=write.method,
+                    path=write.path,
+                    deadline=now + write.deadline_in,
+                    created_at=now,
+                    updated_at=now,
+                )
+                .on_conflict_do_nothing(index_elements=[requests.c.job_id, requests.c.key])
+                .returning(requests.c.attempt)
+            )
+            claimed = (await conn.execute(claim)).first() is not None
+            record = None if claimed else await self._record(conn, job_id, write.key)
+            older = claimed and await self._older_in_flight(conn, job_id, generation, now)
+        return Admission(
+            now=now,
+            presented=presented,
+            highest=max(generation, highest or 0),
+            claimed=claimed,
+            attempt=attempt if claimed else None,
+            record=record,
+            older_in_flight=older,
+        )
+
+    async def _record(self, conn: AsyncConnection, job_id: str, key: str) -> Record | None:
+        row = (
+            (
+                await conn.execute(
+                    sa.select(requests).where(requests.c.job_id == job_id, requests.c.key == key)
+                )
+            )
+            .mappings()
+            .first()
+        )
+        return None if row is None else _record(row)
+
+    async def take_over(
+        self, job_id: str, key: str, record: Record, generation: int, deadline_in: float
+    ) -> str | None:
+        """Forward a key again (retry policy, or an operator said 'not applied'): only if
+        its record is still the one we judged. Returns the new attempt id, or None."""
+        attempt = uuid.uuid4().hex
+        now = self.dialect.now()
+        stmt = (
+            sa.update(requests)
+            .where(
+                requests.c.job_id == job_id,
+                requests.c.key == key,
+                requests.c.attempt == record.attempt,
+            )
+            .values(
+                state=RecordState.IN_FLIGHT.value,
+                generation=generation,
+                attempt=attempt,
+                deadline=now + deadline_in,
+                updated_at=now,
+            )
+            .returning(requests.c.attempt)
+        )
+        async with self.lease_store.transaction() as conn:
+            row = (await conn.execute(stmt)).first()
+        return attempt if row is not None else None
+
+    async def older_in_flight(self, job_id: str, generation: int) -> bool:
+        async with self.lease_store.transaction() as conn:
+            return await self._older_in_flight(conn, job_id, generation, self.dialect.now())
+
+    @staticmethod
+    async def _older_in_flight(
+        conn: AsyncConnection, job_id: str, generation: int, now: Any
+    ) -> bool:
+        stmt = sa.select(
+            sa.exists().where(
+                requests.c.job_id == job_id,
+                requests.c.state == RecordState.IN_FLIGHT.value,
+                requests.c.generation < generation,
+                requests.c.deadline > now,
+            )
+        )
+        return bool((await conn.execute(stmt)).scalar())
+
+    # -- settling ---------------------------------------------------------------------
+
+    async def settle(
+        self,
+        job_id: str,
+        key: str,
+        attempt: str,
+        *,
+        state: RecordState,
+        status: int | None,
+        headers: list[tuple[str, str]] | None,
+        body: bytes | None,
+        note: str | None = None,
+    ) -> None:
+        """Store the answer of our attempt (completed, or unknown outcome)."""
+        where = (requests.c.job_id == job_id, requests.c.key == key, requests.c.attempt == attempt)
+        async with self.lease_store.transaction() as conn:
+            if fence.is_anonymous(key) and state is RecordState.COMPLETED:
+                await conn.execute(sa.delete(requests).where(*where))
+                return
+            await conn.execute(
+                sa.update(requests)
+                .where(*where)
+                .values(
+                    state=state.value,
+                    status=status,
+                    headers=[list(h) for h in headers] if headers is not None else None,
+                    body=body,
+                    note=note,
+                    updated_at=self.dialect.now(),
+                )
+            )
+
+    async def release(self, job_id: str, key: str, attempt: str, back_to: Record | None) -> None:
+        """Our attempt did not reach the upstream: undo the claim (or return the record to
+        the state it had before we took it over)."""
+        where = (requests.c.job_id == job_id, requests.c.key == key, requests.c.attempt == attempt)
+        async with self.lease_store.transaction() as conn:
+            if back_to is None:
+                await conn.execute(sa.delete(requests).where(*where))
+            else:
+                await conn.execute(
+                    sa.update(requests)
+                    .where(*where)
+                    .values(
+                        state=RecordState.UNKNOWN.value,
+                        attempt=back_to.attempt,
+                        generation=back_to.generation,
+                        updated_at=self.dialect.now(),
+                    )
+                )
+
+    # -- operators: unknown outcomes ---------------------------------------------------
+
+    async def list_unknown(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Keys whose outcome is unknown (including in-flight ones past their deadline)."""
+        now = self.dialect.now()
+        stmt = (
+            sa.select(
+                requests.c.job_id,
+                requests.c.key,
+                requests.c.state,
+                requests.c.generation,
+                requests.c.upstream,
+                requests.c.method,
+                requests.c.path,
+                requests.c.status,
+                requests.c.note,
+                requests.c.updated_at,
+            )
+            .where(
+                sa.or_(
+                    requests.c.state == RecordState.UNKNOWN.value,
+                    sa.and_(
+                        requests.c.state == RecordState.IN_FLIGHT.value,
+                        requests.c.deadline <= now,
+                    ),
+                )
+            )
+            .order_by(requests.c.updated_at.desc())
+            .limit(limit)
+        )
+        async with self.lease_store.transaction() as conn:
+            rows = (await conn.execute(stmt)).mappings().all()
+        return [dict(row) for row in rows]
+
+    async def resolve(
+        self,
+        job_id: str,
+        key: str,
+        *,
+        applied: bool,
+        status: int | None = None,
+        headers: list[tuple[str, str]] | None = None,
+        body: bytes | None = None,
+    ) -> bool:
+        """An operator's verdict on an unknown outcome. Applied: later duplicates replay
+        the given answer. Not applied: the record goes, and the next request with this
+        key is forwarded. False when the key is not (or no longer) unknown."""
+        now = self.dialect.now()
+        unknown = sa.or_(
+            requests.c.state == RecordState.UNKNOWN.value,
+            sa.and_(requests.c.state == RecordState.IN_FLIGHT.value, requests.c.deadline <= now),
+        )
+        where = (requests.c.job_id == job_id, requests.c.key == key, unknown)
+        stmt: sa.Delete | sa.Update
+        if applied:
+            stmt = (
+                sa.update(requests)
+                .where(*where)
+                .values(
+                    state=RecordState.COMPLETED.value,
+                    status=status,
+                    headers=[list(h) for h in headers or []],
+                    body=body or b"",
+                    note="resolved by an operator: applied",
+                    updated_at=now,
+                )
+            )
+        else:
+            stmt = sa.delete(requests).where(*where)
+        async with self.lease_store.transaction() as conn:
+            return (await conn.execute(stmt)).rowcount == 1
+
+    # -- retention ---------------------------------------------------------------------
+
+    async def purge_records(self, older_than_seconds: float) -> int:
+        """Drop settled records (and grant history) past retention; never an unknown one."""
+        now = self.dialect.now()
+        async with self.lease_store.transaction() as conn:
+            result = await conn.execute(
+                sa.delete(requests).where(
+                    requests.c.state == RecordState.COMPLETED.value,
+                    requests.c.updated_at < now - older_than_seconds,
+                )
+            )
+            return result.rowcount
+
+
+def _record(row: Mapping[str, Any]) -> Record:
+    headers = row["headers"]
+    return Record(
+        fingerprint=row["fingerprint"],
+        state=RecordState(row["state"]),
+        generation=row["generation"],
+        attempt=row["attempt"],
+        deadline=row["deadline"],
+        status=row["status"],
+        headers=[(str(k), str(v)) for k, v in headers] if headers is not None else None,
+        body=row["body"],
+    )
