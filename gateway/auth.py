@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from enum import Enum
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from lease_core import exceptions as exc
 
@@ -33,9 +34,7 @@ def _matches(presented: bytes, tokens: list[bytes]) -> bool:
     return found
 
 
-def auth_middleware(
-    settings: AuthSettings,
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(settings: AuthSettings) -> Middleware:
     admin = [t.get_secret_value().encode() for t in settings.admin_tokens]
     worker = [t.get_secret_value().encode() for t in settings.worker_tokens]
 

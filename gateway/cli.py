@@ -7,8 +7,11 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
+
+import sqlalchemy as sa
 
 from lease_core import exceptions as lease_exc
 from lease_core.db import create_engine
@@ -75,6 +78,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50, help="how many (default 50)")
     p.add_argument("--cursor", help="continue after this cursor")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser(
+        "audit",
+        help="show requests the gateway answered itself",
+        description="Rejections and replays, newest first, from the database.",
+    )
+    _config_arg(p)
+    p.add_argument("--job", dest="job_id", help="only this job")
+    p.add_argument("--reason", help="only this reason (e.g. stale-generation)")
+    p.add_argument("--upstream", help="only this upstream")
+    p.add_argument("--since", help="RFC 3339 time or epoch seconds (inclusive)")
+    p.add_argument("--until", help="RFC 3339 time or epoch seconds (exclusive)")
+    p.add_argument("--limit", type=int, default=50, help="how many (default 50, max 500)")
+    p.add_argument("--cursor", help="continue after this cursor")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser(
+        "upstreams",
+        help="list the configured upstreams",
+        description="The upstreams of the configuration (secrets not shown).",
+    )
+    _config_arg(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser(
+        "outcomes",
+        help="list or resolve keys with an unknown outcome",
+        description="A forward whose outcome is unknown (timeout, cut "
+        "connection, crashed replica) holds its key until resolved: "
+        "`outcomes resolve JOB KEY --applied --status 201 --body '{...}'` "
+        "makes duplicates replay that answer; `--not-applied` lets the next "
+        "request with the key through.",
+    )
+    _config_arg(p)
+    p.add_argument("action", nargs="?", default="list", choices=["list", "resolve"])
+    p.add_argument("job_id", nargs="?")
+    p.add_argument("key", nargs="?")
+    verdict = p.add_mutually_exclusive_group()
+    verdict.add_argument("--applied", action="store_true", help="the side effect happened")
+    verdict.add_argument("--not-applied", action="store_true", help="it did not happen")
+    p.add_argument("--status", type=int, help="status later duplicates get (with --applied)")
+    p.add_argument("--body", default="", help="body later duplicates get (with --applied)")
+    p.add_argument("--content-type", default="application/json")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -91,8 +138,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except lease_exc.LeaseError as error:
         print(f"fencegate: {error.detail}", file=sys.stderr)
         return 1
+    except (sa.exc.SQLAlchemyError, OSError) as error:
+        print(f"fencegate: database error: {error}".splitlines()[0], file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+
+
+@asynccontextmanager
+async def open_store(settings: Settings) -> AsyncIterator[LeaseStore]:
+    """The database, at the newest schema (SQLite migrates itself; PostgreSQL must have
+    been migrated with `fencegate migrate`)."""
+    from .server import prepare_database
+
+    engine = create_engine(settings.database_url)
+    try:
+        store = LeaseStore(engine)
+        await prepare_database(settings, store)
+        yield store
+    finally:
+        await engine.dispose()
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
@@ -134,8 +199,6 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _safe_url(url: str) -> str:
-    import sqlalchemy as sa
-
     return sa.make_url(url).render_as_string(hide_password=True)
 
 
@@ -150,9 +213,7 @@ def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _jobs(args: argparse.Namespace, settings: Settings) -> int:
-    engine = create_engine(settings.database_url)
-    try:
-        store = LeaseStore(engine)
+    async with open_store(settings) as store:
         if args.action == "show":
             job = await store.get_job(args.job_id)
             print(json.dumps(job.to_json(), indent=2))
@@ -164,8 +225,6 @@ async def _jobs(args: argparse.Namespace, settings: Settings) -> int:
         page = await store.list_jobs(
             queue=args.queue, state=args.state, limit=args.limit, cursor=args.cursor
         )
-    finally:
-        await engine.dispose()
     if args.json:
         print(
             json.dumps(
@@ -205,11 +264,170 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         )
 
 
+def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    from .audit import Audit, AuditQuery, parse_time
+
+    if not 1 <= args.limit <= 500:
+        print("fencegate: --limit must be from 1 to 500", file=sys.stderr)
+        return EXIT_USAGE
+    query = AuditQuery(
+        job_id=args.job_id,
+        reason=args.reason,
+        upstream=args.upstream,
+        since=parse_time(args.since, "since") if args.since else None,
+        until=parse_time(args.until, "until") if args.until else None,
+        limit=args.limit,
+        cursor=args.cursor,
+    )
+
+    async def run() -> tuple[list[dict[str, Any]], str | None]:
+        async with open_store(settings) as store:
+            return await Audit(store).query(query)
+
+    items, next_cursor = asyncio.run(run())
+    if args.json:
+        print(json.dumps({"items": items, "next_cursor": next_cursor}, indent=2))
+        return 0
+    rows = [
+        [
+            e["at"],
+            e["reason"],
+            str(e["status"]),
+            e["job_id"] or "-",
+            _gen(e["generation"], e["highest_generation"]),
+            e["upstream"] or "-",
+            f"{e['method']} {e['path']}",
+            e["idempotency_key"] or "-",
+        ]
+        for e in items
+    ]
+    print_table(
+        ["AT", "REASON", "STATUS", "JOB", "GEN/HIGHEST", "UPSTREAM", "REQUEST", "KEY"], rows
+    )
+    if next_cursor:
+        print(f"\nmore: --cursor {next_cursor}")
+    return 0
+
+
+def _gen(generation: int | None, highest: int | None) -> str:
+    if generation is None:
+        return "-"
+    return f"{generation}/{highest}" if highest is not None else str(generation)
+
+
+def cmd_upstreams(args: argparse.Namespace, settings: Settings) -> int:
+    items: list[dict[str, Any]] = [
+        {
+            "name": u.name,
+            "url": u.url,
+            "fenced_methods": u.fenced_methods,
+            "require_idempotency_key": u.require_idempotency_key,
+            "timeout_seconds": u.timeout_seconds,
+            "max_body_bytes": u.max_body_bytes,
+            "unknown_outcome": u.unknown_outcome,
+            "set_headers": sorted(u.set_headers),
+        }
+        for u in settings.upstreams
+    ]
+    if args.json:
+        print(json.dumps({"items": items}, indent=2))
+        return 0
+    print_table(
+        ["NAME", "URL", "FENCED", "KEY", "TIMEOUT", "UNKNOWN OUTCOME", "SETS HEADERS"],
+        [
+            [
+                i["name"],
+                i["url"],
+                ",".join(i["fenced_methods"]) or "-",
+                "required" if i["require_idempotency_key"] else "optional",
+                f"{i['timeout_seconds']:g}s",
+                i["unknown_outcome"],
+                ",".join(i["set_headers"]) or "-",
+            ]
+            for i in items
+        ],
+    )
+    return 0
+
+
+def cmd_outcomes(args: argparse.Namespace, settings: Settings) -> int:
+    from .proxy import Gateway
+
+    if args.action == "resolve":
+        if not (args.job_id and args.key) or not (args.applied or args.not_applied):
+            print(
+                "fencegate: outcomes resolve JOB KEY needs --applied or --not-applied",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        if args.applied and args.status is None:
+            print(
+                "fencegate: --applied needs --status (what later duplicates get)", file=sys.stderr
+            )
+            return EXIT_USAGE
+
+    async def run() -> int:
+        async with open_store(settings) as lease_store:
+            store = Gateway(settings, lease_store).store
+            if args.action == "resolve":
+                done = await store.resolve(
+                    args.job_id,
+                    args.key,
+                    applied=args.applied,
+                    status=args.status,
+                    headers=[("Content-Type", args.content_type)] if args.applied else None,
+                    body=args.body.encode(),
+                )
+                if not done:
+                    print(
+                        f"fencegate: no unknown outcome for key {args.key!r} of job "
+                        f"{args.job_id!r}",
+                        file=sys.stderr,
+                    )
+                    return 1
+                print(
+                    f"resolved {args.job_id} {args.key}: "
+                    f"{'applied' if args.applied else 'not applied'}"
+                )
+                return 0
+            items = await store.list_unknown()
+        if args.json:
+            print(
+                json.dumps(
+                    {"items": [{**i, "updated_at": rfc3339(i["updated_at"])} for i in items]},
+                    indent=2,
+                )
+            )
+            return 0
+        print_table(
+            ["JOB", "KEY", "GEN", "UPSTREAM", "REQUEST", "STATUS", "NOTE", "SINCE"],
+            [
+                [
+                    i["job_id"],
+                    i["key"],
+                    str(i["generation"]),
+                    i["upstream"],
+                    f"{i['method']} /{i['path']}",
+                    str(i["status"] or "-"),
+                    i["note"] or "-",
+                    rfc3339(i["updated_at"]) or "-",
+                ]
+                for i in items
+            ],
+        )
+        return 0
+
+    return asyncio.run(run())
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Any], int]] = {
     "serve": cmd_serve,
     "migrate": cmd_migrate,
     "check-config": cmd_check_config,
     "jobs": cmd_jobs,
+    "audit": cmd_audit,
+    "upstreams": cmd_upstreams,
+    "outcomes": cmd_outcomes,
 }
 
 

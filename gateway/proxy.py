@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import aiohttp
@@ -75,6 +75,13 @@ class Ctx:
     fingerprint: str | None = None
     admission: Admission | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Target(NamedTuple):
+    upstream: UpstreamSettings
+    rest: str
+    query: str
+    token_hash: str | None  # None: not a fenced method, passes through
 
 
 class Gateway:
@@ -160,7 +167,35 @@ class Gateway:
         except lease_exc.StoreUnavailable:
             return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
 
-    async def _handle(self, ctx: Ctx) -> web.StreamResponse:
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: every refusal that needs no body (a stale token, a
+        declared length over the limit) is given before the client sends the body."""
+        ctx = Ctx(request)
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return await self.reject(
+                ctx, Reason.INVALID_REQUEST, detail="Only Expect: 100-continue is supported."
+            )
+        try:
+            target = await self._preflight(ctx)
+            if isinstance(target, web.StreamResponse):
+                return target
+            if target.token_hash is not None:
+                ctx.admission = await self.store.check_lease(target.token_hash)
+                reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
+                if reason is not None:
+                    return await self.reject(ctx, reason)
+            limit = target.upstream.max_body_bytes
+            if request.content_length is not None and request.content_length > limit:
+                ctx.extra["max_body_bytes"] = limit
+                return await self.reject(ctx, Reason.BODY_TOO_LARGE)
+        except lease_exc.StoreUnavailable:
+            return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
+        if request.version >= aiohttp.HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    async def _preflight(self, ctx: Ctx) -> Target | web.StreamResponse:
+        """The checks that need neither the body nor the database, in the table's order."""
         request = ctx.request
         target = self._target(request)
         if isinstance(target, str):
@@ -172,9 +207,8 @@ class Gateway:
                 ctx, Reason.UNKNOWN_UPSTREAM, detail=f"No upstream named {name[:100]!r}."
             )
         if request.method not in upstream.fenced_methods:
-            return await self._pass_through(ctx, upstream, rest, query)
+            return Target(upstream, rest, query, None)
 
-        # Fenced: the token, then the key, as the table orders them.
         presented_tokens = request.headers.getall("Fencing-Token", [])
         if not presented_tokens:
             return await self.reject(ctx, Reason.MISSING_FENCING_TOKEN)
@@ -194,7 +228,7 @@ class Gateway:
             return await self.reject(
                 ctx,
                 Reason.INVALID_REQUEST,
-                detail=("The Connection header must not name Fencing-Token or Idempotency-Key."),
+                detail="The Connection header must not name Fencing-Token or Idempotency-Key.",
             )
         key_headers = request.headers.getall("Idempotency-Key", [])
         key = None
@@ -203,7 +237,17 @@ class Gateway:
         if key is None and (key_headers or upstream.require_idempotency_key):
             return await self.reject(ctx, Reason.MISSING_IDEMPOTENCY_KEY)
         ctx.key = key or fence.anonymous_key()
-        token_hash = tokens.hash_token(token)
+        return Target(upstream, rest, query, tokens.hash_token(token))
+
+    async def _handle(self, ctx: Ctx) -> web.StreamResponse:
+        request = ctx.request
+        target = await self._preflight(ctx)
+        if isinstance(target, web.StreamResponse):
+            return target
+        upstream, rest, query, token_hash = target
+        if token_hash is None:
+            return await self._pass_through(ctx, upstream, rest, query)
+        assert ctx.key is not None
 
         body = await self._read_body(request, upstream)
         if body is None:  # over the limit: but a lease refusal comes first in the table
@@ -494,5 +538,5 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
         await gateway.close()
 
     app.cleanup_ctx.append(session_ctx)
-    app.router.add_route("*", "/{tail:.*}", gateway.handle)
+    app.router.add_route("*", "/{tail:.*}", gateway.handle, expect_handler=gateway.expect)
     return app

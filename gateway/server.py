@@ -125,7 +125,7 @@ async def serve(
     runners: list[web.AppRunner] = []
     try:
         await prepare_database(settings, store)
-        addresses = []
+        addresses: list[str] = []
         gateway = Gateway(settings, store)
         for name, app, listen in (
             ("control", create_control_app(settings, store, gateway), settings.control_listen),

@@ -9,7 +9,6 @@ reclaim cannot slip between the lease check and the fence update.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +120,9 @@ class GatewayStore:
     async def admit(self, write: WriteRequest) -> Admission:
         """In one transaction: check the lease, raise the job's fence to this generation,
         claim the key (or read its record), and see whether an older generation's write
-        is still in flight."""
+        is still in flight. On PostgreSQL that is one statement (one round trip)."""
+        if not self.dialect.sqlite:
+            return await self._admit_one_statement(write)
         async with self.lease_store.transaction() as conn:
             presented, highest, now = await self._presented(conn, write.token_hash, lock=True)
             if fence.lease_reason(presented, now) is not None:
@@ -169,6 +170,73 @@ class GatewayStore:
             attempt=attempt if claimed else None,
             record=record,
             older_in_flight=older,
+        )
+
+    async def _admit_one_statement(self, write: WriteRequest) -> Admission:
+        attempt = uuid.uuid4().hex
+        injected = self.dialect.injected_now()
+        clock_sql = (
+            "SELECT CAST(:injected_now AS double precision) AS now"
+            if injected is not None
+            else "SELECT CAST(extract(epoch FROM now()) AS double precision) AS now"
+        )
+        stmt = sa.text(_ADMIT_SQL.replace("{clock}", clock_sql))
+        params: dict[str, Any] = {
+            "token_hash": write.token_hash,
+            "key": write.key,
+            "fingerprint": write.fingerprint,
+            "attempt": attempt,
+            "upstream": write.upstream,
+            "method": write.method,
+            "path": write.path,
+            "deadline_in": write.deadline_in,
+            "in_flight": RecordState.IN_FLIGHT.value,
+            "leased": State.LEASED.value,
+        }
+        if injected is not None:
+            params["injected_now"] = injected
+        async with self.lease_store.transaction() as conn:
+            row = (await conn.execute(stmt, params)).mappings().one()
+            now = float(row["now"])
+            if row["job_id"] is None:
+                return Admission(now=now, presented=None)
+            job = None
+            if row["state"] is not None:
+                job = rules.Job(
+                    row["job_id"],
+                    State(row["state"]),
+                    row["generation"],
+                    owner=row["owner"],
+                    lease_expires_at=row["lease_expires_at"],
+                    attempts=row["attempts"],
+                    max_attempts=row["max_attempts"],
+                )
+            presented = Presented(row["job_id"], row["lease_generation"], row["lease_owner"], job)
+            highest = row["fence_generation"]
+            if fence.lease_reason(presented, now) is not None:
+                return Admission(now=now, presented=presented, highest=highest)
+            claimed = bool(row["claimed"])
+            record = None
+            if not claimed:
+                if row["r_attempt"] is not None:
+                    record = _record(
+                        {
+                            **row,
+                            "state": row["r_state"],
+                            "generation": row["r_generation"],
+                            "attempt": row["r_attempt"],
+                        }
+                    )
+                else:  # claimed concurrently, after this statement's snapshot was taken
+                    record = await self._record(conn, presented.job_id, write.key)
+        return Admission(
+            now=now,
+            presented=presented,
+            highest=max(presented.generation, highest or 0),
+            claimed=claimed,
+            attempt=attempt if claimed else None,
+            record=record,
+            older_in_flight=claimed and bool(row["older_in_flight"]),
         )
 
     async def _record(self, conn: AsyncConnection, job_id: str, key: str) -> Record | None:
@@ -367,7 +435,66 @@ class GatewayStore:
             return result.rowcount
 
 
-def _record(row: Mapping[str, Any]) -> Record:
+# PostgreSQL: the lease check (the job row locked FOR SHARE so no reclaim slips in), the
+# fence raise, the key claim, the existing record and the older-in-flight check, in one
+# statement. Data-modifying CTEs run exactly once; the outer SELECT reads the snapshot
+# from before them, so a record claimed here shows as claimed = 1 and r.* NULL.
+_ADMIT_SQL = """
+WITH clock AS ({clock}),
+lease AS (
+    SELECT l.job_id, l.generation, l.owner FROM leases AS l WHERE l.token_hash = :token_hash
+),
+job AS (
+    SELECT j.job_id, j.state, j.generation, j.owner, j.lease_expires_at, j.attempts,
+           j.max_attempts
+    FROM jobs AS j JOIN lease ON j.job_id = lease.job_id
+    FOR SHARE OF j
+),
+current_lease AS (
+    SELECT lease.job_id, lease.generation
+    FROM lease JOIN job ON job.generation = lease.generation AND job.owner = lease.owner
+    CROSS JOIN clock
+    WHERE job.state = :leased AND job.lease_expires_at > clock.now
+),
+raised AS (
+    INSERT INTO fences (job_id, generation, updated_at)
+    SELECT c.job_id, c.generation, clock.now FROM current_lease AS c CROSS JOIN clock
+    ON CONFLICT (job_id) DO UPDATE
+        SET generation = excluded.generation, updated_at = excluded.updated_at
+        WHERE fences.generation < excluded.generation
+    RETURNING fences.generation
+),
+claim AS (
+    INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
+                                     upstream, method, path, deadline, created_at, updated_at)
+    SELECT c.job_id, :key, :fingerprint, :in_flight, c.generation, :attempt, :upstream,
+           :method, :path, clock.now + :deadline_in, clock.now, clock.now
+    FROM current_lease AS c CROSS JOIN clock
+    ON CONFLICT (job_id, key) DO NOTHING
+    RETURNING attempt
+)
+SELECT clock.now,
+       lease.job_id, lease.generation AS lease_generation, lease.owner AS lease_owner,
+       job.state, job.generation, job.owner, job.lease_expires_at, job.attempts,
+       job.max_attempts,
+       (SELECT f.generation FROM fences AS f WHERE f.job_id = lease.job_id) AS fence_generation,
+       (SELECT count(*) FROM claim) AS claimed,
+       (SELECT count(*) FROM raised) AS raised,
+       r.fingerprint, r.state AS r_state, r.generation AS r_generation,
+       r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = lease.job_id AND o.state = :in_flight
+             AND o.generation < lease.generation AND o.deadline > clock.now
+       ) AS older_in_flight
+FROM clock
+LEFT JOIN lease ON true
+LEFT JOIN job ON true
+LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = :key
+"""
+
+
+def _record(row: Any) -> Record:
     headers = row["headers"]
     return Record(
         fingerprint=row["fingerprint"],

@@ -70,6 +70,10 @@ class Dialect:
             return sa.literal(self._clock(), sa.Float)
         return sa.cast(sa.extract("epoch", sa.func.now()), sa.Float)
 
+    def injected_now(self) -> float | None:
+        """The injected clock's reading, or None when the database's clock decides."""
+        return self._clock() if self._clock is not None else None
+
     def insert(self, table: sa.Table) -> Any:
         """An INSERT that supports ``on_conflict_do_nothing`` / ``_do_update``."""
         if self.sqlite:

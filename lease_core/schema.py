@@ -4,6 +4,7 @@ so that one expression serves PostgreSQL's clock and an injected one alike."""
 from __future__ import annotations
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
 metadata = sa.MetaData(
     naming_convention={
@@ -15,7 +16,7 @@ metadata = sa.MetaData(
     }
 )
 
-Json = sa.JSON().with_variant(sa.dialects.postgresql.JSONB(), "postgresql")
+Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 jobs = sa.Table(
     "jobs",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -47,7 +47,7 @@ class JobRecord:
     created_at: float
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> JobRecord:
+    def from_row(cls, row: sa.RowMapping) -> JobRecord:
         return cls(**{name: row[name] for name in cls.__slots__})
 
     def to_json(self) -> dict[str, Any]:
@@ -261,7 +261,7 @@ class LeaseStore:
     async def _record_grant(
         self,
         conn: AsyncConnection,
-        row: Mapping[str, Any],
+        row: sa.RowMapping,
         token: str,
         token_hash: str,
         now: sa.ColumnElement[float],
@@ -442,7 +442,7 @@ class LeaseStore:
         )
         return JobRecord.from_row(await self._on_current(token, stmt))
 
-    async def _on_current(self, token: str, stmt: sa.Update) -> Mapping[str, Any]:
+    async def _on_current(self, token: str, stmt: sa.Update) -> sa.RowMapping:
         """Run ``stmt`` (conditional on the lease being current) or raise why not."""
         if not tokens.is_well_formed(token):
             raise exc.InvalidLeaseToken()
@@ -525,7 +525,7 @@ def _token_hash(token: str) -> str:
     return tokens.hash_token(token) if tokens.is_well_formed(token) else ""
 
 
-def _lease(row: Mapping[str, Any], token: str | None) -> LeaseRecord:
+def _lease(row: sa.RowMapping, token: str | None) -> LeaseRecord:
     return LeaseRecord(
         job_id=row["job_id"],
         generation=row["generation"],

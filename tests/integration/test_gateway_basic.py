@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from tests.conftest import FakeClock, Upstream, upstream_config
 
 
-async def test_forward_replay_and_stale(make_stack: Any, upstream: Upstream, clock: FakeClock) -> None:
+async def test_forward_replay_and_stale(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
     stack = await make_stack(upstreams=[upstream_config(upstream)])
     first = await stack.lease("job-1", owner="a", ttl=10)
     resp = await stack.write("/pay/charges", first, key="step-1")
@@ -30,3 +33,57 @@ async def test_forward_replay_and_stale(make_stack: Any, upstream: Upstream, clo
     assert len(upstream.received) == 1
     reasons = [e["reason"] for e in await stack.audit()]
     assert reasons == ["stale-generation", "idempotent-replay"]
+
+
+async def _raw_exchange(port: int, head: bytes, wait: float = 2.0) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    await writer.drain()
+    try:
+        data = await asyncio.wait_for(reader.read(65536), wait)
+    finally:
+        writer.close()
+    return data
+
+
+async def test_expect_continue_with_stale_token_refused_before_body(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    first = await stack.lease("job-e", owner="a", ttl=5)
+    clock.advance(6)
+    await stack.lease("job-e", owner="b", ttl=5)
+    head = (
+        "POST /pay/charges HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Fencing-Token: {first['lease_token']}\r\nIdempotency-Key: k9\r\n"
+        "Content-Length: 1000\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
+    # The body is never sent: the refusal must come without it.
+    answer = await _raw_exchange(stack.proxy.port, head)
+    assert answer.startswith(b"HTTP/1.1 409"), answer[:200]
+    assert b"stale-generation" in answer
+    assert b"100 Continue" not in answer
+    assert upstream.received == []
+
+
+async def test_expect_continue_with_current_token_gets_continue(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    lease = await stack.lease("job-f", owner="a", ttl=30)
+    head = (
+        "POST /pay/charges HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Fencing-Token: {lease['lease_token']}\r\nIdempotency-Key: k9\r\n"
+        "Content-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.proxy.port)
+    try:
+        writer.write(head)
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+        assert interim.startswith(b"HTTP/1.1 100 Continue"), interim
+        writer.write(b"{}")
+        final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert final.startswith(b"HTTP/1.1 201"), final
+    finally:
+        writer.close()
+    assert len(upstream.received) == 1 and upstream.received[0]["body"] == b"{}"
