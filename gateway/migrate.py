@@ -3,6 +3,7 @@ quickstart's migrate-on-start."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -15,14 +16,20 @@ from alembic import command
 
 
 def script_location() -> Path:
-    """The ``alembic/`` folder of the source tree this package runs from."""
-    location = Path(__file__).resolve().parent.parent / "alembic"
-    if not (location / "env.py").is_file():
-        raise FileNotFoundError(
-            f"migration scripts not found at {location}; install fencegate from its source "
-            "tree (pip install -e .) or run from the container image"
-        )
-    return location
+    """The ``alembic/`` folder: the source tree's (an editable install, a checkout) or
+    the copy a regular install puts under ``<prefix>/share/fencegate/alembic``."""
+    candidates = [
+        Path(__file__).resolve().parent.parent / "alembic",
+        Path(sys.prefix) / "share" / "fencegate" / "alembic",
+    ]
+    for location in candidates:
+        if (location / "env.py").is_file():
+            return location
+    raise FileNotFoundError(
+        "migration scripts not found (looked in "
+        + ", ".join(str(c) for c in candidates)
+        + "); reinstall fencegate"
+    )
 
 
 def alembic_config(database_url: str) -> Config:
