@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cursor", help="continue after this cursor")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    sub.add_parser(
+        "demo",
+        help="show a stale worker's write refused, step by step",
+        description="Start a local upstream and the gateway on a throw-away SQLite file, run "
+        "two workers on one job, stall the first past its lease and show its late write "
+        "refused. Exits 0 when every check held.",
+    )
+
     p = sub.add_parser(
         "audit",
         help="show requests the gateway answered itself",
@@ -127,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return asyncio.run(run_demo())
     handler: Callable[[argparse.Namespace, Settings], int] = COMMANDS[args.command]
     try:
         settings = load_settings(args.config)

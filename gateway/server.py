@@ -113,6 +113,7 @@ async def serve(
     clock: Clock | None = None,
     on_ready: Callable[[list[str]], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
+    announce: bool = True,
 ) -> None:
     """Run both listeners until SIGTERM / SIGINT (or ``stop`` is set)."""
     engine = create_engine(settings.database_url)
@@ -139,7 +140,8 @@ async def serve(
             await site.start()
             addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
         log.info("fencegate listening: %s", " ".join(addresses))
-        print("fencegate listening:", " ".join(addresses), flush=True)
+        if announce:
+            print("fencegate listening:", " ".join(addresses), flush=True)
         if on_ready is not None:
             result = on_ready(addresses)
             if result is not None:
