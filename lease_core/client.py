@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from . import exceptions as exc
 
@@ -178,7 +179,7 @@ class Lease:
         while self.held:
             await asyncio.sleep(max(self.ttl_seconds / 3, 0.05))
             if not self.held:
-                return
+                break  # lapsed while we waited (a stalled loop): say so below
             try:
                 await self.renew()
             except exc.LeaseLost:
@@ -295,7 +296,7 @@ class FencedSession:
             body = await resp.read()
             answer = FencedResponse(
                 resp.status,
-                dict(resp.headers),
+                CIMultiDictProxy(CIMultiDict(resp.headers)),  # names stay case-insensitive
                 body,
                 resp.headers.get("Idempotent-Replayed") == "true",
             )
@@ -328,10 +329,11 @@ class _Grant:
         self._lease: Lease | None = None
 
     async def _grant(self) -> Lease | None:
+        asked = time.monotonic()
         doc = await self._client._call(self._method, self._path, self._body)
         if doc is None:
             return None
-        return Lease(
+        lease = Lease(
             client=self._client,
             job_id=doc["job_id"],
             generation=doc["generation"],
@@ -341,6 +343,9 @@ class _Grant:
             payload=doc.get("payload"),
             expires_at=doc["expires_at"],
         )
+        # Judged from when we asked, as on renew: never later than the server's expiry.
+        lease._valid_until = asked + lease.ttl_seconds
+        return lease
 
     def __await__(self) -> Generator[Any, None, Lease | None]:
         return self._grant().__await__()
