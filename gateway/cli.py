@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -49,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arg(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-format",
+        default="auto",
+        choices=["auto", "json", "text"],
+        help="json (one object per line), text, or auto: text on a terminal, else json",
+    )
 
     p = sub.add_parser(
         "migrate",
@@ -173,11 +178,10 @@ async def open_store(settings: Settings) -> AsyncIterator[LeaseStore]:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    from .logs import configure
     from .server import serve
 
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure(args.log_level, args.log_format)
     asyncio.run(serve(settings))
     return 0
 

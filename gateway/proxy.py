@@ -29,6 +29,7 @@ from . import fence
 from .audit import Audit, AuditEntry
 from .config import Settings, UpstreamSettings
 from .fence import Action, Reason, Record, RecordState
+from .logs import REQUEST_ID, request_id_middleware
 from .store import Admission, GatewayStore, WriteRequest
 
 log = logging.getLogger("fencegate.proxy")
@@ -75,6 +76,8 @@ class Ctx:
     fingerprint: str | None = None
     admission: Admission | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    forwarded: bool = False
 
 
 class Target(NamedTuple):
@@ -91,6 +94,7 @@ class Gateway:
         self.settings = settings
         self.store = GatewayStore(lease_store)
         self.audit = Audit(lease_store)
+        self.metrics = lease_store.metrics
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None
 
@@ -120,6 +124,20 @@ class Gateway:
         info = fence.REASONS[reason]
         presented = ctx.admission.presented if ctx.admission else None
         extra = fence.problem_extra(presented, ctx.admission.highest if ctx.admission else None)
+        self._count(ctx, reason.value)
+        log.info(
+            "answered %s %d",
+            reason.value,
+            info.status,
+            extra={
+                "fields": {
+                    "reason": reason.value,
+                    "status": info.status,
+                    "upstream": ctx.upstream.name if ctx.upstream else None,
+                    **{k: v for k, v in extra.items() if v is not None},
+                }
+            },
+        )
         await self._audit(ctx, reason.value, info.status)
         return problem_response(
             status=info.status,
@@ -132,10 +150,14 @@ class Gateway:
         )
 
     async def replay(self, ctx: Ctx, record: Record) -> web.Response:
+        self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
         await self._audit(ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0)
         headers = CIMultiDict(record.headers or [])
         headers["Idempotent-Replayed"] = "true"
         return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
+
+    def _count(self, ctx: Ctx, reason: str) -> None:
+        self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
 
     async def _audit(self, ctx: Ctx, reason: str, status: int) -> None:
         request = ctx.request
@@ -376,6 +398,29 @@ class Gateway:
         attempt: str | None,
         back_to: Record | None,
     ) -> web.StreamResponse:
+        metrics, name = self.metrics, upstream.name
+        started = time.perf_counter()
+        if ctx.admission is not None:
+            metrics.decision_seconds.labels(name).observe(started - ctx.started)
+        metrics.in_flight.labels(name).inc()
+        try:
+            return await self._send(ctx, upstream, url, headers, body, attempt, back_to)
+        finally:
+            metrics.in_flight.labels(name).dec()
+            if ctx.forwarded:
+                metrics.forward_seconds.labels(name).observe(time.perf_counter() - started)
+                metrics.decisions.labels(name, "forwarded").inc()
+
+    async def _send(
+        self,
+        ctx: Ctx,
+        upstream: UpstreamSettings,
+        url: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        attempt: str | None,
+        back_to: Record | None,
+    ) -> web.StreamResponse:
         """Send to the upstream, stream the answer back, settle the key's record."""
         assert self.session is not None
         request = ctx.request
@@ -424,6 +469,7 @@ class Gateway:
             )
             return await self.reject(ctx, reason)
 
+        ctx.forwarded = True
         async with upstream_response:
             response_headers = [
                 (k, v)
@@ -519,6 +565,7 @@ def forward_headers(
     remote = request.remote or "unknown"
     out["X-Forwarded-For"] = f"{previous}, {remote}" if previous else remote
     out["X-Forwarded-Proto"] = request.scheme
+    out["X-Request-Id"] = REQUEST_ID.get()
     for name, secret in upstream.set_headers.items():
         out[name] = secret.get_secret_value()
     return out
@@ -529,7 +576,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 def create_proxy_app(gateway: Gateway) -> web.Application:
     """The proxy listener's app; it owns the gateway's client session."""
-    app = web.Application()
+    app = web.Application(middlewares=[request_id_middleware])
     app[GATEWAY] = gateway
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:

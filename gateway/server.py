@@ -13,6 +13,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lease_core import api as lease_api
 from lease_core import exceptions as exc
@@ -23,6 +24,7 @@ from lease_core.store import LeaseStore
 from . import admin, migrate, tasks
 from .auth import auth_middleware
 from .config import Settings, parse_listen
+from .logs import request_id_middleware
 from .proxy import Gateway, create_proxy_app
 
 log = logging.getLogger("fencegate.server")
@@ -33,6 +35,13 @@ CONTROL_MAX_BODY = 1024 * 1024
 
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[lease_api.STORE].metrics.registry
+    return web.Response(
+        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -53,7 +62,7 @@ def create_control_app(
     (expired last attempts, retention)."""
     gateway = gateway or Gateway(settings, store)
     app = web.Application(
-        middlewares=[problem_middleware, auth_middleware(settings.auth)],
+        middlewares=[request_id_middleware, problem_middleware, auth_middleware(settings.auth)],
         client_max_size=CONTROL_MAX_BODY,
     )
     app[SETTINGS] = settings
@@ -61,6 +70,7 @@ def create_control_app(
     app[lease_api.SETTINGS] = settings.lease
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
     lease_api.add_routes(app)
     admin.add_routes(app, gateway)
     tasks.every(
@@ -79,6 +89,12 @@ async def upkeep(settings: Settings, store: LeaseStore, gateway: Gateway) -> Non
     audit_seconds = settings.gateway.audit_retention_days * 86400
     entries = await gateway.audit.purge(audit_seconds)
     grants = await store.purge_grants(audit_seconds)
+    for what, count in (
+        ("idempotency_records", records),
+        ("audit_log", entries),
+        ("leases", grants),
+    ):
+        store.metrics.purged.labels(what).inc(count)
     if failed or records or entries or grants:
         log.info(
             "upkeep: %d job(s) failed after their last lease expired; purged %d "

@@ -18,26 +18,34 @@ TASKS = web.AppKey("background_tasks", set[asyncio.Task[None]])
 def every(
     app: web.Application, name: str, interval: float, step: Callable[[], Awaitable[object]]
 ) -> None:
-    """Run ``step`` every ``interval`` seconds for the app's lifetime; errors are logged
-    and the loop goes on."""
+    """Run ``step`` every ``interval`` seconds (first after one interval) for the app's
+    lifetime; errors are logged and the loop goes on. At shutdown a step in progress is
+    allowed to finish (bounded), so no transaction is cut off mid-way."""
+    stop = asyncio.Event()
 
     async def loop() -> None:
         while True:
             try:
+                await asyncio.wait_for(stop.wait(), interval)
+                return
+            except TimeoutError:
+                pass
+            try:
                 await step()
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 log.exception("background task %s failed; retrying in %.0fs", name, interval)
-            await asyncio.sleep(interval)
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.get_running_loop().create_task(loop(), name=f"fencegate:{name}")
         app.setdefault(TASKS, set()).add(task)
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        stop.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         app[TASKS].discard(task)
 
     app.cleanup_ctx.append(ctx)

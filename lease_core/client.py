@@ -226,7 +226,9 @@ class Lease:
     async def _end(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.check()
         try:
-            doc: dict[str, Any] = await self.client._call("POST", path, {"lease_token": self.token, **body})
+            doc: dict[str, Any] = await self.client._call(
+                "POST", path, {"lease_token": self.token, **body}
+            )
         except exc.LeaseLost as error:
             self._lose(error)
             raise

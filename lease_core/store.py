@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from . import exceptions as exc
 from . import rules, tokens
 from .db import Clock, Dialect
+from .metrics import Metrics
 from .rules import State
 from .schema import job_tombstones, jobs, leases
 
@@ -114,20 +116,27 @@ _UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, OSError, Timeout
 class LeaseStore:
     """Jobs and leases on one database (SQLite or PostgreSQL)."""
 
-    def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, *, clock: Clock | None = None, metrics: Metrics | None = None
+    ) -> None:
         self.engine = engine
         self.dialect = Dialect(engine, clock)
+        self.metrics = metrics or Metrics()
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
         """One transaction; connection failures become ``StoreUnavailable``."""
+        started = time.perf_counter()
         try:
             async with self.engine.begin() as conn:
                 yield conn
         except _UNAVAILABLE as error:
             if isinstance(error, sa.exc.DBAPIError) and not _is_connection_error(error):
                 raise
+            self.metrics.store_errors.inc()
             raise exc.StoreUnavailable() from error
+        finally:
+            self.metrics.store_seconds.observe(time.perf_counter() - started)
 
     # -- jobs ---------------------------------------------------------------------
 
@@ -305,7 +314,9 @@ class LeaseStore:
             row = (await conn.execute(stmt)).mappings().first()
             if row is None:
                 return None
-            return await self._record_grant(conn, row, token, token_hash, now)
+            lease = await self._record_grant(conn, row, token, token_hash, now)
+        self.metrics.grants.labels("claim").inc()
+        return lease
 
     async def acquire(
         self,
@@ -348,7 +359,9 @@ class LeaseStore:
             await conn.execute(create)
             row = (await conn.execute(grant)).mappings().first()
             if row is not None:
-                return await self._record_grant(conn, row, token, token_hash, now)
+                lease = await self._record_grant(conn, row, token, token_hash, now)
+                self.metrics.grants.labels("acquire").inc()
+                return lease
             current = (
                 await conn.execute(
                     sa.select(jobs.c.state, jobs.c.lease_expires_at).where(jobs.c.job_id == job_id)
@@ -386,7 +399,9 @@ class LeaseStore:
             )
             .returning(*_LEASE_RETURNING)
         )
-        return _lease(await self._on_current(token, stmt), None)
+        lease = _lease(await self._on_current(token, stmt), None)
+        self.metrics.renewals.inc()
+        return lease
 
     async def complete(self, token: str, result: Any = None) -> JobRecord:
         now = self.dialect.now()
@@ -451,6 +466,7 @@ class LeaseStore:
             if row is not None:
                 return row
             reason = await self._refusal(conn, token)
+        self.metrics.losses.labels(reason).inc()
         raise exc.LOST_BY_REASON[reason]()
 
     async def _refusal(self, conn: AsyncConnection, token: str) -> str:

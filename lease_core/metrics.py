@@ -1,0 +1,62 @@
+"""Prometheus metrics, every series prefixed ``fencegate_``. One registry per process
+(per store in tests), exposed at ``/metrics`` on the control listener."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "fencegate_gateway_decisions",
+            "Gateway decisions by upstream and reason (reason 'forwarded' for forwards).",
+            ["upstream", "reason"],
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "fencegate_gateway_forward_seconds",
+            "Time from forwarding a request to the end of the upstream's answer.",
+            ["upstream"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "fencegate_gateway_decision_seconds",
+            "Time spent deciding a fenced write before forwarding it (database included).",
+            ["upstream"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "fencegate_gateway_in_flight_writes",
+            "Fenced writes being forwarded right now.",
+            ["upstream"],
+            registry=r,
+        )
+        self.grants = Counter("fencegate_lease_grants", "Leases granted.", ["kind"], registry=r)
+        self.renewals = Counter("fencegate_lease_renewals", "Leases renewed.", registry=r)
+        self.losses = Counter(
+            "fencegate_lease_losses",
+            "Renew / complete / fail / release refused because the lease was no longer current.",
+            ["reason"],
+            registry=r,
+        )
+        self.store_seconds = Histogram(
+            "fencegate_store_transaction_seconds",
+            "Database transaction latency.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "fencegate_store_unavailable",
+            "Transactions that failed because the database was unreachable.",
+            registry=r,
+        )
+        self.purged = Counter(
+            "fencegate_purged_rows", "Rows removed by retention.", ["what"], registry=r
+        )
