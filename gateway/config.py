@@ -229,29 +229,35 @@ def load_settings(
             raise ConfigError([f"{file}: not valid TOML ({error})"]) from error
         base = file.resolve().parent
     try:
-        data = _expand_env(data, environ)
         settings = Settings(**data)
     except ValidationError as error:
         raise ConfigError(_describe(error)) from error
-    return _resolve_sqlite(settings, base)
+    return _resolve_sqlite(_expand_env(settings, environ), base)
 
 
-def _expand_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    upstreams = data.get("upstreams")
-    if not isinstance(upstreams, list):
-        return data
-    expanded = []
-    for index, upstream in enumerate(upstreams):
-        headers = upstream.get("set_headers") if isinstance(upstream, dict) else None
-        if isinstance(headers, dict):
-            new_headers = {}
-            for name, value in headers.items():
-                if isinstance(value, str):
-                    value = _expand_one(value, environ, f"upstreams.{index}.set_headers.{name}")
-                new_headers[name] = value
-            upstream = {**upstream, "set_headers": new_headers}
-        expanded.append(upstream)
-    return {**data, "upstreams": expanded}
+def _expand_env(settings: Settings, environ: Mapping[str, str]) -> Settings:
+    """``${NAME}`` in upstream headers, whether they came from the file or from
+    ``FENCEGATE_UPSTREAMS``."""
+    upstreams = []
+    for index, upstream in enumerate(settings.upstreams):
+        headers = {
+            name: SecretStr(
+                _expand_one(
+                    value.get_secret_value(), environ, f"upstreams.{index}.set_headers.{name}"
+                )
+            )
+            for name, value in upstream.set_headers.items()
+        }
+        for name, value in headers.items():
+            if any(c in value.get_secret_value() for c in "\r\n\0"):
+                raise ConfigError(
+                    [
+                        f"upstreams.{index}.set_headers.{name}: the expanded value contains a "
+                        "line break or NUL"
+                    ]
+                )
+        upstreams.append(upstream.model_copy(update={"set_headers": headers}))
+    return settings.model_copy(update={"upstreams": upstreams})
 
 
 def _expand_one(value: str, environ: Mapping[str, str], key: str) -> str:

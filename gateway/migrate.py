@@ -58,3 +58,19 @@ async def current_revision(engine: AsyncEngine) -> str | None:
 
 async def is_at_head(engine: AsyncEngine) -> bool:
     return await current_revision(engine) == head_revision()
+
+
+def is_compatible(revision: str | None) -> bool:
+    """This code can serve a database at ``revision``: our head, or a newer revision we
+    do not know (a rolling upgrade migrated the database ahead of this replica;
+    migrations only add, so the old code keeps working until it is replaced)."""
+    if revision is None:
+        return False
+    if revision == head_revision():
+        return True
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    try:
+        script.get_revision(revision)
+    except Exception:
+        return True  # unknown to us: newer
+    return False

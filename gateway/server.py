@@ -47,12 +47,15 @@ async def metrics(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     store = request.app[lease_api.STORE]
     try:
-        at_head = await migrate.is_at_head(store.engine)
+        revision = await migrate.current_revision(store.engine)
     except Exception as error:
         raise exc.StoreUnavailable(f"database not reachable: {type(error).__name__}") from error
-    if not at_head:
-        raise exc.StoreUnavailable("database schema is not at the newest migration")
-    return web.json_response({"status": "ready"})
+    if not migrate.is_compatible(revision):
+        raise exc.StoreUnavailable(
+            f"database schema at {revision or 'no revision'}, this version needs "
+            f"{migrate.head_revision()}: run `fencegate migrate`"
+        )
+    return web.json_response({"status": "ready", "schema": revision})
 
 
 def create_control_app(
@@ -113,10 +116,10 @@ async def prepare_database(settings: Settings, store: LeaseStore) -> None:
         await asyncio.to_thread(migrate.upgrade, settings.database_url)
         return
     try:
-        at_head = await migrate.is_at_head(store.engine)
+        revision = await migrate.current_revision(store.engine)
     except Exception as error:
         raise SystemExit(f"fencegate: cannot reach the database: {error}") from error
-    if not at_head:
+    if not migrate.is_compatible(revision):
         raise SystemExit(
             "fencegate: the database schema is not at the newest migration; "
             "run `fencegate migrate` first"

@@ -415,9 +415,18 @@ class LeaseClient:
             if resp.status == 204:
                 return None
             raw = await resp.read()
-            doc = json.loads(raw) if raw else None
+            try:
+                doc = json.loads(raw) if raw else None
+            except ValueError:
+                doc = None
+                if resp.status < 400:
+                    raise RemoteError(
+                        resp.status, "invalid-response", f"not JSON from {path}: {raw[:200]!r}", {}
+                    ) from None
             if resp.status >= 400:
-                raise error_from_problem(resp.status, doc if isinstance(doc, dict) else {})
+                if not isinstance(doc, dict):
+                    doc = {"detail": f"HTTP {resp.status} from {path}: {raw[:200]!r}"}
+                raise error_from_problem(resp.status, doc)
             return doc
 
     # -- the lease API -----------------------------------------------------------------
