@@ -21,7 +21,7 @@ from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
-from . import admin, migrate, tasks
+from . import admin, dashboard, migrate, tasks
 from .auth import auth_middleware
 from .config import Settings, parse_listen
 from .logs import request_id_middleware
@@ -76,6 +76,7 @@ def create_control_app(
     app.router.add_get("/metrics", metrics)
     lease_api.add_routes(app)
     admin.add_routes(app, gateway)
+    dashboard.add_routes(app, gateway)
     tasks.every(
         app,
         "upkeep",
