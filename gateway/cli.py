@@ -182,7 +182,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from .server import serve
 
     configure(args.log_level, args.log_format)
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, reload_settings=lambda: load_settings(args.config)))
     return 0
 
 

@@ -141,6 +141,14 @@ class GatewaySettings(BaseModel):
     audit_bodies: bool = False
     purge_interval_seconds: float = Field(60.0, gt=0, allow_inf_nan=False)
     max_idempotency_key_length: int = Field(255, ge=1, le=255)
+    # Limits of the HTTP servers (both listeners) and of the gateway's own resources.
+    max_request_line_bytes: int = Field(8190, ge=256, le=65536)
+    max_header_field_bytes: int = Field(8190, ge=256, le=65536)
+    max_headers: int = Field(128, ge=8, le=1024)
+    max_concurrent_requests: int = Field(1024, ge=1, le=100_000)
+    upstream_connections_per_host: int = Field(256, ge=1, le=10_000)
+    keepalive_timeout_seconds: float = Field(75.0, gt=0, le=3600, allow_inf_nan=False)
+    shutdown_timeout_seconds: float = Field(15.0, ge=0, le=600, allow_inf_nan=False)
 
 
 class Settings(BaseSettings):

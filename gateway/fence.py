@@ -33,6 +33,7 @@ class Reason(StrEnum):
     UPSTREAM_UNAVAILABLE = "upstream-unavailable"
     UPSTREAM_TIMEOUT = "upstream-timeout"
     STORE_UNAVAILABLE = "store-unavailable"
+    OVERLOADED = "gateway-overloaded"
     IDEMPOTENT_REPLAY = "idempotent-replay"
 
 
@@ -93,6 +94,11 @@ REASONS: dict[Reason, ReasonInfo] = {
     ),
     Reason.UPSTREAM_TIMEOUT: ReasonInfo(
         504, "Upstream timeout", "The upstream did not answer in time."
+    ),
+    Reason.OVERLOADED: ReasonInfo(
+        503,
+        "Gateway overloaded",
+        "The gateway is at max_concurrent_requests; try again shortly.",
     ),
     Reason.STORE_UNAVAILABLE: ReasonInfo(
         503, "Store unavailable", "The gateway's database is not reachable; try again shortly."

@@ -97,13 +97,25 @@ class Gateway:
         self.metrics = lease_store.metrics
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None
+        self.active = 0  # requests being handled, against max_concurrent_requests
+
+    def reload(self, settings: Settings) -> None:
+        """Take new upstreams (SIGHUP). Settings that need a restart are reported."""
+        for key in ("database_url", "proxy_listen", "control_listen", "auth", "lease", "gateway"):
+            if getattr(settings, key) != getattr(self.settings, key):
+                log.warning("reload: %s changed; it takes effect after a restart", key)
+        self.upstreams = {u.name: u for u in settings.upstreams}
+        self.settings = self.settings.model_copy(update={"upstreams": settings.upstreams})
+        log.info("reload: %d upstream(s): %s", len(self.upstreams), ", ".join(self.upstreams))
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=256),
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=self.settings.gateway.upstream_connections_per_host
+            ),
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
 
@@ -184,10 +196,15 @@ class Gateway:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ctx = Ctx(request)
+        if self.active >= self.settings.gateway.max_concurrent_requests:
+            return await self.reject(ctx, Reason.OVERLOADED, headers={"Retry-After": "1"})
+        self.active += 1
         try:
             return await self._handle(ctx)
         except lease_exc.StoreUnavailable:
             return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
+        finally:
+            self.active -= 1
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: every refusal that needs no body (a stale token, a

@@ -23,7 +23,7 @@ from lease_core.store import LeaseStore
 
 from . import admin, dashboard, migrate, tasks
 from .auth import auth_middleware
-from .config import Settings, parse_listen
+from .config import ConfigError, Settings, parse_listen
 from .logs import request_id_middleware
 from .proxy import Gateway, create_proxy_app
 
@@ -134,8 +134,11 @@ async def serve(
     on_ready: Callable[[list[str]], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
     announce: bool = True,
+    reload_settings: Callable[[], Settings] | None = None,
 ) -> None:
-    """Run both listeners until SIGTERM / SIGINT (or ``stop`` is set)."""
+    """Run both listeners until SIGTERM / SIGINT (or ``stop`` is set). SIGTERM stops
+    accepting, lets requests in progress finish (``shutdown_timeout_seconds``) and
+    records their answers. SIGHUP re-reads the upstreams with ``reload_settings``."""
     engine = create_engine(settings.database_url)
     store = LeaseStore(engine, clock=clock)
     stop = stop or asyncio.Event()
@@ -148,15 +151,28 @@ async def serve(
         await prepare_database(settings, store)
         addresses: list[str] = []
         gateway = Gateway(settings, store)
+        if reload_settings is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(signal.SIGHUP, lambda: _reload(gateway, reload_settings))
         for name, app, listen in (
             ("control", create_control_app(settings, store, gateway), settings.control_listen),
             ("proxy", create_proxy_app(gateway), settings.proxy_listen),
         ):
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            limits = settings.gateway
+            runner = web.AppRunner(
+                app,
+                access_log=None,
+                handle_signals=False,
+                shutdown_timeout=limits.shutdown_timeout_seconds,
+                max_line_size=limits.max_request_line_bytes,
+                max_field_size=limits.max_header_field_bytes,
+                max_headers=limits.max_headers,
+                keepalive_timeout=limits.keepalive_timeout_seconds,
+            )
             await runner.setup()
             runners.append(runner)
             host, port = parse_listen(listen)
-            site = web.TCPSite(runner, host, port, shutdown_timeout=10.0)
+            site = web.TCPSite(runner, host, port, backlog=1024)
             await site.start()
             addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
         log.info("fencegate listening: %s", " ".join(addresses))
@@ -172,6 +188,16 @@ async def serve(
         for runner in reversed(runners):
             await runner.cleanup()
         await engine.dispose()
+
+
+def _reload(gateway: Gateway, reload_settings: Callable[[], Settings]) -> None:
+    """SIGHUP: new upstreams take effect for the next request; connections stay open."""
+    try:
+        new = reload_settings()
+    except ConfigError as error:
+        log.error("reload refused, keeping the running configuration: %s", error)
+        return
+    gateway.reload(new)
 
 
 def _addresses(runner: web.AppRunner) -> list[str]:
