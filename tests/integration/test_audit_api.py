@@ -1,0 +1,396 @@
+"""The audit of self-answered requests through ``GET /admin/rejections``, on SQLite and
+PostgreSQL: what an entry holds, filters, pagination, bad input, what is not audited,
+that the fencing token never appears whole, and retention.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from gateway import fence
+from gateway.admin import GATEWAY_STATE
+from gateway.server import SETTINGS, upkeep
+from lease_core.api import STORE
+from tests.conftest import FakeClock, Upstream, upstream_config
+
+PROBLEM = "application/problem+json"
+ENTRY_KEYS = {
+    "id",
+    "at",
+    "reason",
+    "status",
+    "job_id",
+    "generation",
+    "highest_generation",
+    "owner",
+    "upstream",
+    "method",
+    "path",
+    "idempotency_key",
+    "client",
+    "fingerprint",
+}
+DAY = 86400.0
+
+
+def epoch(text: str) -> float:
+    assert text.endswith("Z"), text
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+@pytest.fixture
+async def make_stack(make_stack: Any) -> AsyncIterator[Any]:
+    """The shared factory, plus closing each replica's apps before the engine is disposed."""
+    stacks: list[Any] = []
+
+    async def make(**overrides: Any) -> Any:
+        stack = await make_stack(**overrides)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        await stack.control.close()
+        await stack.proxy.close()
+
+
+async def page(stack: Any, **query: str) -> dict[str, Any]:
+    resp = await stack.control.get("/admin/rejections", params=query)
+    assert resp.status == 200, await resp.text()
+    doc: dict[str, Any] = await resp.json()
+    assert set(doc) == {"items", "next_cursor"}
+    return doc
+
+
+async def send(stack: Any, path: str, token: str | None, key: str | None, body: bytes) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Fencing-Token"] = token
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    resp = await stack.proxy.post(path, data=body, headers=headers)
+    await resp.read()
+    return resp
+
+
+async def test_every_self_answered_request_is_audited_with_its_details(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream, max_body_bytes=50)],
+        gateway={"ordering_wait_seconds": 0.5},
+    )
+    a = await stack.lease("job-1", owner="worker-a", ttl=10)
+    body = b'{"amount": 5}'
+    # (path, token, key, body) -> the reason and status we expect in the audit
+    await send(stack, "/pay/charges", a["lease_token"], "step-1", body)  # forwarded
+    expected: list[tuple[str, int]] = []
+
+    async def expect(reason: str, status: int, *args: Any) -> Any:
+        resp = await send(stack, *args)
+        assert resp.status == status, await resp.text()
+        expected.append((reason, status))
+        return resp
+
+    await expect("unknown-upstream", 404, "/nope/charges", a["lease_token"], "k", body)
+    await expect("missing-fencing-token", 428, "/pay/charges", None, "k", body)
+    await expect("invalid-fencing-token", 403, "/pay/charges", "fgl_" + "x" * 32, "k", body)
+    await expect("missing-idempotency-key", 400, "/pay/charges", a["lease_token"], None, body)
+    await expect("body-too-large", 413, "/pay/charges", a["lease_token"], "big", b"x" * 51)
+    await expect("idempotency-key-reused", 422, "/pay/charges", a["lease_token"], "step-1", b"{}")
+    await expect("idempotent-replay", 201, "/pay/charges", a["lease_token"], "step-1", body)
+    clock.advance(10)
+    await expect("lease-expired", 409, "/pay/charges", a["lease_token"], "step-2", body)
+    b = await stack.lease("job-1", owner="worker-b", ttl=10)
+    await expect("stale-generation", 409, "/pay/charges?x=1", a["lease_token"], "step-2", body)
+    await expect("idempotent-replay", 201, "/pay/charges", b["lease_token"], "step-1", body)
+    upstream.status = 504
+    await send(stack, "/pay/charges", b["lease_token"], "step-3", body)  # forwarded
+    await expect("outcome-unknown", 409, "/pay/charges", b["lease_token"], "step-3", body)
+
+    items = (await page(stack))["items"]
+    assert [(e["reason"], e["status"]) for e in items] == expected[::-1]
+    for entry in items:
+        assert set(entry) == ENTRY_KEYS  # no bodies unless configured
+        assert entry["client"] == "127.0.0.1"
+        assert entry["method"] == "POST"
+    ids = [e["id"] for e in items]
+    assert ids == sorted(ids, reverse=True)
+
+    by_reason = {e["reason"]: e for e in reversed(items)}  # the newest of each reason
+    stale = by_reason["stale-generation"]
+    assert epoch(stale["at"]) == pytest.approx(clock.now, abs=0.01)
+    assert stale["job_id"] == "job-1"
+    assert (stale["generation"], stale["highest_generation"]) == (1, 2)
+    assert stale["owner"] == "worker-a"
+    assert stale["upstream"] == "pay"
+    assert stale["path"] == "/pay/charges?x=1"
+    assert stale["idempotency_key"] == "step-2"
+    assert stale["fingerprint"] == fence.fingerprint("POST", "pay", "charges", "x=1", body)
+
+    replay = by_reason["idempotent-replay"]
+    assert (replay["generation"], replay["owner"], replay["status"]) == (2, "worker-b", 201)
+    assert replay["fingerprint"] == fence.fingerprint("POST", "pay", "charges", "", body)
+
+    expired = by_reason["lease-expired"]
+    assert (expired["generation"], expired["highest_generation"]) == (1, 1)
+    assert epoch(expired["at"]) == pytest.approx(clock.now, abs=0.01)
+
+    too_large = by_reason["body-too-large"]
+    assert (too_large["job_id"], too_large["generation"]) == ("job-1", 1)
+    assert too_large["idempotency_key"] == "big"
+
+    for reason in ("unknown-upstream", "missing-fencing-token", "invalid-fencing-token"):
+        entry = by_reason[reason]
+        assert entry["job_id"] is None and entry["generation"] is None
+        assert entry["owner"] is None and entry["highest_generation"] is None
+    assert by_reason["missing-fencing-token"]["fingerprint"] is None
+    assert by_reason["unknown-upstream"]["upstream"] is None
+    assert by_reason["missing-fencing-token"]["upstream"] == "pay"
+    assert by_reason["missing-idempotency-key"]["idempotency_key"] is None
+
+
+async def test_upstream_failures_answered_by_the_gateway_are_audited(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    stack = await make_stack(
+        upstreams=[
+            upstream_config(upstream, timeout_seconds=0.2),
+            {"name": "down", "url": "http://127.0.0.1:9"},
+        ],
+        gateway={"ordering_wait_seconds": 0.5},
+    )
+    lease = await stack.lease("job-1")
+    resp = await stack.write("/down/x", lease, key="k1")
+    assert resp.status == 502
+    upstream.delay = 0.5
+    resp = await stack.write("/pay/x", lease, key="k2")
+    assert resp.status == 504
+    items = (await page(stack))["items"]
+    assert [(e["reason"], e["status"], e["upstream"]) for e in items] == [
+        ("upstream-timeout", 504, "pay"),
+        ("upstream-unavailable", 502, "down"),
+    ]
+
+
+async def test_filters(make_stack: Any, upstream: Upstream, clock: FakeClock) -> None:
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream), upstream_config(upstream, name="mail")]
+    )
+    one = await stack.lease("job-1", ttl=600)
+    await stack.lease("job-1", ttl=600)  # the same owner again: `one` is now stale
+    two = await stack.lease("job-2", ttl=600)
+    await stack.lease("job-2", ttl=600)
+    t0 = clock.now
+    await stack.write("/pay/x", one)  # stale, job-1, pay, t0
+    clock.advance(100)
+    await stack.write("/mail/x", two)  # stale, job-2, mail, t0+100
+    clock.advance(100)
+    await stack.write("/mail/x", None)  # missing token, mail, t0+200
+    clock.advance(100)
+    await stack.write("/pay/x", {"lease_token": "fgl_nope"})  # invalid token, pay, t0+300
+
+    async def seen(**query: str) -> list[tuple[str, str | None, str]]:
+        items = (await page(stack, **query))["items"]
+        return [(e["reason"], e["job_id"], e["path"]) for e in items]
+
+    assert await seen(job_id="job-2") == [("stale-generation", "job-2", "/mail/x")]
+    assert await seen(job_id="job-1") == [("stale-generation", "job-1", "/pay/x")]
+    assert await seen(job_id="job-3") == []
+    assert await seen(reason="stale-generation") == [
+        ("stale-generation", "job-2", "/mail/x"),
+        ("stale-generation", "job-1", "/pay/x"),
+    ]
+    assert await seen(reason="lease-expired") == []
+    assert await seen(upstream="pay") == [
+        ("invalid-fencing-token", None, "/pay/x"),
+        ("stale-generation", "job-1", "/pay/x"),
+    ]
+    assert await seen(upstream="mail", reason="missing-fencing-token") == [
+        ("missing-fencing-token", None, "/mail/x")
+    ]
+    # since is inclusive, until exclusive; epoch seconds or RFC 3339.
+    window = await seen(since=str(t0 + 100), until=str(t0 + 300))
+    assert window == [
+        ("missing-fencing-token", None, "/mail/x"),
+        ("stale-generation", "job-2", "/mail/x"),
+    ]
+    assert await seen(since=rfc3339(t0 + 100), until=rfc3339(t0 + 300)) == window
+    assert len(await seen(since=str(t0 + 150))) == 2
+    assert len(await seen(until=str(t0 + 150))) == 2
+    assert await seen(since=str(t0 + 1000)) == []
+    assert await seen(since=rfc3339(t0 + 50), upstream="mail", job_id="job-2") == [
+        ("stale-generation", "job-2", "/mail/x")
+    ]
+    assert upstream.received == []
+
+
+async def test_pagination_newest_first(make_stack: Any, upstream: Upstream) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    for i in range(7):
+        resp = await stack.proxy.get(f"/nope/{i}")
+        assert resp.status == 404
+
+    seen: list[dict[str, Any]] = []
+    cursor: str | None = None
+    sizes = []
+    while True:
+        query = {"limit": "3", **({"cursor": cursor} if cursor else {})}
+        doc = await page(stack, **query)
+        sizes.append(len(doc["items"]))
+        seen.extend(doc["items"])
+        cursor = doc["next_cursor"]
+        if cursor is None:
+            break
+        assert isinstance(cursor, str) and cursor
+    assert sizes == [3, 3, 1]
+    assert [e["path"] for e in seen] == [f"/nope/{i}" for i in reversed(range(7))]
+    assert len({e["id"] for e in seen}) == 7
+    # A page that holds exactly the rest has no next cursor.
+    assert (await page(stack, limit="7"))["next_cursor"] is None
+    doc = await page(stack, limit="6")
+    rest = await page(stack, limit="6", cursor=doc["next_cursor"])
+    assert [e["path"] for e in rest["items"]] == ["/nope/0"] and rest["next_cursor"] is None
+    # Entries written after a cursor was handed out do not show up behind it.
+    first = await page(stack, limit="2")
+    await stack.proxy.get("/nope/new")
+    after = await page(stack, limit="2", cursor=first["next_cursor"])
+    assert [e["path"] for e in after["items"]] == ["/nope/4", "/nope/3"]
+    # The default page holds them all.
+    assert len((await page(stack))["items"]) == 8
+
+
+async def test_bad_query_is_a_400_problem(make_stack: Any, upstream: Upstream) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    await stack.proxy.get("/nope/x")
+    for query in (
+        {"cursor": "zzz"},
+        {"cursor": "YTEyYQ"},  # "a12a"
+        {"cursor": "%%%"},
+        {"since": "yesterday"},
+        {"until": "2026-13-45T00:00:00Z"},
+        {"since": "nan"},
+        {"limit": "0"},
+        {"limit": "ten"},
+        {"limit": "-1"},
+    ):
+        resp = await stack.control.get("/admin/rejections", params=query)
+        assert resp.status == 400, (query, await resp.text())
+        assert resp.content_type == PROBLEM
+        doc = await resp.json(content_type=None)
+        assert doc["status"] == 400 and doc["reason"] and doc["detail"]
+
+
+async def test_forwarded_requests_are_not_audited(make_stack: Any, upstream: Upstream) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream, require_idempotency_key=False)])
+    lease = await stack.lease("job-1")
+    for status in (201, 404, 500, 502):
+        upstream.status = status
+        resp = await stack.write("/pay/x", lease, key=f"k{status}")
+        assert resp.status == status
+        await resp.read()
+    upstream.status = 200
+    await (await stack.write("/pay/x", lease, key=None)).read()
+    await (await stack.proxy.get("/pay/x")).read()
+    await (await stack.proxy.delete("/pay/x", headers={"Fencing-Token": "nope"})).read()
+    assert len(upstream.received) == 6
+    [only] = (await page(stack))["items"]  # the one request answered by the gateway
+    assert (only["reason"], only["method"]) == ("invalid-fencing-token", "DELETE")
+
+
+async def test_the_fencing_token_never_appears_whole(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream, max_body_bytes=20)])
+    old = await stack.lease("job-1", owner="a", ttl=10)
+    await (await stack.write("/pay/x", old, key="k1")).read()
+    clock.advance(11)
+    new = await stack.lease("job-1", owner="b", ttl=10)
+    expired = await stack.lease("job-2", owner="c", ttl=1)
+    clock.advance(2)
+    unknown = "fgl_" + secrets.token_urlsafe(24)
+    tokens = [old["lease_token"], new["lease_token"], expired["lease_token"], unknown]
+    answers = []
+    for token, key, data in (
+        (old["lease_token"], "k2", b"{}"),  # stale
+        (new["lease_token"], "k1", b'{"amount": 1}'),  # replay
+        (new["lease_token"], "k1", b"{}"),  # reused
+        (new["lease_token"], None, b"{}"),  # missing key
+        (new["lease_token"], "k9", b"x" * 100),  # too large
+        (expired["lease_token"], "k1", b"{}"),  # expired
+        (unknown, "k1", b"{}"),  # unknown
+        (new["lease_token"] + "x", "k1", b"{}"),  # malformed, but holding a real one
+    ):
+        resp = await send(stack, "/pay/x", token, key, data)
+        assert resp.status != 201 or resp.headers["Idempotent-Replayed"] == "true"
+        answers.append(await resp.text())
+    items = (await page(stack))["items"]
+    assert len(items) == 8
+    dumped = json.dumps(items) + "".join(answers)
+    for token in tokens:
+        assert token not in dumped
+        assert token[4:] not in dumped  # not even without its prefix
+    # A redacted form may appear; the secret part may not.
+    assert not re.search(r"fgl_[A-Za-z0-9_-]{32}", dumped)
+
+
+@pytest.mark.xfail(
+    reason="bug: gateway.audit_bodies is accepted by the config but the proxy never "
+    "passes the request body to AuditEntry, so entries never carry one",
+    strict=True,
+)
+async def test_bodies_are_audited_when_configured(make_stack: Any, upstream: Upstream) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream)], gateway={"audit_bodies": True})
+    lease = await stack.lease("job-1")
+    await stack.lease("job-1")  # the first lease is now stale
+    resp = await send(stack, "/pay/x", lease["lease_token"], "k", b'{"amount": 5}')
+    assert resp.status == 409
+    [entry] = (await page(stack))["items"]
+    assert entry["body"] == "eyJhbW91bnQiOiA1fQ=="  # base64 of the request body
+
+
+async def test_retention_purges_old_entries(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)], gateway={"audit_retention_days": 1}
+    )
+    app = stack.control.app
+    old = await stack.lease("job-1", owner="a", ttl=10)
+    clock.advance(11)
+    new = await stack.lease("job-1", owner="b", ttl=600)
+    await stack.write("/pay/x", old, key="first")  # stale, at t
+    clock.advance(0.5 * DAY)
+    await stack.write("/pay/x", old, key="second")  # stale, at t + 0.5 d
+    clock.advance(0.4 * DAY)
+    await upkeep(app[SETTINGS], app[STORE], app[GATEWAY_STATE])
+    assert [e["idempotency_key"] for e in (await page(stack))["items"]] == ["second", "first"]
+    # Within the audit's retention an old token is still recognised as stale.
+    resp = await stack.write("/pay/x", old, key="third")
+    assert (await resp.json())["reason"] == "stale-generation"
+
+    clock.advance(0.2 * DAY)  # "first" is 1.1 days old, "second" 0.6, "third" 0.2
+    await upkeep(app[SETTINGS], app[STORE], app[GATEWAY_STATE])
+    assert [e["idempotency_key"] for e in (await page(stack))["items"]] == ["third", "second"]
+    # Past retention the old grant may be forgotten (stale or invalid), never forwarded.
+    resp = await stack.write("/pay/x", old, key="fourth")
+    assert (await resp.json())["reason"] in ("stale-generation", "invalid-fencing-token")
+    assert upstream.received == []
+
+    # Audit.purge itself: everything older than a given age goes, and says how many.
+    clock.advance(0.5 * DAY)
+    assert await app[GATEWAY_STATE].audit.purge(0.8 * DAY) == 1  # "second"
+    assert [e["idempotency_key"] for e in (await page(stack))["items"]] == ["fourth", "third"]
+    assert await app[GATEWAY_STATE].audit.purge(0.8 * DAY) == 0
+    assert new["generation"] == 2
