@@ -149,6 +149,9 @@ class GatewaySettings(BaseModel):
     upstream_connections_per_host: int = Field(256, ge=1, le=10_000)
     keepalive_timeout_seconds: float = Field(75.0, gt=0, le=3600, allow_inf_nan=False)
     shutdown_timeout_seconds: float = Field(15.0, ge=0, le=600, allow_inf_nan=False)
+    # Answers up to this size are stored for replay; a duplicate of a larger one gets
+    # 409 replay-unavailable (the write was applied; its body was not kept).
+    max_replay_body_bytes: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
 
 
 class Settings(BaseSettings):

@@ -1,11 +1,159 @@
-"""The dashboard at ``/admin/ui`` (admin token). Served by the gateway itself."""
+"""The dashboard at ``/admin/ui`` (admin token). Served by the gateway itself.
+
+One static page, one script and one stylesheet from ``gateway/ui/`` (no build step, no
+third-party code), and two JSON reads of their own under ``/admin/ui/api/``; the page
+also uses the admin API (``/admin/rejections``, ``/admin/unknown-outcomes``).
+
+Everything lives under ``/admin/``, so the auth middleware asks for an admin token on
+every request, the page included. The page holds no data; its script sends the token
+the operator typed (kept in ``sessionStorage``, never in a URL) or, when the field is
+empty, no header of its own, so whatever put the header on the page request (a proxy
+in front, a header-setting browser extension, a test's browser) authenticates its
+calls too.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+
 from aiohttp import web
 
+from lease_core import exceptions as exc
+from lease_core import rules
+from lease_core.api import path_id
+
+from . import dashboard_queries as queries
+from .audit import parse_time
 from .proxy import Gateway
+
+DASHBOARD_GATEWAY = web.AppKey("dashboard_gateway", Gateway)
+
+UI = Path(str(resources.files("gateway") / "ui"))
+# Only these files are served; a request names one of them, never a path on disk.
+ASSETS = {
+    "app.js": "text/javascript",
+    "style.css": "text/css",
+}
+# The latest time RFC 3339 can write with four year digits.
+MAX_TIME = 253402300799.0
+MAX_TIMELINE_DEFAULT = 500
+
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+async def page(request: web.Request) -> web.StreamResponse:
+    """``GET /admin/ui``: the page itself (no data in it)."""
+    return web.FileResponse(
+        UI / "index.html",
+        headers={**SECURITY_HEADERS, "Content-Type": "text/html; charset=utf-8"},
+    )
+
+
+async def page_slash(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPPermanentRedirect("/admin/ui")
+
+
+async def asset(request: web.Request) -> web.StreamResponse:
+    """``GET /admin/ui/{name}``: the script and the stylesheet."""
+    name = request.match_info["name"]
+    content_type = ASSETS.get(name)
+    if content_type is None:
+        raise exc.NotFound()
+    return web.FileResponse(
+        UI / name,
+        headers={**SECURITY_HEADERS, "Content-Type": f"{content_type}; charset=utf-8"},
+    )
+
+
+async def refusals_over_time(request: web.Request) -> web.Response:
+    """``GET /admin/ui/api/refusals-over-time?bucket_seconds=&since=&until=&upstream=&job_id=``:
+    audit entries per bucket and reason."""
+    lease_store = request.app[DASHBOARD_GATEWAY].audit.lease_store
+    q = request.query
+    until = _time(q, "until")
+    since = _time(q, "since")
+    if until is None:
+        until = await queries.database_now(lease_store)
+    if since is None:
+        since = max(0.0, until - queries.DEFAULT_WINDOW_SECONDS)
+    if since >= until:
+        raise exc.InvalidRequest("since: must be before until", field="since")
+    window = queries.Window(since, until, _bucket_seconds(q.get("bucket_seconds"), until - since))
+    if window.bucket_count > queries.MAX_BUCKETS:
+        raise exc.InvalidRequest(
+            f"bucket_seconds: the window would have {window.bucket_count} buckets, at most "
+            f"{queries.MAX_BUCKETS}: choose larger buckets or a shorter window",
+            field="bucket_seconds",
+        )
+    upstream = q.get("upstream") or None
+    job_id = _optional_id(q, "job_id")
+    doc = await queries.refusals_over_time(lease_store, window, upstream=upstream, job_id=job_id)
+    return web.json_response(doc)
+
+
+async def job_timeline(request: web.Request) -> web.Response:
+    """``GET /admin/ui/api/jobs/{job_id}/timeline?limit=``: grants, forwarded writes and
+    the gateway's own answers for one job, oldest first."""
+    job_id = path_id(request, "job_id")
+    limit = _whole(
+        request.query.get("limit"), "limit", 1, queries.MAX_TIMELINE, MAX_TIMELINE_DEFAULT
+    )
+    lease_store = request.app[DASHBOARD_GATEWAY].audit.lease_store
+    return web.json_response(await queries.job_timeline(lease_store, job_id, limit))
+
+
+# -- parsing query parameters -------------------------------------------------------------
+
+
+def _time(query: Mapping[str, str], field: str) -> float | None:
+    raw = query.get(field)
+    if raw is None or raw == "":
+        return None
+    value = parse_time(raw, field)
+    if not math.isfinite(value) or not 0 <= value <= MAX_TIME:
+        raise exc.InvalidRequest(f"{field}: out of range", field=field)
+    return value
+
+
+def _whole(raw: str | None, field: str, low: int, high: int, default: int) -> int:
+    if raw is None or raw == "":
+        return default
+    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
+        raise exc.InvalidRequest(
+            f"{field}: must be a whole number from {low} to {high}", field=field
+        )
+    return int(raw)
+
+
+def _bucket_seconds(raw: str | None, span: float) -> int:
+    default = queries.default_bucket(span)
+    return _whole(raw, "bucket_seconds", 1, queries.MAX_BUCKET_SECONDS, default)
+
+
+def _optional_id(query: Mapping[str, str], field: str) -> str | None:
+    value = query.get(field) or None
+    if value is not None and not rules.is_valid_id(value):
+        raise exc.InvalidRequest(f"{field}: not a valid job id", field=field)
+    return value
 
 
 def add_routes(app: web.Application, gateway: Gateway) -> None:
-    """Routes of the dashboard (filled in by the dashboard work)."""
+    """The page, its two files and its JSON reads; all under ``/admin/`` (admin token)."""
+    app[DASHBOARD_GATEWAY] = gateway
+    app.router.add_get("/admin/ui", page)
+    app.router.add_get("/admin/ui/", page_slash)
+    app.router.add_get("/admin/ui/api/refusals-over-time", refusals_over_time)
+    app.router.add_get("/admin/ui/api/jobs/{job_id}/timeline", job_timeline)
+    app.router.add_get("/admin/ui/{name:[a-z]+\\.(?:js|css)}", asset)

@@ -34,6 +34,7 @@ class Reason(StrEnum):
     UPSTREAM_TIMEOUT = "upstream-timeout"
     STORE_UNAVAILABLE = "store-unavailable"
     OVERLOADED = "gateway-overloaded"
+    REPLAY_UNAVAILABLE = "replay-unavailable"
     IDEMPOTENT_REPLAY = "idempotent-replay"
 
 
@@ -83,6 +84,12 @@ REASONS: dict[Reason, ReasonInfo] = {
         409,
         "Outcome unknown",
         "An earlier forward with this key has an unknown outcome; an operator must resolve it.",
+    ),
+    Reason.REPLAY_UNAVAILABLE: ReasonInfo(
+        409,
+        "Replay unavailable",
+        "This key's request was applied, but its answer was larger than "
+        "max_replay_body_bytes and was not stored; its status is in stored_status.",
     ),
     Reason.ORDERING_TIMEOUT: ReasonInfo(
         503,

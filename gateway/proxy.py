@@ -9,6 +9,7 @@ problem document and audited.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from urllib.parse import unquote
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from lease_core import exceptions as lease_exc
 from lease_core import tokens
@@ -63,7 +65,7 @@ PROTECTED = frozenset({"fencing-token", "idempotency-key"})
 UNKNOWN_STATUSES = frozenset({502, 504})
 DEADLINE_MARGIN = 5.0
 ORDERING_POLL = 0.02
-MAX_REPLAY_BODY = 1024 * 1024
+LARGE_BODY = 1024 * 1024  # above this, hand aiohttp a stream, not bytes
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class Ctx:
     extra: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     forwarded: bool = False
+    body: bytes | None = None
 
 
 class Target(NamedTuple):
@@ -162,6 +165,9 @@ class Gateway:
         )
 
     async def replay(self, ctx: Ctx, record: Record) -> web.Response:
+        if record.body is None:  # applied, but the answer was too large to keep
+            ctx.extra["stored_status"] = record.status
+            return await self.reject(ctx, Reason.REPLAY_UNAVAILABLE)
         self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
         await self._audit(ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0)
         headers = CIMultiDict(record.headers or [])
@@ -189,6 +195,7 @@ class Gateway:
                 idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
                 client=request.remote,
                 fingerprint=ctx.fingerprint,
+                body=ctx.body if self.settings.gateway.audit_bodies else None,
             )
         )
 
@@ -288,7 +295,7 @@ class Gateway:
             return await self._pass_through(ctx, upstream, rest, query)
         assert ctx.key is not None
 
-        body = await self._read_body(request, upstream)
+        ctx.body = body = await self._read_body(request, upstream)
         if body is None:  # over the limit: but a lease refusal comes first in the table
             ctx.admission = await self.store.check_lease(token_hash)
             reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
@@ -346,9 +353,20 @@ class Gateway:
             older = await self.store.older_in_flight(job_id, generation)
         assert attempt is not None
 
-        if older and not await self._wait_for_older(job_id, generation):
-            await self.store.release(job_id, ctx.key, attempt, back_to)
-            return await self.reject(ctx, Reason.ORDERING_TIMEOUT, headers={"Retry-After": "1"})
+        if older:
+            if not await self._wait_for_older(job_id, generation):
+                await self.store.release(job_id, ctx.key, attempt, back_to)
+                return await self.reject(ctx, Reason.ORDERING_TIMEOUT, headers={"Retry-After": "1"})
+            # While we waited, a newer generation may have been granted or admitted:
+            # then this write must not go out after all.
+            now_seen = await self.store.check_lease(token_hash)
+            reason = fence.lease_reason(now_seen.presented, now_seen.now)
+            if reason is None and (now_seen.highest or 0) > generation:
+                reason = Reason.STALE_GENERATION
+            if reason is not None:
+                await self.store.release(job_id, ctx.key, attempt, back_to)
+                ctx.admission = now_seen
+                return await self.reject(ctx, reason)
 
         url = _upstream_url(upstream, rest, query)
         headers = forward_headers(request, upstream, job_id, generation)
@@ -364,10 +382,11 @@ class Gateway:
         path, _, query = raw.partition("?")
         name, _, rest = path[1:].partition("/")
         name = unquote(name)
-        for segment in rest.split("/"):
-            if unquote(segment) in (".", ".."):
-                return "Dot-segments are not allowed in the path."
-        if "\\" in unquote(rest):
+        decoded = unquote(rest)
+        # Encoded or not, nothing may climb out of the upstream's base path.
+        if any(segment in (".", "..") for segment in decoded.replace("\\", "/").split("/")):
+            return "Dot-segments are not allowed in the path."
+        if "\\" in decoded:
             return "Backslashes are not allowed in the path."
         return name, rest, query
 
@@ -450,9 +469,9 @@ class Gateway:
         try:
             upstream_response = await self.session.request(
                 request.method,
-                url,
+                URL(url, encoded=True),  # forwarded as sent: no re-quoting of the path
                 headers=headers,
-                data=body or None,
+                data=io.BytesIO(body) if len(body) > LARGE_BODY else (body or None),
                 allow_redirects=False,
                 timeout=timeout,
             )
@@ -466,8 +485,11 @@ class Gateway:
                 else Reason.UPSTREAM_UNAVAILABLE
             )
             return await self.reject(ctx, reason)
-        except (TimeoutError, aiohttp.ClientError) as error:
-            # Sent, but no answer: whether it was applied is unknown.
+        except Exception as error:
+            # Sent (or maybe sent), but no answer: whether it was applied is unknown.
+            # Anything unexpected lands here too, so no claim is left in flight.
+            if not isinstance(error, TimeoutError | aiohttp.ClientError):
+                log.exception("forwarding to %s failed unexpectedly", upstream.name)
             if attempt is not None:
                 await self.store.settle(
                     job_id,
@@ -488,10 +510,15 @@ class Gateway:
 
         ctx.forwarded = True
         async with upstream_response:
+            named = {
+                h.strip().lower()
+                for v in upstream_response.headers.getall("Connection", [])
+                for h in v.split(",")
+            }
             response_headers = [
                 (k, v)
                 for k, v in upstream_response.headers.items()
-                if k.lower() not in DROP_FROM_UPSTREAM
+                if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
             ]
             out = web.StreamResponse(
                 status=upstream_response.status, reason=upstream_response.reason
@@ -499,6 +526,7 @@ class Gateway:
             for k, v in response_headers:
                 out.headers.add(k, v)
             stored: bytearray | None = bytearray()
+            replay_limit = self.settings.gateway.max_replay_body_bytes
             client_gone = False
             complete = False
             try:
@@ -508,7 +536,7 @@ class Gateway:
             try:
                 async for chunk in upstream_response.content.iter_any():
                     if stored is not None:
-                        if len(stored) + len(chunk) <= MAX_REPLAY_BODY:
+                        if len(stored) + len(chunk) <= replay_limit:
                             stored += chunk
                         else:
                             stored = None

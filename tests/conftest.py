@@ -141,7 +141,7 @@ def make_settings(database_url: str) -> Callable[..., Settings]:
 
 @pytest.fixture
 async def control(
-    aiohttp_client: Callable[..., Any], make_settings: Callable[..., Settings], store: LeaseStore
+    store: LeaseStore, aiohttp_client: Callable[..., Any], make_settings: Callable[..., Settings]
 ) -> TestClient[Any, Any]:
     """A test client of the control listener on the backend under test."""
     app = create_control_app(make_settings(), store)
@@ -186,11 +186,11 @@ class Upstream:
             self.received.append(record)
         finally:
             self.in_flight -= 1
-        answer = self.body if self.body is not None else (
-            b'{"applied": %d}' % len(self.received)
-        )
+        answer = self.body if self.body is not None else (b'{"applied": %d}' % len(self.received))
         return web.Response(
-            status=self.status, body=answer, content_type="application/json",
+            status=self.status,
+            body=answer,
+            content_type="application/json",
             headers=self.headers,
         )
 
@@ -200,7 +200,7 @@ async def upstream(aiohttp_server: Callable[..., Any]) -> Upstream:
     from aiohttp import web
 
     up = Upstream()
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", up.handler)
     server = await aiohttp_server(app)
     up.url = str(server.make_url("")).rstrip("/")
@@ -223,8 +223,13 @@ class Stack:
         return lease
 
     async def write(
-        self, path: str, lease: dict[str, Any] | None, key: str | None = "k1",
-        body: Any = None, method: str = "POST", headers: dict[str, str] | None = None,
+        self,
+        path: str,
+        lease: dict[str, Any] | None,
+        key: str | None = "k1",
+        body: Any = None,
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
     ) -> Any:
         h = dict(headers or {})
         if lease is not None:
@@ -242,9 +247,12 @@ class Stack:
 
 @pytest.fixture
 def make_stack(
-    aiohttp_client: Callable[..., Any], make_settings: Callable[..., Settings], engine: AsyncEngine,
+    engine: AsyncEngine,
+    aiohttp_client: Callable[..., Any],
+    make_settings: Callable[..., Settings],
     clock: FakeClock,
 ) -> Callable[..., Any]:
+    # ``engine`` first: set up first, torn down last, after the apps that use it.
     """Build a gateway replica: ``await make_stack(upstreams=[...], clock=None)``."""
     from gateway.proxy import Gateway, create_proxy_app
 

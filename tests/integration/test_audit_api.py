@@ -345,11 +345,6 @@ async def test_the_fencing_token_never_appears_whole(
     assert not re.search(r"fgl_[A-Za-z0-9_-]{32}", dumped)
 
 
-@pytest.mark.xfail(
-    reason="bug: gateway.audit_bodies is accepted by the config but the proxy never "
-    "passes the request body to AuditEntry, so entries never carry one",
-    strict=True,
-)
 async def test_bodies_are_audited_when_configured(make_stack: Any, upstream: Upstream) -> None:
     stack = await make_stack(upstreams=[upstream_config(upstream)], gateway={"audit_bodies": True})
     lease = await stack.lease("job-1")

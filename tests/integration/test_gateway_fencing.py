@@ -574,12 +574,6 @@ async def test_hop_by_hop_headers_of_the_answer_are_dropped(
     assert "Trailer" not in resp.headers
 
 
-@pytest.mark.xfail(
-    reason="bug: forward responses drop only the fixed hop-by-hop names; a header that "
-    "the upstream's Connection header names (RFC 9110 7.6.1) reaches the client and is "
-    "stored for replays",
-    strict=True,
-)
 async def test_headers_named_in_the_answers_connection_header_are_dropped(
     make_stack: Any, upstream: Upstream
 ) -> None:
@@ -641,12 +635,6 @@ async def test_ordinary_paths_and_queries_reach_the_upstream(
     assert upstream.received[0]["path"] == "/v1/files/a%20b..c/.hidden/...?x=1&y=a+b&z=%26"
 
 
-@pytest.mark.xfail(
-    reason="bug: the gateway passes the upstream URL to aiohttp as a str, so yarl "
-    "re-normalises the percent-encoding of the path and query (%3A -> ':', %2F in the "
-    "query -> '/', '%zz' -> '%25zz'); the target must reach the upstream as sent",
-    strict=True,
-)
 async def test_percent_encoding_reaches_the_upstream_unchanged(
     make_stack: Any, upstream: Upstream
 ) -> None:
@@ -667,12 +655,6 @@ async def test_percent_encoding_reaches_the_upstream_unchanged(
 # -- large bodies -------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    reason="bug: _forward passes bodies as raw bytes; over 1 MiB aiohttp raises "
-    "ResourceWarning (an error under filterwarnings=error), the client gets a plain-text "
-    "500 and the key's record stays in_flight (a retry gets request-in-progress)",
-    strict=True,
-)
 async def test_large_request_body_is_forwarded_intact(make_stack: Any, upstream: Upstream) -> None:
     stack = await make_stack(upstreams=[upstream_config(upstream)])
     lease = await stack.lease("job-1")
@@ -707,11 +689,6 @@ async def test_large_response_body_is_streamed_back_intact(
     assert len(upstream.received) == 2
 
 
-@pytest.mark.xfail(
-    reason="bug: answers over MAX_REPLAY_BODY (1 MiB) are settled as completed with "
-    "body NULL, and a duplicate then gets 201 + an empty body + Idempotent-Replayed: true",
-    strict=True,
-)
 async def test_a_duplicate_of_a_large_answer_is_never_a_truncated_replay(
     make_stack: Any, upstream: Upstream
 ) -> None:

@@ -260,12 +260,6 @@ async def test_keyless_writes_are_ordered_too(
     assert [r["generation"] for r in upstream.received] == ["1", "2"]
 
 
-@pytest.mark.xfail(
-    reason="bug: a write of g admitted while g-1 was in flight waits in _wait_for_older "
-    "and is then forwarded without checking the fence again, although g+1 was admitted "
-    "meanwhile (SPEC: once g+1 has been admitted, no write of g is forwarded)",
-    strict=True,
-)
 async def test_a_waiting_write_is_not_forwarded_once_a_newer_generation_is_admitted(
     make_stack: Any, upstream: Upstream, clock: FakeClock, engine: AsyncEngine
 ) -> None:

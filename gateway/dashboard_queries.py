@@ -1,0 +1,272 @@
+"""The dashboard's reads: audit entries counted per time bucket and reason, and one job's
+timeline (grants, forwarded writes, refusals and replays).
+
+Times are seconds since the epoch (floats) in the database and RFC 3339 strings in the
+answers. Counting is done by the database (``GROUP BY`` the bucket number), so a month of
+audit costs one indexed range scan, not a month of rows in Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from lease_core.schema import jobs, leases
+from lease_core.store import LeaseStore, rfc3339
+
+from . import fence
+from .schema import audit, requests
+
+# The bucket sizes picked when the caller names none: the smallest that keeps the chart
+# under ``TARGET_BUCKETS`` bars.
+NICE_BUCKETS = (
+    1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200,
+    86400, 604800,
+)  # fmt: skip
+TARGET_BUCKETS = 120
+MAX_BUCKETS = 1000
+MAX_BUCKET_SECONDS = 31 * 86400
+DEFAULT_WINDOW_SECONDS = 86400.0
+# Events of each kind a timeline reads at most (the newest ones).
+MAX_TIMELINE = 2000
+
+# Within one instant a grant comes before the writes it allows, a write before the
+# refusals that it causes.
+_KIND_ORDER = {"grant": 0, "forward": 1, "refusal": 2, "replay": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``[since, until)`` cut into buckets of ``bucket_seconds`` aligned to the epoch."""
+
+    since: float
+    until: float
+    bucket_seconds: int
+
+    @property
+    def first_bucket(self) -> int:
+        return math.floor(self.since / self.bucket_seconds)
+
+    @property
+    def bucket_count(self) -> int:
+        return max(1, math.ceil(self.until / self.bucket_seconds) - self.first_bucket)
+
+
+def default_bucket(span: float) -> int:
+    for size in NICE_BUCKETS:
+        if span / size <= TARGET_BUCKETS:
+            return size
+    return min(MAX_BUCKET_SECONDS, math.ceil(span / TARGET_BUCKETS))
+
+
+async def database_now(lease_store: LeaseStore) -> float:
+    """The authoritative clock (the database's on PostgreSQL, the injected one in tests)."""
+    injected = lease_store.dialect.injected_now()
+    if injected is not None:
+        return injected
+    async with lease_store.transaction() as conn:
+        return float((await conn.execute(sa.select(lease_store.dialect.now()))).scalar_one())
+
+
+def _bucket_number(lease_store: LeaseStore, bucket_seconds: int) -> sa.ColumnElement[Any]:
+    # The size is a validated int written into the statement, so the expression in the
+    # select list and in GROUP BY is the same text (PostgreSQL compares them textually;
+    # two bind parameters would not match).
+    size = sa.literal_column(str(int(bucket_seconds)), sa.Float)
+    ratio = audit.c.at / size
+    if lease_store.dialect.sqlite:
+        # Not every SQLite build has floor(); epoch times are positive, so truncation
+        # toward zero is the floor.
+        return sa.cast(ratio, sa.Integer)
+    return sa.func.floor(ratio)
+
+
+async def refusals_over_time(
+    lease_store: LeaseStore,
+    window: Window,
+    *,
+    upstream: str | None = None,
+    job_id: str | None = None,
+) -> dict[str, Any]:
+    """Audit entries of ``[since, until)`` per bucket and reason, every bucket present
+    (empty ones with no counts) so a chart can draw them as they come."""
+    bucket = _bucket_number(lease_store, window.bucket_seconds).label("bucket")
+    stmt = (
+        sa.select(bucket, audit.c.reason, sa.func.count().label("n"))
+        .where(audit.c.at >= window.since, audit.c.at < window.until)
+        .group_by(bucket, audit.c.reason)
+    )
+    if upstream is not None:
+        stmt = stmt.where(audit.c.upstream == upstream)
+    if job_id is not None:
+        stmt = stmt.where(audit.c.job_id == job_id)
+    async with lease_store.transaction() as conn:
+        rows = (await conn.execute(stmt)).all()
+
+    size = window.bucket_seconds
+    first = window.first_bucket
+    counts: list[dict[str, int]] = [{} for _ in range(window.bucket_count)]
+    totals: dict[str, int] = {}
+    for number, reason, n in rows:
+        index = int(number) - first
+        if 0 <= index < len(counts):
+            counts[index][reason] = counts[index].get(reason, 0) + int(n)
+        totals[reason] = totals.get(reason, 0) + int(n)
+    known = [r.value for r in fence.Reason]
+    order = {reason: i for i, reason in enumerate(known)}
+    present = sorted(totals, key=lambda r: (order.get(r, len(order)), r))
+    return {
+        "since": rfc3339(window.since),
+        "until": rfc3339(window.until),
+        "bucket_seconds": size,
+        "reasons": present,
+        "known_reasons": known,
+        "totals": {r: totals[r] for r in present},
+        "buckets": [
+            {
+                "start": rfc3339((first + i) * size),
+                "end": rfc3339((first + i + 1) * size),
+                "counts": {r: c[r] for r in present if r in c},
+                "total": sum(c.values()),
+            }
+            for i, c in enumerate(counts)
+        ],
+    }
+
+
+async def job_timeline(lease_store: LeaseStore, job_id: str, limit: int) -> dict[str, Any]:
+    """Grants, forwarded writes (with their outcome) and the gateway's own answers for one
+    job, oldest first; at most the newest ``limit`` events."""
+    grants_q = (
+        sa.select(leases.c.generation, leases.c.owner, leases.c.granted_at, leases.c.expires_at)
+        .where(leases.c.job_id == job_id)
+        .order_by(leases.c.granted_at.desc(), leases.c.generation.desc())
+        .limit(limit + 1)
+    )
+    writes_q = (
+        sa.select(
+            requests.c.key,
+            requests.c.generation,
+            requests.c.upstream,
+            requests.c.method,
+            requests.c.path,
+            requests.c.state,
+            requests.c.status,
+            requests.c.note,
+            requests.c.created_at,
+            requests.c.updated_at,
+        )
+        .where(requests.c.job_id == job_id)
+        .order_by(requests.c.created_at.desc())
+        .limit(limit + 1)
+    )
+    answers_q = (
+        sa.select(
+            audit.c.id,
+            audit.c.at,
+            audit.c.reason,
+            audit.c.status,
+            audit.c.generation,
+            audit.c.highest_generation,
+            audit.c.owner,
+            audit.c.upstream,
+            audit.c.method,
+            audit.c.path,
+            audit.c.idempotency_key,
+        )
+        .where(audit.c.job_id == job_id)
+        .order_by(audit.c.at.desc(), audit.c.id.desc())
+        .limit(limit + 1)
+    )
+    job_q = sa.select(
+        jobs.c.job_id,
+        jobs.c.queue,
+        jobs.c.state,
+        jobs.c.generation,
+        jobs.c.owner,
+        jobs.c.lease_expires_at,
+        jobs.c.attempts,
+        jobs.c.max_attempts,
+    ).where(jobs.c.job_id == job_id)
+    async with lease_store.transaction() as conn:
+        grants = (await conn.execute(grants_q)).mappings().all()
+        writes = (await conn.execute(writes_q)).mappings().all()
+        answers = (await conn.execute(answers_q)).mappings().all()
+        job = (await conn.execute(job_q)).mappings().first()
+
+    events: list[tuple[float, int, int, dict[str, Any]]] = []
+    for seq, g in enumerate(grants):
+        events.append(
+            _event(
+                g["granted_at"],
+                "grant",
+                -seq,
+                generation=g["generation"],
+                owner=g["owner"],
+                expires_at=rfc3339(g["expires_at"]),
+            )
+        )
+    for seq, w in enumerate(writes):
+        events.append(
+            _event(
+                w["created_at"],
+                "forward",
+                -seq,
+                generation=w["generation"],
+                upstream=w["upstream"],
+                method=w["method"],
+                path=w["path"],
+                idempotency_key=None if fence.is_anonymous(w["key"]) else w["key"],
+                state=w["state"],
+                status=w["status"],
+                note=w["note"],
+                settled_at=rfc3339(w["updated_at"]) if w["state"] != "in_flight" else None,
+            )
+        )
+    for a in answers:
+        kind = "replay" if a["reason"] == fence.Reason.IDEMPOTENT_REPLAY.value else "refusal"
+        events.append(
+            _event(
+                a["at"],
+                kind,
+                a["id"],
+                reason=a["reason"],
+                status=a["status"],
+                generation=a["generation"],
+                highest_generation=a["highest_generation"],
+                owner=a["owner"],
+                upstream=a["upstream"],
+                method=a["method"],
+                path=a["path"],
+                idempotency_key=a["idempotency_key"],
+            )
+        )
+    # A source that had more than ``limit`` rows is complete only back to its oldest row
+    # read: older events of the other sources are dropped too, so no gap shows as calm.
+    cutoff = max(
+        (
+            float(rows[limit - 1][column])
+            for rows, column in ((grants, "granted_at"), (writes, "created_at"), (answers, "at"))
+            if len(rows) > limit
+        ),
+        default=-math.inf,
+    )
+    events = sorted((e for e in events if e[0] >= cutoff), key=lambda e: e[:3])
+    truncated = cutoff > -math.inf or len(events) > limit
+    return {
+        "job_id": job_id,
+        "job": None
+        if job is None
+        else {**job, "lease_expires_at": rfc3339(job["lease_expires_at"])},
+        "events": [e[3] for e in events[-limit:]],
+        "truncated": truncated,
+    }
+
+
+def _event(
+    at: float, kind: str, seq: int, **fields: Any
+) -> tuple[float, int, int, dict[str, Any]]:
+    return (at, _KIND_ORDER[kind], seq, {"at": rfc3339(at), "kind": kind, **fields})
