@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "json", "text"],
         help="json (one object per line), text, or auto: text on a terminal, else json",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per request (refusals, errors and upstream failures are always logged)",
     )
 
     p = sub.add_parser(
@@ -177,12 +182,22 @@ async def open_store(settings: Settings) -> AsyncIterator[LeaseStore]:
         await engine.dispose()
 
 
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop where it is installed (a faster event loop), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from .logs import configure
     from .server import serve
 
-    configure(args.log_level, args.log_format)
-    asyncio.run(serve(settings, reload_settings=lambda: load_settings(args.config)))
+    configure(args.log_level, args.log_format, access_log=args.access_log)
+    run_loop(serve(settings, reload_settings=lambda: load_settings(args.config)))
     return 0
 
 

@@ -16,7 +16,7 @@ from aiohttp.typedefs import Handler
 
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
-access_log = logging.getLogger("fencegate.access")
+ACCESS_LOG = logging.getLogger("fencegate.access")
 
 
 class JsonFormatter(logging.Formatter):
@@ -38,8 +38,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
-def configure(level: str = "INFO", fmt: str = "auto") -> None:
-    """``fmt``: json, text, or auto (text on a terminal, JSON otherwise)."""
+def configure(level: str = "INFO", fmt: str = "auto", *, access_log: bool = False) -> None:
+    """``fmt``: json, text, or auto (text on a terminal, JSON otherwise). Access lines
+    (one per request) only with ``access_log``."""
     if fmt == "auto":
         fmt = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler()
@@ -52,6 +53,7 @@ def configure(level: str = "INFO", fmt: str = "auto") -> None:
     root.setLevel(level)
     # alembic's own INFO lines are noise at start.
     logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))
+    ACCESS_LOG.setLevel(logging.INFO if access_log else logging.WARNING)
 
 
 @web.middleware
@@ -72,8 +74,8 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
         status = error.status
         raise
     finally:
-        if access_log.isEnabledFor(logging.INFO):
-            access_log.info(
+        if ACCESS_LOG.isEnabledFor(logging.INFO):
+            ACCESS_LOG.info(
                 "%s %s %d",
                 request.method,
                 request.path[:200],
