@@ -94,11 +94,13 @@ async def make_replica(
         await engine.dispose()
 
 
+@pytest.mark.parametrize("count", [2, 3])
 async def test_100_duplicates_split_across_replicas_reach_the_upstream_once(
-    make_replica: Any, upstream: Upstream
+    make_replica: Any, upstream: Upstream, count: int
 ) -> None:
     config = {"upstreams": [upstream_config(upstream)]}
-    a, b = await make_replica(**config), await make_replica(**config)
+    replicas = [await make_replica(**config) for _ in range(count)]
+    a, b = replicas[0], replicas[1]
     upstream.delay = 0.2
     upstream.body = b'{"id": "ch_once"}'
     lease = await a.lease("job-1")
@@ -107,7 +109,7 @@ async def test_100_duplicates_split_across_replicas_reach_the_upstream_once(
         resp = await replica.write("/pay/charges", lease, key="once", body={"amount": 5})
         return resp.status, resp.headers, await resp.read()
 
-    results = await asyncio.gather(*(one(a if i % 2 else b) for i in range(100)))
+    results = await asyncio.gather(*(one(replicas[i % count]) for i in range(100)))
     assert len(upstream.received) == 1
     kinds = {"forwarded": 0, "replay": 0, "in-progress": 0}
     for status, headers, body in results:
@@ -122,7 +124,7 @@ async def test_100_duplicates_split_across_replicas_reach_the_upstream_once(
             kinds["in-progress"] += 1
     assert kinds["forwarded"] == 1
     assert sum(kinds.values()) == 100
-    for replica in (a, b):
+    for replica in replicas:
         resp = await replica.write("/pay/charges", lease, key="once", body={"amount": 5})
         assert resp.headers["Idempotent-Replayed"] == "true"
         assert await resp.read() == b'{"id": "ch_once"}'
@@ -152,8 +154,9 @@ async def test_a_reclaim_on_one_replica_fences_the_other(
     assert stale_a["idempotency_key"] == "step-2" and stale_b["idempotency_key"] == "step-3"
 
 
+@pytest.mark.parametrize("count", [2, 3])
 async def test_generation_order_holds_across_replicas(
-    make_replica: Any, upstream: Upstream, clock: FakeClock, engine: AsyncEngine
+    make_replica: Any, upstream: Upstream, clock: FakeClock, engine: AsyncEngine, count: int
 ) -> None:
     """Workers take turns on one job, leasing through one replica and writing through
     the other, each turn while the previous generation's write is still in flight."""
@@ -161,15 +164,15 @@ async def test_generation_order_holds_across_replicas(
         "upstreams": [upstream_config(upstream, timeout_seconds=2)],
         "gateway": {"ordering_wait_seconds": 3},
     }
-    replicas = [await make_replica(**config), await make_replica(**config)]
+    replicas = [await make_replica(**config) for _ in range(count)]
     upstream.delay = 0.15
     writes = []
     started = time.monotonic()
     for turn in range(5):
         if turn:
             clock.advance(1.5)
-        lease = await replicas[turn % 2].lease("job-1", owner=f"w{turn}", ttl=1)
-        via = replicas[(turn + 1) % 2]
+        lease = await replicas[turn % count].lease("job-1", owner=f"w{turn}", ttl=1)
+        via = replicas[(turn + 1) % count]
         writes.append(asyncio.ensure_future(via.write("/pay/w", lease, key=f"w{turn}")))
         await until_admitted(engine, "job-1", f"w{turn}")
     forwarded = []
