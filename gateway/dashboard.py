@@ -39,7 +39,7 @@ ASSETS = {
 }
 # The latest time RFC 3339 can write with four year digits.
 MAX_TIME = 253402300799.0
-MAX_TIMELINE_DEFAULT = 500
+TIMELINE_DEFAULT_LIMIT = 500
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
@@ -78,27 +78,19 @@ async def asset(request: web.Request) -> web.StreamResponse:
 
 
 async def refusals_over_time(request: web.Request) -> web.Response:
-    """``GET /admin/ui/api/refusals-over-time?bucket_seconds=&since=&until=&upstream=&job_id=``:
-    audit entries per bucket and reason."""
+    """``GET /admin/ui/api/refusals-over-time?since=&until=&window_seconds=&bucket_seconds=
+    &upstream=&job_id=``: audit entries per bucket and reason. ``until`` defaults to the
+    database's now, ``since`` to ``window_seconds`` (default a day) before it."""
     lease_store = request.app[DASHBOARD_GATEWAY].audit.lease_store
     q = request.query
-    until = _time(q, "until")
-    since = _time(q, "since")
-    if until is None:
-        until = await queries.database_now(lease_store)
-    if since is None:
-        since = max(0.0, until - queries.DEFAULT_WINDOW_SECONDS)
-    if since >= until:
-        raise exc.InvalidRequest("since: must be before until", field="since")
-    window = queries.Window(since, until, _bucket_seconds(q.get("bucket_seconds"), until - since))
-    if window.bucket_count > queries.MAX_BUCKETS:
-        raise exc.InvalidRequest(
-            f"bucket_seconds: the window would have {window.bucket_count} buckets, at most "
-            f"{queries.MAX_BUCKETS}: choose larger buckets or a shorter window",
-            field="bucket_seconds",
-        )
+    since, until = _time(q, "since"), _time(q, "until")
+    seconds = _window_seconds(q, since)
+    bucket = _whole(q.get("bucket_seconds"), "bucket_seconds", 1, queries.MAX_BUCKET_SECONDS, 0)
     upstream = q.get("upstream") or None
     job_id = _optional_id(q, "job_id")
+    if until is None:
+        until = await queries.database_now(lease_store)
+    window = _window(since, until, seconds, bucket)
     doc = await queries.refusals_over_time(lease_store, window, upstream=upstream, job_id=job_id)
     return web.json_response(doc)
 
@@ -108,7 +100,7 @@ async def job_timeline(request: web.Request) -> web.Response:
     the gateway's own answers for one job, oldest first."""
     job_id = path_id(request, "job_id")
     limit = _whole(
-        request.query.get("limit"), "limit", 1, queries.MAX_TIMELINE, MAX_TIMELINE_DEFAULT
+        request.query.get("limit"), "limit", 1, queries.MAX_TIMELINE, TIMELINE_DEFAULT_LIMIT
     )
     lease_store = request.app[DASHBOARD_GATEWAY].audit.lease_store
     return web.json_response(await queries.job_timeline(lease_store, job_id, limit))
@@ -137,9 +129,32 @@ def _whole(raw: str | None, field: str, low: int, high: int, default: int) -> in
     return int(raw)
 
 
-def _bucket_seconds(raw: str | None, span: float) -> int:
-    default = queries.default_bucket(span)
-    return _whole(raw, "bucket_seconds", 1, queries.MAX_BUCKET_SECONDS, default)
+def _window_seconds(query: Mapping[str, str], since: float | None) -> int:
+    if since is not None and "window_seconds" in query:
+        raise exc.InvalidRequest(
+            "window_seconds: give either since or window_seconds", field="window_seconds"
+        )
+    default = int(queries.DEFAULT_WINDOW_SECONDS)
+    return _whole(
+        query.get("window_seconds"), "window_seconds", 1, queries.MAX_WINDOW_SECONDS, default
+    )
+
+
+def _window(since: float | None, until: float, seconds: int, bucket: int) -> queries.Window:
+    """``since`` (or ``seconds`` before ``until``) to ``until`` in buckets of ``bucket``
+    seconds (0: a size that gives a readable chart)."""
+    if since is None:
+        since = max(0.0, until - seconds)
+    if since >= until:
+        raise exc.InvalidRequest("since: must be before until", field="since")
+    window = queries.Window(since, until, bucket or queries.default_bucket(until - since))
+    if window.bucket_count > queries.MAX_BUCKETS:
+        raise exc.InvalidRequest(
+            f"bucket_seconds: the window would have {window.bucket_count} buckets, at most "
+            f"{queries.MAX_BUCKETS}: choose larger buckets or a shorter window",
+            field="bucket_seconds",
+        )
+    return window
 
 
 def _optional_id(query: Mapping[str, str], field: str) -> str | None:

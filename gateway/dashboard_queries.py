@@ -30,6 +30,7 @@ TARGET_BUCKETS = 120
 MAX_BUCKETS = 1000
 MAX_BUCKET_SECONDS = 31 * 86400
 DEFAULT_WINDOW_SECONDS = 86400.0
+MAX_WINDOW_SECONDS = 366 * 86400
 # Events of each kind a timeline reads at most (the newest ones).
 MAX_TIMELINE = 2000
 
@@ -266,7 +267,5 @@ async def job_timeline(lease_store: LeaseStore, job_id: str, limit: int) -> dict
     }
 
 
-def _event(
-    at: float, kind: str, seq: int, **fields: Any
-) -> tuple[float, int, int, dict[str, Any]]:
+def _event(at: float, kind: str, seq: int, **fields: Any) -> tuple[float, int, int, dict[str, Any]]:
     return (at, _KIND_ORDER[kind], seq, {"at": rfc3339(at), "kind": kind, **fields})

@@ -1,0 +1,568 @@
+// Fencegate dashboard: plain JavaScript, no build step, no third-party code.
+//
+// Auth: every call goes to the same origin under /admin/. When the token field is filled
+// in, the call carries "Authorization: Bearer <token>" (the token is kept in
+// sessionStorage for this tab, never in a URL). When it is empty, the call carries no
+// Authorization of its own, so whatever added the header to the page request (a proxy,
+// a header extension, a test browser) authenticates the calls as well.
+//
+// Everything that came from the server is put into the page with textContent, never
+// as HTML: paths, keys and owners are chosen by workers.
+"use strict";
+
+(() => {
+  const TOKEN_KEY = "fencegate.adminToken";
+  const PAGE_SIZE = 50;
+
+  // One colour per reason, stable across reloads (the legend and the table use them too).
+  const COLOURS = {
+    "stale-generation": "#d62728",
+    "lease-expired": "#ff7f0e",
+    "lease-ended": "#bcbd22",
+    "invalid-fencing-token": "#9467bd",
+    "missing-fencing-token": "#8c564b",
+    "missing-idempotency-key": "#e377c2",
+    "idempotency-key-reused": "#17becf",
+    "idempotent-replay": "#7f7f7f",
+    "outcome-unknown": "#1f77b4",
+    "request-in-progress": "#aec7e8",
+    "ordering-timeout": "#ffbb78",
+    "upstream-unavailable": "#98df8a",
+    "upstream-timeout": "#2ca02c",
+    "body-too-large": "#c5b0d5",
+    "unknown-upstream": "#c49c94",
+    "invalid-request": "#f7b6d2",
+    "store-unavailable": "#393b79",
+    "overloaded": "#637939",
+  };
+  const SPARE_COLOURS = ["#8c6d31", "#843c39", "#7b4173", "#5254a3", "#6b6ecf", "#e7ba52"];
+
+  const state = {
+    series: null,
+    cursor: null,
+    rows: 0,
+    timelineJob: null,
+    geometry: null,
+  };
+
+  const $ = (id) => document.getElementById(id);
+
+  function colour(reason) {
+    if (Object.prototype.hasOwnProperty.call(COLOURS, reason)) return COLOURS[reason];
+    let hash = 0;
+    for (const ch of reason) hash = (hash * 31 + ch.codePointAt(0)) >>> 0;
+    return SPARE_COLOURS[hash % SPARE_COLOURS.length];
+  }
+
+  // el("td", {className: "mono"}, "text", otherNode): strings become text nodes.
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(props || {})) {
+      if (key === "dataset") Object.assign(node.dataset, value);
+      else if (key === "on") for (const [ev, fn] of Object.entries(value)) node.addEventListener(ev, fn);
+      else node[key] = value;
+    }
+    for (const child of children) {
+      if (child === null || child === undefined) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  function show(value) {
+    return value === null || value === undefined || value === "" ? "—" : String(value);
+  }
+
+  function fmtTime(iso) {
+    return iso ? iso.replace("T", " ") : "—";
+  }
+
+  function setStatus(text, kind) {
+    const node = $("status");
+    node.textContent = text || "";
+    node.className = kind || "";
+  }
+
+  // -- calls ---------------------------------------------------------------------------
+
+  class ApiError extends Error {
+    constructor(status, doc) {
+      const detail = doc && doc.detail ? doc.detail : `HTTP ${status}`;
+      super(detail);
+      this.status = status;
+      this.doc = doc;
+    }
+  }
+
+  function token() {
+    return $("token").value.trim();
+  }
+
+  async function api(path, body) {
+    const headers = { Accept: "application/json" };
+    const t = token();
+    if (t) headers.Authorization = `Bearer ${t}`;
+    const init = { method: "GET", headers, cache: "no-store", credentials: "same-origin" };
+    if (body !== undefined) {
+      init.method = "POST";
+      headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    const resp = await fetch(path, init);
+    const text = await resp.text();
+    let doc = null;
+    try {
+      doc = text ? JSON.parse(text) : null;
+    } catch (_error) {
+      doc = null;
+    }
+    if (!resp.ok) throw new ApiError(resp.status, doc);
+    return doc;
+  }
+
+  function explain(error) {
+    if (error instanceof ApiError) {
+      if (error.status === 401) return "The admin API needs a token: type an admin token above.";
+      if (error.status === 403) return "This token may not use the admin API: use an admin token.";
+      return `${error.status}: ${error.message}`;
+    }
+    return String(error && error.message ? error.message : error);
+  }
+
+  // -- chart ---------------------------------------------------------------------------
+
+  function niceStep(raw) {
+    const power = Math.pow(10, Math.floor(Math.log10(Math.max(raw, 1))));
+    for (const m of [1, 2, 5, 10]) if (m * power >= raw) return Math.max(1, m * power);
+    return 10 * power;
+  }
+
+  function axisLabel(iso, bucketSeconds, spanSeconds) {
+    const text = iso.replace("T", " ").replace(/\.\d+Z$/, "").replace(/Z$/, "");
+    if (bucketSeconds >= 86400) return text.slice(5, 10);
+    if (spanSeconds > 86400) return text.slice(5, 16);
+    if (bucketSeconds < 60) return text.slice(11, 19);
+    return text.slice(11, 16);
+  }
+
+  function drawChart() {
+    const series = state.series;
+    const canvas = $("chart");
+    const scale = window.devicePixelRatio || 1;
+    const width = Math.max(1, Math.round(canvas.clientWidth * scale));
+    const height = Math.max(1, Math.round(canvas.clientHeight * scale));
+    canvas.width = width;
+    canvas.height = height;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(1, 0, 0, 1, 0, 0);
+    ctx.fillStyle = "#ffffff";
+    ctx.fillRect(0, 0, width, height);
+    if (!series) return;
+
+    const left = Math.round(48 * scale);
+    const right = Math.round(12 * scale);
+    const top = Math.round(12 * scale);
+    const bottom = Math.round(30 * scale);
+    const plotW = width - left - right;
+    const plotH = height - top - bottom;
+    const base = top + plotH;
+    const buckets = series.buckets;
+    const n = buckets.length;
+    const maxTotal = buckets.reduce((m, b) => Math.max(m, b.total), 0);
+    const step = niceStep(Math.max(maxTotal, 1) / 4);
+    const ymax = Math.max(step, Math.ceil(maxTotal / step) * step);
+
+    // Grid and y labels.
+    ctx.font = `${Math.round(11 * scale)}px system-ui, sans-serif`;
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    for (let v = 0; v <= ymax; v += step) {
+      const y = base - Math.round((v / ymax) * plotH);
+      ctx.fillStyle = "#e4e7eb";
+      ctx.fillRect(left, y, plotW, Math.max(1, Math.round(scale)));
+      ctx.fillStyle = "#52606d";
+      ctx.fillText(String(v), left - Math.round(6 * scale), y);
+    }
+
+    // Stacked bars: one per bucket, one segment per reason.
+    const slot = plotW / n;
+    const barW = Math.max(1, Math.floor(Math.min(slot * 0.8, 48 * scale)));
+    buckets.forEach((bucket, i) => {
+      const x = Math.round(left + i * slot + (slot - barW) / 2);
+      let sum = 0;
+      for (const reason of series.reasons) {
+        const count = bucket.counts[reason];
+        if (!count) continue;
+        const y0 = base - Math.round((sum / ymax) * plotH);
+        sum += count;
+        const y1 = base - Math.round((sum / ymax) * plotH);
+        ctx.fillStyle = colour(reason);
+        ctx.fillRect(x, y1, barW, Math.max(1, y0 - y1));
+      }
+    });
+
+    // X axis and time labels (UTC), spaced so they never overlap.
+    ctx.fillStyle = "#9aa5b1";
+    ctx.fillRect(left, base, plotW, Math.max(1, Math.round(scale)));
+    ctx.fillStyle = "#52606d";
+    ctx.textAlign = "center";
+    ctx.textBaseline = "top";
+    const every = Math.max(1, Math.ceil((90 * scale) / slot));
+    const span = Date.parse(series.until) / 1000 - Date.parse(series.since) / 1000;
+    for (let i = 0; i < n; i += every) {
+      const x = Math.round(left + i * slot + slot / 2);
+      ctx.fillText(axisLabel(buckets[i].start, series.bucket_seconds, span), x, base + Math.round(8 * scale));
+    }
+
+    if (maxTotal === 0) {
+      ctx.fillStyle = "#616e7c";
+      ctx.textBaseline = "middle";
+      ctx.fillText("No refusals in this window", left + plotW / 2, top + plotH / 2);
+    }
+    state.geometry = { left, top, plotH, slot, scale, n };
+    canvas.dataset.drawn = String(buckets.filter((b) => b.total > 0).length);
+  }
+
+  function renderLegend() {
+    const legend = $("legend");
+    legend.replaceChildren();
+    const series = state.series;
+    if (!series || series.reasons.length === 0) {
+      legend.append(el("li", { className: "muted" }, "No refusals in this window."));
+      return;
+    }
+    const selected = $("filter-reason").value;
+    for (const reason of series.reasons) {
+      const item = el(
+        "li",
+        {
+          dataset: { reason, colour: colour(reason) },
+          title: "Show only this reason in the table",
+          className: reason === selected ? "active" : "",
+          on: { click: () => filterByReason(reason === selected ? "" : reason) },
+        },
+        swatch(reason),
+        `${reason} (${series.totals[reason]})`,
+      );
+      legend.append(item);
+    }
+  }
+
+  function swatch(reason) {
+    const node = el("span", { className: "swatch" });
+    node.style.backgroundColor = colour(reason);
+    return node;
+  }
+
+  function onChartHover(event) {
+    const tip = $("chart-tooltip");
+    const g = state.geometry;
+    const series = state.series;
+    if (!g || !series) return;
+    const rect = $("chart").getBoundingClientRect();
+    const x = (event.clientX - rect.left) * g.scale;
+    const i = Math.floor((x - g.left) / g.slot);
+    if (i < 0 || i >= g.n) {
+      tip.hidden = true;
+      return;
+    }
+    const bucket = series.buckets[i];
+    const lines = [`${fmtTime(bucket.start)} – ${fmtTime(bucket.end)}`];
+    for (const reason of series.reasons) {
+      if (bucket.counts[reason]) lines.push(`${reason}: ${bucket.counts[reason]}`);
+    }
+    if (lines.length === 1) lines.push("nothing");
+    tip.textContent = lines.join("\n");
+    tip.hidden = false;
+    // Beside the pointer, on whichever side keeps it inside the chart.
+    const px = event.clientX - rect.left;
+    const left = px + 12 + tip.offsetWidth > rect.width ? px - 12 - tip.offsetWidth : px + 12;
+    tip.style.left = `${Math.max(0, left)}px`;
+    tip.style.top = `${event.clientY - rect.top + 12}px`;
+  }
+
+  async function loadChart() {
+    // The server's clock ends the window, not this browser's.
+    const params = new URLSearchParams({ window_seconds: $("window").value });
+    const series = await api(`/admin/ui/api/refusals-over-time?${params}`);
+    state.series = series;
+    fillReasons(series.known_reasons);
+    const total = Object.values(series.totals).reduce((a, b) => a + b, 0);
+    $("chart-summary").textContent =
+      `${total} answer(s) by the gateway itself; buckets of ${series.bucket_seconds} s (UTC)`;
+    drawChart();
+    renderLegend();
+  }
+
+  // -- refusals table ----------------------------------------------------------------------
+
+  function fillReasons(known) {
+    const select = $("filter-reason");
+    const have = new Set(Array.from(select.options, (o) => o.value));
+    for (const reason of known) {
+      if (!have.has(reason)) select.append(el("option", { value: reason }, reason));
+    }
+  }
+
+  function filterByReason(reason) {
+    fillReasons([reason].filter(Boolean));
+    $("filter-reason").value = reason;
+    renderLegend();
+    loadRefusals(true).catch(report);
+  }
+
+  function jobButton(jobId) {
+    if (!jobId) return "—";
+    return el(
+      "button",
+      { type: "button", className: "link", title: "Show this job's timeline", on: { click: () => openTimeline(jobId) } },
+      jobId,
+    );
+  }
+
+  function generationText(generation, highest) {
+    if (generation === null || generation === undefined) return "—";
+    if (highest === null || highest === undefined || highest === generation) return String(generation);
+    return `${generation} (highest ${highest})`;
+  }
+
+  async function loadRefusals(reset) {
+    if (reset) {
+      state.cursor = null;
+      state.rows = 0;
+    }
+    const params = new URLSearchParams({ limit: String(PAGE_SIZE) });
+    const reason = $("filter-reason").value;
+    const upstream = $("filter-upstream").value.trim();
+    const job = $("filter-job").value.trim();
+    if (reason) params.set("reason", reason);
+    if (upstream) params.set("upstream", upstream);
+    if (job) params.set("job_id", job);
+    if (state.cursor) params.set("cursor", state.cursor);
+    const page = await api(`/admin/rejections?${params}`);
+    const body = $("refusals-table").tBodies[0];
+    if (reset) body.replaceChildren();
+    for (const item of page.items) {
+      body.append(
+        el(
+          "tr",
+          { dataset: { reason: item.reason, id: String(item.id) } },
+          el("td", { className: "time" }, fmtTime(item.at)),
+          el("td", { className: "reason" }, swatch(item.reason), " ", item.reason),
+          el("td", {}, item.status),
+          el("td", { className: "mono" }, jobButton(item.job_id)),
+          el("td", {}, generationText(item.generation, item.highest_generation)),
+          el("td", {}, show(item.upstream)),
+          el("td", { className: "mono" }, `${item.method} ${item.path}`),
+          el("td", { className: "mono" }, show(item.idempotency_key)),
+          el("td", { className: "mono" }, show(item.client)),
+        ),
+      );
+    }
+    state.rows += page.items.length;
+    state.cursor = page.next_cursor;
+    if (state.rows === 0) {
+      body.append(el("tr", {}, el("td", { colSpan: 9, className: "empty" }, "No entries match.")));
+    }
+    $("refusals-count").textContent = `${state.rows} shown, newest first`;
+    $("refusals-more").hidden = !state.cursor;
+  }
+
+  // -- job timeline ------------------------------------------------------------------------
+
+  function describe(event) {
+    const key = event.idempotency_key ? ` · key ${event.idempotency_key}` : "";
+    switch (event.kind) {
+      case "grant":
+        return [`granted to ${event.owner}, expires ${fmtTime(event.expires_at)}`, ""];
+      case "forward": {
+        let outcome = event.state;
+        if (event.state === "completed") outcome = `completed ${show(event.status)}`;
+        else if (event.state === "unknown") outcome = `unknown outcome${event.note ? ` (${event.note})` : ""}`;
+        else if (event.state === "in_flight") outcome = "in flight";
+        return [`${event.method} /${event.upstream}/${event.path}${key}`, outcome];
+      }
+      case "replay":
+        return [`${event.method} ${event.path}${key}`, `replayed ${event.status}`];
+      default:
+        return [`${event.reason}: ${event.method} ${event.path}${key}`, `refused ${event.status}`];
+    }
+  }
+
+  async function openTimeline(jobId) {
+    $("timeline-job").value = jobId;
+    state.timelineJob = jobId;
+    $("timeline-section").scrollIntoView({ block: "start" });
+    await loadTimeline().catch(report);
+  }
+
+  async function loadTimeline() {
+    const jobId = state.timelineJob;
+    if (!jobId) return;
+    const doc = await api(`/admin/ui/api/jobs/${encodeURIComponent(jobId)}/timeline`);
+    const job = doc.job;
+    $("timeline-job-summary").textContent = job
+      ? `${job.job_id} · queue ${job.queue} · ${job.state} · generation ${job.generation}` +
+        (job.owner ? ` · owner ${job.owner}` : "") +
+        ` · attempts ${job.attempts}/${job.max_attempts}` +
+        (doc.truncated ? " · older events not shown" : "")
+      : `${doc.job_id}: no such job now (events kept from before may still show)`;
+    const body = $("timeline-table").tBodies[0];
+    body.replaceChildren();
+    for (const event of doc.events) {
+      const [detail, outcome] = describe(event);
+      body.append(
+        el(
+          "tr",
+          { dataset: { kind: event.kind } },
+          el("td", { className: "time" }, fmtTime(event.at)),
+          el("td", {}, event.kind === "refusal" ? `refusal: ${event.reason}` : event.kind),
+          el("td", {}, generationText(event.generation, event.highest_generation)),
+          el("td", { className: "mono" }, detail),
+          el("td", {}, outcome),
+        ),
+      );
+    }
+    if (doc.events.length === 0) {
+      body.append(el("tr", {}, el("td", { colSpan: 5, className: "empty" }, "No events for this job.")));
+    }
+  }
+
+  // -- unknown outcomes --------------------------------------------------------------------
+
+  async function resolve(item, applied, statusInput, buttons) {
+    const body = { job_id: item.job_id, key: item.key, applied };
+    if (applied) {
+      const status = Number(statusInput.value);
+      if (!Number.isInteger(status) || status < 100 || status > 599) {
+        setStatus("Enter the status (100–599) that retries of this key should get.", "error");
+        statusInput.focus();
+        return;
+      }
+      body.status = status;
+    }
+    buttons.forEach((b) => (b.disabled = true));
+    try {
+      const doc = await api("/admin/unknown-outcomes/resolve", body);
+      setStatus(`Resolved key ${doc.key} of job ${doc.job_id}: ${doc.resolved}.`, "ok");
+    } catch (error) {
+      report(error);
+    } finally {
+      buttons.forEach((b) => (b.disabled = false));
+    }
+    await loadUnknown().catch(report);
+    if (state.timelineJob === item.job_id) await loadTimeline().catch(report);
+  }
+
+  async function loadUnknown() {
+    const doc = await api("/admin/unknown-outcomes?limit=200");
+    const body = $("unknown-table").tBodies[0];
+    body.replaceChildren();
+    for (const item of doc.items) {
+      const statusInput = el("input", {
+        type: "number",
+        min: 100,
+        max: 599,
+        placeholder: "status",
+        className: "resolve-status",
+        title: "The status retries get when you mark it applied",
+      });
+      const applied = el("button", { type: "button", className: "resolve-applied" }, "Applied");
+      const notApplied = el("button", { type: "button", className: "resolve-not-applied" }, "Not applied");
+      const buttons = [applied, notApplied];
+      applied.addEventListener("click", () => resolve(item, true, statusInput, buttons));
+      notApplied.addEventListener("click", () => resolve(item, false, statusInput, buttons));
+      body.append(
+        el(
+          "tr",
+          { dataset: { job: item.job_id, key: item.key } },
+          el("td", { className: "mono" }, jobButton(item.job_id)),
+          el("td", { className: "mono" }, item.key),
+          el("td", {}, item.upstream),
+          el("td", { className: "mono" }, `${item.method} /${item.upstream}/${item.path}`),
+          el("td", {}, item.generation),
+          el("td", { className: "time" }, fmtTime(item.updated_at)),
+          el("td", {}, show(item.note)),
+          el("td", {}, el("div", { className: "resolve" }, statusInput, applied, notApplied)),
+        ),
+      );
+    }
+    if (doc.items.length === 0) {
+      body.append(el("tr", {}, el("td", { colSpan: 8, className: "empty" }, "Nothing held.")));
+    }
+  }
+
+  // -- wiring ----------------------------------------------------------------------------
+
+  function report(error) {
+    setStatus(explain(error), "error");
+  }
+
+  async function loadAll() {
+    setStatus("Loading…");
+    const results = await Promise.allSettled([
+      loadChart(),
+      loadRefusals(true),
+      loadUnknown(),
+      loadTimeline(),
+    ]);
+    const failed = results.find((r) => r.status === "rejected");
+    if (failed) report(failed.reason);
+    else setStatus(`Updated ${new Date().toISOString().replace("T", " ").slice(0, 19)} UTC`, "ok");
+    document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);
+  }
+
+  function start() {
+    const saved = sessionStorage.getItem(TOKEN_KEY);
+    if (saved) $("token").value = saved;
+
+    $("token-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const t = token();
+      if (t) sessionStorage.setItem(TOKEN_KEY, t);
+      else sessionStorage.removeItem(TOKEN_KEY);
+      loadAll();
+    });
+    $("token-forget").addEventListener("click", () => {
+      $("token").value = "";
+      sessionStorage.removeItem(TOKEN_KEY);
+      loadAll();
+    });
+    $("refresh").addEventListener("click", () => loadAll());
+    $("window").addEventListener("change", () => loadChart().catch(report));
+    $("filters").addEventListener("submit", (event) => {
+      event.preventDefault();
+      renderLegend();
+      loadRefusals(true).catch(report);
+    });
+    $("filter-reason").addEventListener("change", () => {
+      renderLegend();
+      loadRefusals(true).catch(report);
+    });
+    $("filter-clear").addEventListener("click", () => {
+      $("filter-reason").value = "";
+      $("filter-upstream").value = "";
+      $("filter-job").value = "";
+      renderLegend();
+      loadRefusals(true).catch(report);
+    });
+    $("refusals-more").addEventListener("click", () => loadRefusals(false).catch(report));
+    $("timeline-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const jobId = $("timeline-job").value.trim();
+      if (jobId) openTimeline(jobId);
+    });
+    const canvas = $("chart");
+    canvas.addEventListener("mousemove", onChartHover);
+    canvas.addEventListener("mouseleave", () => ($("chart-tooltip").hidden = true));
+    let resizeTimer = null;
+    window.addEventListener("resize", () => {
+      clearTimeout(resizeTimer);
+      resizeTimer = setTimeout(drawChart, 100);
+    });
+    loadAll();
+  }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();

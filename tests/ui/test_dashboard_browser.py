@@ -1,0 +1,395 @@
+"""The dashboard in a real browser: a real ``fencegate serve`` process (SQLite, an admin
+token, one upstream), real refusals and a held unknown outcome made through its proxy,
+then Debian's Chromium driven by Playwright (never a downloaded browser).
+
+The page is under /admin/, so the browser sends the admin token on every request
+(``extra_http_headers``): the page request and the page's own calls alike, which is
+how an operator behind a header-adding proxy uses it. The token field stays empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from playwright.async_api import Page, async_playwright, expect
+
+from tests.conftest import IN_CI
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
+LISTENING = re.compile(r"fencegate listening: .*?control=([\w.:\[\]]+).*?proxy=([\w.:\[\]]+)")
+ADMIN = "admin-token-" + "a" * 20
+WORKER = "worker-token-" + "w" * 20
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def chromium() -> str:
+    if not Path(CHROMIUM).is_file():
+        message = f"{CHROMIUM} is missing: install Debian's chromium package"
+        if IN_CI:
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return CHROMIUM
+
+
+# -- the upstream and the gateway process ------------------------------------------------
+
+
+@asynccontextmanager
+async def upstream_server() -> AsyncIterator[str]:
+    """A payment API stand-in: ``/flaky`` answers 504 (outcome unknown), the rest 201."""
+
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        status = 504 if request.path.startswith("/flaky") else 201
+        return web.json_response({"ok": status == 201}, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def write_config(folder: Path, upstream_url: str) -> Path:
+    path = folder / "fencegate.toml"
+    path.write_text(
+        'database_url = "sqlite+aiosqlite:///fencegate.db"\n'
+        'proxy_listen = "127.0.0.1:0"\n'
+        'control_listen = "127.0.0.1:0"\n'
+        "[auth]\n"
+        f'admin_tokens = ["{ADMIN}"]\n'
+        f'worker_tokens = ["{WORKER}"]\n'
+        "[[upstreams]]\n"
+        'name = "pay"\n'
+        f'url = "{upstream_url}"\n'
+        'unknown_outcome = "hold"\n'
+        "timeout_seconds = 5\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+@asynccontextmanager
+async def fencegate(config: Path) -> AsyncIterator[tuple[str, str]]:
+    """``fencegate serve`` until it says where it listens; killed at the end."""
+    log = config.parent / "fencegate.log"
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("FENCEGATE_")}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [FENCEGATE, "serve", "--config", str(config)],
+            cwd=config.parent,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while (match := LISTENING.search(log.read_text(errors="replace"))) is None:
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"fencegate serve did not start:\n{log.read_text(errors='replace')}")
+            await asyncio.sleep(0.05)
+        yield f"http://{match[1]}", f"http://{match[2]}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+# -- what the dashboard will show -----------------------------------------------------------
+
+
+class Gate:
+    def __init__(self, session: aiohttp.ClientSession, control: str, proxy: str) -> None:
+        self.session = session
+        self.control = control
+        self.proxy = proxy
+
+    async def lease(self, job_id: str, owner: str) -> str:
+        async with self.session.put(
+            f"{self.control}/v1/jobs/{job_id}/lease",
+            json={"owner": owner, "ttl_seconds": 300},
+            headers={"Authorization": f"Bearer {WORKER}"},
+        ) as resp:
+            assert resp.status == 201, await resp.text()
+            token: str = (await resp.json())["lease_token"]
+            return token
+
+    async def write(self, path: str, token: str | None, key: str | None, body: Any = None) -> int:
+        headers = {}
+        if token is not None:
+            headers["Fencing-Token"] = token
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        async with self.session.post(
+            self.proxy + path, json=body or {"amount": 1}, headers=headers
+        ) as resp:
+            await resp.read()
+            return resp.status
+
+    async def unknown(self) -> list[dict[str, Any]]:
+        async with self.session.get(self.control + "/admin/unknown-outcomes", headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+            items: list[dict[str, Any]] = (await r.json())["items"]
+            return items
+
+
+async def make_history(gate: Gate) -> None:
+    first = await gate.lease("job-1", "worker-a")
+    assert await gate.write("/pay/charges", first, "k1") == 201  # forwarded
+    second = await gate.lease("job-1", "worker-a")  # a new generation: first is stale
+    assert await gate.write("/pay/charges", first, "k2") == 409  # stale-generation
+    assert await gate.write("/pay/charges", second, "k1") == 201  # idempotent-replay
+    assert await gate.write("/pay/charges", second, None) == 400  # missing-idempotency-key
+    assert await gate.write("/pay/charges", None, "k3") == 428  # missing-fencing-token
+    assert await gate.write("/pay/charges", "fgl_" + "x" * 32, "k3") == 403  # invalid token
+
+    held = await gate.lease("job-2", "worker-b")
+    assert await gate.write("/pay/flaky", held, "u1") == 504  # forwarded; outcome unknown
+    for _ in range(200):  # the answer can arrive just before the record is settled
+        if any(i["key"] == "u1" for i in await gate.unknown()):
+            break
+        await asyncio.sleep(0.02)
+    assert await gate.write("/pay/flaky", held, "u1") == 409  # outcome-unknown
+
+
+REASONS = {
+    "stale-generation",
+    "idempotent-replay",
+    "missing-idempotency-key",
+    "missing-fencing-token",
+    "invalid-fencing-token",
+    "outcome-unknown",
+}
+
+
+# -- PNG, read with the standard library ---------------------------------------------------
+
+
+def png_colours(data: bytes) -> Counter[tuple[int, int, int]]:
+    """How many pixels of each RGB colour an 8-bit, non-interlaced PNG has."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, bytearray()
+    width = height = bpp = 0
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        chunk = data[pos + 8 : pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            width, height, depth, colour_type, _, _, interlace = struct.unpack(">IIBBBBB", chunk)
+            assert depth == 8 and colour_type in (2, 6) and interlace == 0
+            bpp = 3 if colour_type == 2 else 4
+        elif kind == b"IDAT":
+            idat += chunk
+        elif kind == b"IEND":
+            break
+    raw = zlib.decompress(bytes(idat))
+    stride = width * bpp
+    previous = bytearray(stride)
+    counts: Counter[tuple[int, int, int]] = Counter()
+    for y in range(height):
+        start = y * (stride + 1)
+        kind_of_filter = raw[start]
+        line = bytearray(raw[start + 1 : start + 1 + stride])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b = previous[i]
+            c = previous[i - bpp] if i >= bpp else 0
+            if kind_of_filter == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif kind_of_filter == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif kind_of_filter == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif kind_of_filter == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
+                line[i] = (line[i] + pred) & 0xFF
+        for x in range(0, stride, bpp):
+            counts[(line[x], line[x + 1], line[x + 2])] += 1
+        previous = line
+    return counts
+
+
+def rgb(hex_colour: str) -> tuple[int, int, int]:
+    value = hex_colour.lstrip("#")
+    return int(value[0:2], 16), int(value[2:4], 16), int(value[4:6], 16)
+
+
+def near(counts: Counter[tuple[int, int, int]], colour: tuple[int, int, int]) -> int:
+    """Pixels within 3 per channel of ``colour`` (screenshots may round colours a little)."""
+    return sum(
+        n for c, n in counts.items() if all(abs(x - y) <= 3 for x, y in zip(c, colour, strict=True))
+    )
+
+
+CANVAS_COUNTS = """(colours) => {
+  const canvas = document.getElementById("chart");
+  const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+  const wanted = colours.map((h) => [1, 3, 5].map((i) => parseInt(h.slice(i, i + 2), 16)));
+  const counts = wanted.map(() => 0);
+  let painted = 0;
+  for (let p = 0; p < data.length; p += 4) {
+    if (!(data[p] === 255 && data[p + 1] === 255 && data[p + 2] === 255)) painted++;
+    wanted.forEach((w, k) => {
+      if (data[p] === w[0] && data[p + 1] === w[1] && data[p + 2] === w[2]) counts[k]++;
+    });
+  }
+  return { counts, painted };
+}"""
+
+
+async def rows_of(page: Page, selector: str, attribute: str) -> list[str]:
+    values: list[str] = await page.locator(selector).evaluate_all(
+        f"rows => rows.map(r => r.dataset.{attribute})"
+    )
+    return values
+
+
+# -- the test -----------------------------------------------------------------------------
+
+
+async def test_dashboard_in_chromium(tmp_path: Path, chromium: str) -> None:
+    async with upstream_server() as upstream_url:
+        async with fencegate(write_config(tmp_path, upstream_url)) as (control, proxy):
+            async with aiohttp.ClientSession() as session:
+                gate = Gate(session, control, proxy)
+                await make_history(gate)
+                assert [(i["job_id"], i["key"]) for i in await gate.unknown()] == [("job-2", "u1")]
+                await drive_browser(chromium, control, gate, tmp_path)
+                assert await gate.unknown() == []
+
+
+async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path) -> None:
+    async with async_playwright() as playwright:
+        context = await playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=chromium,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            extra_http_headers=AUTH,
+            viewport={"width": 1280, "height": 1000},
+        )
+        try:
+            page = await context.new_page()
+            problems: list[str] = []
+            page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+            page.on(
+                "console",
+                lambda msg: (
+                    problems.append(f"console: {msg.text}") if msg.type == "error" else None
+                ),
+            )
+            response = await page.goto(control + "/admin/ui")
+            assert response is not None and response.status == 200
+            await expect(page.locator("body[data-loaded]")).to_have_count(1)
+            await expect(page.locator("#status")).to_have_class("ok")
+
+            # The refusals table lists every reason; a filter shrinks it.
+            rows = page.locator("#refusals-table tbody tr[data-reason]")
+            await expect(rows).to_have_count(len(REASONS))
+            assert set(await rows_of(page, "#refusals-table tbody tr", "reason")) == REASONS
+            await page.select_option("#filter-reason", "stale-generation")
+            await expect(rows).to_have_count(1)
+            assert await rows_of(page, "#refusals-table tbody tr", "reason") == ["stale-generation"]
+
+            # A job's timeline, from the job in that row.
+            await rows.first.get_by_role("button", name="job-1").click()
+            timeline = page.locator("#timeline-table tbody tr[data-kind]")
+            await expect(timeline).to_have_count(5)
+            assert await rows_of(page, "#timeline-table tbody tr", "kind") == [
+                "grant",
+                "forward",
+                "grant",
+                "refusal",
+                "replay",
+            ]
+            await expect(timeline.nth(1)).to_contain_text("completed 201")
+            await expect(timeline.nth(3)).to_contain_text("stale-generation")
+            await expect(page.locator("#timeline-job-summary")).to_contain_text("generation 2")
+
+            # The held key: "applied" needs a status; "not applied" resolves it.
+            held = page.locator('#unknown-table tbody tr[data-job="job-2"][data-key="u1"]')
+            await expect(held).to_have_count(1)
+            await held.locator("button.resolve-applied").click()
+            await expect(page.locator("#status")).to_have_class("error")
+            await expect(held).to_have_count(1)
+            await held.locator("button.resolve-not-applied").click()
+            await expect(held).to_have_count(0)
+            await expect(page.locator("#status")).to_contain_text("not-applied")
+            await expect(page.locator("#unknown-table tbody")).to_contain_text("Nothing held")
+
+            await check_chart(page, tmp_path)
+            assert problems == []
+        finally:
+            await context.close()
+
+
+async def check_chart(page: Page, tmp_path: Path) -> None:
+    chart = page.locator("#chart")
+    await expect(chart).not_to_have_attribute("data-drawn", "0")
+    legend = page.locator("#legend li[data-reason]")
+    await expect(legend).to_have_count(len(REASONS))
+    colours: dict[str, str] = dict(
+        await legend.evaluate_all("items => items.map(i => [i.dataset.reason, i.dataset.colour])")
+    )
+    assert set(colours) == REASONS
+    assert len(set(colours.values())) == len(REASONS)  # one colour per reason
+
+    # The canvas itself: every reason's colour is painted.
+    reasons = sorted(colours)
+    drawn = await page.evaluate(CANVAS_COUNTS, [colours[r] for r in reasons])
+    for reason, count in zip(reasons, drawn["counts"], strict=True):
+        assert count >= 20, f"{reason}: only {count} pixel(s) of {colours[reason]}"
+
+    # The screenshot: it shows the bars, and it is not what an empty canvas looks like.
+    shot = tmp_path / "chart.png"
+    png = await chart.screenshot(path=shot)
+    assert shot.stat().st_size == len(png) > 1000
+    pixels = png_colours(png)
+    for reason in reasons:
+        assert near(pixels, rgb(colours[reason])) >= 20, f"{reason} not in the screenshot"
+    await page.evaluate(
+        "() => { const c = document.getElementById('chart');"
+        " c.getContext('2d').clearRect(0, 0, c.width, c.height); }"
+    )
+    blank = await chart.screenshot(path=tmp_path / "blank.png")
+    assert blank != png and len(blank) < len(png)
+    blank_pixels = png_colours(blank)
+    assert all(near(blank_pixels, rgb(colours[r])) == 0 for r in reasons)
+    assert len(blank_pixels) <= 2 < len(pixels)
