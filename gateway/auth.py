@@ -14,7 +14,11 @@ from lease_core import exceptions as exc
 
 from .config import AuthSettings
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# Open without a token: health, and the dashboard's static files, which hold no data
+# (every call the page makes for data needs the admin token, which the user types in).
+OPEN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"}
+)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

@@ -529,6 +529,18 @@ class Gateway:
             replay_limit = self.settings.gateway.max_replay_body_bytes
             client_gone = False
             complete = False
+            # The last chunk is held back until the record is settled: a client that has
+            # the whole answer and retries at once must find the answer stored.
+            held = b""
+
+            async def send(chunk: bytes) -> None:
+                nonlocal client_gone
+                if chunk and not client_gone:
+                    try:
+                        await out.write(chunk)
+                    except (ConnectionError, RuntimeError):
+                        client_gone = True
+
             try:
                 await out.prepare(request)
             except (ConnectionError, RuntimeError):
@@ -540,11 +552,8 @@ class Gateway:
                             stored += chunk
                         else:
                             stored = None
-                    if not client_gone:
-                        try:
-                            await out.write(chunk)
-                        except (ConnectionError, RuntimeError):
-                            client_gone = True
+                    await send(held)
+                    held = chunk
                 complete = True
             except (TimeoutError, aiohttp.ClientError) as error:
                 log.warning("upstream %s cut its answer short: %s", upstream.name, error)
@@ -571,7 +580,9 @@ class Gateway:
                     )
             if not client_gone:
                 if complete:
-                    await out.write_eof()
+                    await send(held)
+                    if not client_gone:
+                        await out.write_eof()
                 elif request.transport is not None:
                     request.transport.close()  # the client must not take a cut body as whole
             return out

@@ -360,17 +360,23 @@ async def test_page_and_its_files(make_stack: Any) -> None:
         assert resp.content_type == PROBLEM
 
 
+@pytest.mark.parametrize("path", ["/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"])
+async def test_the_static_files_hold_no_data_and_open_without_a_token(
+    make_stack: Any, path: str
+) -> None:
+    """A browser cannot send a bearer header when it opens a page: the page and its two
+    files are open; every call for data needs the admin token the user types in."""
+    stack = await make_stack(auth={"admin_tokens": [ADMIN], "worker_tokens": [WORKER]})
+    resp = await stack.control.get(path)
+    assert resp.status == 200
+    text = await resp.text()
+    assert ADMIN not in text and "job-1" not in text
+
+
 @pytest.mark.parametrize(
-    "path",
-    [
-        "/admin/ui",
-        "/admin/ui/app.js",
-        "/admin/ui/style.css",
-        OVER_TIME,
-        "/admin/ui/api/jobs/job-1/timeline",
-    ],
+    "path", [OVER_TIME, "/admin/ui/api/jobs/job-1/timeline", "/admin/rejections"]
 )
-async def test_every_dashboard_path_needs_the_admin_token(make_stack: Any, path: str) -> None:
+async def test_every_dashboard_data_path_needs_the_admin_token(make_stack: Any, path: str) -> None:
     stack = await make_stack(auth={"admin_tokens": [ADMIN], "worker_tokens": [WORKER]})
     resp = await stack.control.get(path)
     assert resp.status == 401 and resp.content_type == PROBLEM
