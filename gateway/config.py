@@ -27,7 +27,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 from yarl import URL
 
 from lease_core.config import LeaseSettings
@@ -243,6 +248,9 @@ def load_settings(
         settings = Settings(**data)
     except ValidationError as error:
         raise ConfigError(_describe(error)) from error
+    except SettingsError as error:  # e.g. malformed JSON in a FENCEGATE_* variable
+        cause = f" ({error.__cause__})" if error.__cause__ else ""
+        raise ConfigError([f"environment: {error}{cause}"]) from error
     return _resolve_sqlite(_expand_env(settings, environ), base)
 
 

@@ -19,6 +19,20 @@ _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 ACCESS_LOG = logging.getLogger("fencegate.access")
 
 
+_TOKEN = re.compile(r"fgl_[A-Za-z0-9_-]{4}[A-Za-z0-9_-]*")
+
+
+def redact(text: str) -> str:
+    """Lease tokens are credentials: only their first characters ever reach a log (even
+    when aiohttp quotes a refused request's head in its own error message)."""
+    return _TOKEN.sub(lambda m: m.group(0)[:8] + "…", text)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
 class JsonFormatter(logging.Formatter):
     """``{"ts", "level", "logger", "msg", "request_id", ...fields}`` per line."""
 
@@ -35,7 +49,7 @@ class JsonFormatter(logging.Formatter):
             doc.update(fields)
         if record.exc_info:
             doc["error"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
+        return redact(json.dumps(doc, default=str))
 
 
 def configure(level: str = "INFO", fmt: str = "auto", *, access_log: bool = False) -> None:
@@ -47,7 +61,7 @@ def configure(level: str = "INFO", fmt: str = "auto", *, access_log: bool = Fals
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -19,6 +19,7 @@ from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -245,7 +246,10 @@ class Gateway:
         request = ctx.request
         target = self._target(request)
         if isinstance(target, str):
-            return await self.reject(ctx, Reason.INVALID_REQUEST, detail=target)
+            return await self._refuse_framing(ctx, target)
+        framing = _framing_problem(request)
+        if framing is not None:
+            return await self._refuse_framing(ctx, framing)
         name, rest, query = target
         ctx.upstream = upstream = self.upstreams.get(name)
         if upstream is None:
@@ -284,6 +288,13 @@ class Gateway:
             return await self.reject(ctx, Reason.MISSING_IDEMPOTENCY_KEY)
         ctx.key = key or fence.anonymous_key()
         return Target(upstream, rest, query, tokens.hash_token(token))
+
+    async def _refuse_framing(self, ctx: Ctx, detail: str) -> web.StreamResponse:
+        """A malformed or ambiguous request: refused, and the connection closed so that
+        nothing sent after it on the connection is ever read as a request."""
+        response = await self.reject(ctx, Reason.INVALID_REQUEST, detail=detail)
+        response.force_close()
+        return response
 
     async def _handle(self, ctx: Ctx) -> web.StreamResponse:
         request = ctx.request
@@ -588,6 +599,23 @@ class Gateway:
             return out
 
 
+def _framing_problem(request: web.Request) -> str | None:
+    """Body framing we refuse rather than guess at (request smuggling lives here)."""
+    codings = [
+        c.strip().lower()
+        for v in request.headers.getall("Transfer-Encoding", [])
+        for c in v.split(",")
+        if c.strip()
+    ]
+    if not codings:
+        return None
+    if request.version < aiohttp.HttpVersion11:
+        return "Transfer-Encoding is not allowed in HTTP/1.0."
+    if codings != ["chunked"]:
+        return "Only Transfer-Encoding: chunked is supported."
+    return None
+
+
 async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
     while True:
         chunk = await request.content.readany()
@@ -632,7 +660,16 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 def create_proxy_app(gateway: Gateway) -> web.Application:
     """The proxy listener's app; it owns the gateway's client session."""
-    app = web.Application(middlewares=[request_id_middleware])
+
+    @web.middleware
+    async def unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # CONNECT and ``OPTIONS *`` match no route; they still get the gateway's answer
+        # (a problem document, audited) instead of aiohttp's plain 404.
+        if request.match_info.http_exception is not None:
+            return await gateway.handle(request)
+        return await handler(request)
+
+    app = web.Application(middlewares=[request_id_middleware, unrouted])
     app[GATEWAY] = gateway
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:

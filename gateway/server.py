@@ -168,6 +168,8 @@ async def serve(
                 max_field_size=limits.max_header_field_bytes,
                 max_headers=limits.max_headers,
                 keepalive_timeout=limits.keepalive_timeout_seconds,
+                # The proxy forwards bodies verbatim: a gzip body is never inflated.
+                auto_decompress=name != "proxy",
             )
             await runner.setup()
             runners.append(runner)

@@ -113,10 +113,34 @@ async def read_body(request: web.Request, model: type[B]) -> B:
     data = parse_json(raw) if raw.strip() else {}
     if not isinstance(data, dict):
         raise exc.InvalidRequest("body: must be a JSON object", field="body")
+    where = _nul_at(data, "")
+    if where is not None:
+        field = where or "body"
+        raise exc.InvalidRequest(f"{field}: must not contain NUL characters", field=field)
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise invalid(error) from error
+
+
+def _nul_at(value: Any, path: str) -> str | None:
+    """Where a NUL character hides in a JSON value (no database stores it in text)."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if "\x00" in key:
+                return path or "body"
+            found = _nul_at(item, inner)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _nul_at(item, f"{path}.{index}" if path else str(index))
+            if found is not None:
+                return found
+    return None
 
 
 def invalid(error: ValidationError) -> exc.InvalidRequest:

@@ -65,6 +65,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Domain errors and aiohttp's own HTTP errors become problem documents."""
     try:
+        for name, value in request.query.items():
+            if "\x00" in name or "\x00" in value:
+                raise exc.InvalidRequest(f"{name}: must not contain NUL characters", field=name)
         return await handler(request)
     except exc.LeaseError as error:
         return from_error(error)

@@ -573,6 +573,8 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         created_at, job_id = json.loads(raw)
         if not isinstance(created_at, int | float) or not isinstance(job_id, str):
             raise ValueError
+        if not rules.is_valid_id(job_id):
+            raise ValueError
         return float(created_at), job_id
     except (ValueError, TypeError) as error:
         raise exc.InvalidRequest(

@@ -185,10 +185,10 @@ async def test_a_write_of_g_is_refused_once_g_plus_1_is_admitted(
     """While g+1 is admitted and waiting, g's worker is already refused: it can never
     slip a write in behind the newer generation."""
     stack = await make_stack(
-        upstreams=[upstream_config(upstream, timeout_seconds=2)],
-        gateway={"ordering_wait_seconds": 2},
+        upstreams=[upstream_config(upstream, timeout_seconds=6)],
+        gateway={"ordering_wait_seconds": 6},
     )
-    upstream.delay = 0.4
+    upstream.delay = 1.5  # long enough that a loaded CI machine still sees it in flight
     old = await stack.lease("job-1", owner="a", ttl=1)
     old_write = asyncio.ensure_future(stack.write("/pay/w", old, key="old-1"))
     await until_in_flight(upstream)

@@ -556,12 +556,6 @@ def pg_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-NUL_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="bug: on PostgreSQL a NUL (\\u0000) in a JSON string that is stored or used as "
-    "a filter (payload, result, error, an admin key or audit filter) makes the statement "
-    "fail (JSONB / text refuse NUL) and the control API answers 500 internal-error",
-)
 NUL_CASES = {
     "enqueue-payload": "enqueue-payload",
     "acquire-payload": "acquire-payload",
@@ -612,7 +606,6 @@ async def test_nul_in_free_text_sqlite(stack: Stack, case: str) -> None:
 
 
 @pytest.mark.postgres
-@NUL_BUG
 @pytest.mark.parametrize("case", NUL_CASES.values(), ids=NUL_CASES.keys())
 async def test_nul_in_free_text_postgres(pg_stack: Stack, case: str) -> None:
     resp = await _nul_case(pg_stack, case)

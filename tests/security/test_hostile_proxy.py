@@ -151,12 +151,6 @@ async def test_smuggling_refused(stack: Stack, data: bytes) -> None:
     assert stack.since(mark) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an HTTP/1.0 request with Transfer-Encoding and Connection: keep-alive is "
-    "parsed as chunked and the connection kept open, so the bytes after it are read as a "
-    "second request (RFC 9112 6.1: treat the framing as faulty and close)",
-)
 async def test_http10_transfer_encoding_does_not_desync(stack: Stack) -> None:
     smuggled = b"GET /pay/smuggled HTTP/1.1\r\n" + HOST + b"Connection: close\r\n\r\n"
     data = (
@@ -169,13 +163,6 @@ async def test_http10_transfer_encoding_does_not_desync(stack: Stack) -> None:
     assert answers and answers[0].status == 400, answers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Transfer-Encoding: gzip, chunked is accepted; the chunked coding is "
-    "removed but the gzip coding is not, and Transfer-Encoding (hop-by-hop) is dropped, so "
-    "the upstream gets gzip bytes with nothing saying so (RFC 9112 6.1: 501 for a "
-    "transfer coding the server does not understand)",
-)
 async def test_unsupported_transfer_coding_refused(stack: Stack) -> None:
     packed = gzip.compress(b"{}", mtime=0)
     body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed)
@@ -241,12 +228,6 @@ async def test_connect_and_asterisk_refused(stack: Stack, head: str) -> None:
     assert stack.since(mark) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: CONNECT (any target form) and OPTIONS * never reach Gateway.handle; "
-    "aiohttp's router answers 404 text/plain, so there is no problem document and no "
-    "audit entry, and _target's CONNECT branch is dead code",
-)
 @pytest.mark.parametrize("head", CONNECTS.values(), ids=CONNECTS.keys())
 async def test_connect_answered_by_the_gateway(stack: Stack, head: str) -> None:
     answers = await exchange(stack.proxy_port, head.format(up=stack.upstream_port).encode())
@@ -548,13 +529,6 @@ async def test_expect_continue_refused_before_the_body(stack: Stack, case: str) 
 # -- bodies are bytes: never inflated -----------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the proxy listener's aiohttp server inflates gzip/deflate request bodies "
-    "(RequestHandler auto_decompress defaults to True; server.py does not pass False), so "
-    "the upstream gets the inflated bytes still labelled Content-Encoding: gzip, and "
-    "max_body_bytes and the idempotency fingerprint apply to the inflated body",
-)
 async def test_gzip_request_body_forwarded_verbatim(stack: Stack) -> None:
     lease = await stack.lease("job-gzip-in")
     body = gzip.compress(b'{"amount": 5, "note": "' + b"n" * 300 + b'"}', mtime=0)
@@ -719,12 +693,6 @@ async def test_lease_tokens_never_leak(stack: Stack) -> None:
     assert token not in stack.record_file.read_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: when aiohttp's parser refuses a request (here bare-LF line endings), its "
-    "error message quotes the request head, and aiohttp.server logs it with the whole "
-    "Fencing-Token at ERROR level (the JSON log formatter does not redact it)",
-)
 async def test_token_in_a_malformed_request_not_logged(stack: Stack) -> None:
     lease = await stack.lease("job-leak-malformed")
     token = lease["lease_token"]
