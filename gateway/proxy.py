@@ -12,7 +12,7 @@ import asyncio
 import io
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import unquote
@@ -82,6 +82,7 @@ class Ctx:
     started: float = field(default_factory=time.perf_counter)
     forwarded: bool = False
     body: bytes | None = None
+    send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
 
 
 class Target(NamedTuple):
@@ -289,6 +290,15 @@ class Gateway:
         ctx.key = key or fence.anonymous_key()
         return Target(upstream, rest, query, tokens.hash_token(token))
 
+    async def _settle_quietly(self, settling: Coroutine[Any, Any, None]) -> None:
+        """Store an answer whose response has already started: a failure here (the
+        database went away) must not turn into a second response on the same connection.
+        The record then stays in flight and turns unknown at its deadline."""
+        try:
+            await asyncio.shield(settling)
+        except Exception:
+            log.exception("could not store the answer; its key turns unknown at its deadline")
+
     async def _refuse_framing(self, ctx: Ctx, detail: str) -> web.StreamResponse:
         """A malformed or ambiguous request: refused, and the connection closed so that
         nothing sent after it on the connection is ever read as a request."""
@@ -320,6 +330,9 @@ class Gateway:
             + upstream.connect_timeout_seconds
             + DEADLINE_MARGIN
         )
+        # The claim's deadline runs from here; past it, other replicas treat the record as
+        # unknown and may move on, so this replica must not forward any more.
+        ctx.send_by = time.monotonic() + deadline_in - DEADLINE_MARGIN
         ctx.admission = admission = await self.store.admit(
             WriteRequest(
                 token_hash=token_hash,
@@ -474,9 +487,16 @@ class Gateway:
         presented = ctx.admission.presented if ctx.admission else None
         key = ctx.key or ""
         job_id = presented.job_id if presented else ""
-        timeout = aiohttp.ClientTimeout(
-            total=upstream.timeout_seconds, sock_connect=upstream.connect_timeout_seconds
-        )
+        total = upstream.timeout_seconds
+        if attempt is not None and ctx.send_by is not None:
+            remaining = ctx.send_by - time.monotonic()
+            if remaining <= 0:
+                # Stalled (a paused process, a slow database) past the claim's deadline:
+                # a newer generation may have gone out meanwhile. Never send late.
+                await self.store.release(job_id, key, attempt, back_to)
+                return await self.reject(ctx, Reason.ORDERING_TIMEOUT, headers={"Retry-After": "1"})
+            total = min(total, remaining)
+        timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
         try:
             upstream_response = await self.session.request(
                 request.method,
@@ -571,7 +591,7 @@ class Gateway:
             finally:
                 if attempt is not None:
                     known = complete and upstream_response.status not in UNKNOWN_STATUSES
-                    await asyncio.shield(
+                    await self._settle_quietly(
                         self.store.settle(
                             job_id,
                             key,

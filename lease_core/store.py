@@ -110,7 +110,7 @@ _LEASE_RETURNING = (
 )
 
 # Errors that mean "the database is not there right now", translated in one place.
-_UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, OSError, TimeoutError)
+_UNAVAILABLE = (sa.exc.DBAPIError, OSError, TimeoutError)
 
 
 class LeaseStore:
@@ -553,13 +553,40 @@ def _lease(row: sa.RowMapping, token: str | None) -> LeaseRecord:
     )
 
 
+# SQLSTATE classes and codes that mean "the server is not there right now": 08 connection
+# exceptions, 57P01-57P03 admin/crash shutdown and "cannot connect now", 53 resources.
+_UNAVAILABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53")
+_UNAVAILABLE_WORDS = (
+    "connect",
+    "closed",
+    "terminat",
+    "shutdown",
+    "shutting down",
+    "starting up",
+    "another operation is in progress",
+    "database is locked",
+    "recovery mode",
+)
+
+
 def _is_connection_error(error: sa.exc.DBAPIError) -> bool:
-    if error.connection_invalidated:
+    """A DBAPI error that means the database is unreachable, not that our SQL is wrong."""
+    if error.connection_invalidated or isinstance(
+        error, sa.exc.OperationalError | sa.exc.InterfaceError
+    ):
         return True
-    text = str(error.orig).lower()
-    return any(
-        word in text for word in ("connect", "closed", "terminat", "shutdown", "database is locked")
-    )
+    orig = error.orig
+    sqlstate = str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
+    if sqlstate and sqlstate.startswith(_UNAVAILABLE_SQLSTATES):
+        return True
+    for candidate in (orig, getattr(orig, "__cause__", None)):
+        if isinstance(candidate, OSError | ConnectionError | TimeoutError):
+            return True
+        name = type(candidate).__name__
+        if "Connection" in name or "CannotConnectNow" in name or "AdminShutdown" in name:
+            return True
+    text = str(orig).lower()
+    return any(word in text for word in _UNAVAILABLE_WORDS)
 
 
 def encode_cursor(created_at: float, job_id: str) -> str:

@@ -31,7 +31,6 @@ from .harness import (
     ORDERING_WAIT,
     PAY,
     Attempt,
-    BugReproduced,
     ProcessGroup,
     Replica,
     Run,
@@ -160,13 +159,6 @@ async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
         await run.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BugReproduced,
-    reason="bug: a replica that stalls after its admission was committed still forwards "
-    "when it resumes, after the record's deadline and after a newer generation was "
-    "admitted and forwarded (generation 1 reaches the upstream after generation 2)",
-)
 @pytest.mark.timeout(90)
 async def test_frozen_between_admission_and_forward(
     group: ProcessGroup, fault_db: str, pg_cluster: PgCluster
