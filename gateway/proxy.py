@@ -494,7 +494,13 @@ class Gateway:
                 # Stalled (a paused process, a slow database) past the claim's deadline:
                 # a newer generation may have gone out meanwhile. Never send late.
                 await self.store.release(job_id, key, attempt, back_to)
-                return await self.reject(ctx, Reason.ORDERING_TIMEOUT, headers={"Retry-After": "1"})
+                return await self.reject(
+                    ctx,
+                    Reason.ORDERING_TIMEOUT,
+                    detail="This write was held past its claim's deadline before it could be "
+                    "forwarded; it was not sent. Retry it.",
+                    headers={"Retry-After": "1"},
+                )
             total = min(total, remaining)
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
         try:
