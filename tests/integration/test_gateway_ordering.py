@@ -211,7 +211,7 @@ async def test_same_generation_writes_do_not_wait_for_each_other(
         upstreams=[upstream_config(upstream, timeout_seconds=2)],
         gateway={"ordering_wait_seconds": 0.1},
     )
-    upstream.delay = 0.3
+    upstream.delay = 1.0  # all four must overlap at the upstream even on a loaded machine
     lease = await stack.lease("job-1")
     resps = await asyncio.gather(*(stack.write("/pay/w", lease, key=f"k{i}") for i in range(4)))
     for resp in resps:
@@ -223,10 +223,10 @@ async def test_other_jobs_do_not_wait(
     make_stack: Any, upstream: Upstream, clock: FakeClock
 ) -> None:
     stack = await make_stack(
-        upstreams=[upstream_config(upstream, timeout_seconds=2)],
+        upstreams=[upstream_config(upstream, timeout_seconds=5)],
         gateway={"ordering_wait_seconds": 0.1},
     )
-    upstream.delay = 0.5
+    upstream.delay = 1.5
     slow = await stack.lease("job-1", owner="a", ttl=1)
     slow_write = asyncio.ensure_future(stack.write("/pay/w", slow, key="slow"))
     await until_in_flight(upstream)
@@ -244,10 +244,10 @@ async def test_keyless_writes_are_ordered_too(
     make_stack: Any, upstream: Upstream, clock: FakeClock
 ) -> None:
     stack = await make_stack(
-        upstreams=[upstream_config(upstream, timeout_seconds=2, require_idempotency_key=False)],
+        upstreams=[upstream_config(upstream, timeout_seconds=5, require_idempotency_key=False)],
         gateway={"ordering_wait_seconds": 0.1},
     )
-    upstream.delay = 0.6
+    upstream.delay = 2.0
     old = await stack.lease("job-1", owner="a", ttl=1)
     old_write = asyncio.ensure_future(stack.write("/pay/w", old, key=None))
     await until_in_flight(upstream)
@@ -267,10 +267,10 @@ async def test_a_waiting_write_is_not_forwarded_once_a_newer_generation_is_admit
     its write admitted. From then on no write of g may be forwarded: when g-1 settles,
     g's waiting write must be refused, not sent after all."""
     stack = await make_stack(
-        upstreams=[upstream_config(upstream, timeout_seconds=3)],
-        gateway={"ordering_wait_seconds": 3},
+        upstreams=[upstream_config(upstream, timeout_seconds=8)],
+        gateway={"ordering_wait_seconds": 8},
     )
-    upstream.delay = 0.5
+    upstream.delay = 2.0  # long enough that a loaded CI machine still sees w1 in flight
     first = await stack.lease("job-1", owner="a", ttl=1)
     first_write = asyncio.ensure_future(stack.write("/pay/w", first, key="w1"))
     await until_in_flight(upstream)
