@@ -1,0 +1,1 @@
+"""Fencegate's benchmark: ``python -m bench.run`` (see docs/performance.md)."""

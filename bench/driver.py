@@ -1,0 +1,472 @@
+"""The load driver: one process, asyncio + aiohttp, N concurrent closed loops.
+
+Modes (each run is its own process, started by ``bench.run``):
+
+- ``writes``: fenced writes. Before the timed phase every job gets a live lease through
+  the control API (``PUT /v1/jobs/{id}/lease``, a long TTL); each loop then sends
+  ``POST`` requests with its jobs' ``Fencing-Token`` and a fresh ``Idempotency-Key``.
+  Without ``--control`` (the bare proxy, the upstream itself) the same requests carry a
+  well-formed but made-up token.
+- ``claims``: ``POST /v1/queues/{queue}/claim`` from every loop.
+- ``renewals``: every loop holds leases (acquired before the timed phase) and renews them.
+- ``floor-claims``: the lease store's claim statement (``UPDATE jobs ... WHERE job_id =
+  (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING``) sent straight to the database
+  with asyncpg / aiosqlite from concurrent tasks: the floor for claims.
+- ``floor-renewals``: the store's renew statement, straight to the database.
+
+A warm-up is run and thrown away; then only requests that start and end inside the
+timed window count. The result (JSON) goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import secrets
+import sys
+import time
+from array import array
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+if __package__ in (None, ""):  # run as a file: python bench/driver.py
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import percentile
+
+OK, EMPTY, ERROR = "ok", "empty", "error"
+LOAD_STARTED = "bench load started at"
+WRITE_BODY = b'{"amount":1250,"currency":"EUR","customer":"cus_bench","description":"bench"}'
+FAKE_TOKEN = "fgl_" + "A" * 32
+
+# The store's statements (lease_core/store.py), written out as raw SQL.
+PG_NOW = "CAST(EXTRACT(epoch FROM now()) AS double precision)"
+PG_CLAIM = f"""
+UPDATE jobs SET state = 'leased', generation = jobs.generation + 1, owner = $2,
+    lease_token_hash = $3, lease_ttl_seconds = $4, lease_expires_at = {PG_NOW} + $4,
+    claimable_at = {PG_NOW} + $4, attempts = jobs.attempts + 1, updated_at = {PG_NOW}
+WHERE jobs.job_id = (
+    SELECT jobs.job_id FROM jobs
+    WHERE jobs.queue = $1 AND jobs.claimable_at IS NOT NULL
+      AND jobs.claimable_at <= {PG_NOW} AND jobs.attempts < jobs.max_attempts
+    ORDER BY jobs.claimable_at LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING jobs.job_id, jobs.generation, jobs.owner, jobs.lease_expires_at,
+    jobs.lease_ttl_seconds, jobs.payload
+"""
+PG_RENEW = f"""
+UPDATE jobs SET lease_ttl_seconds = $2, lease_expires_at = {PG_NOW} + $2,
+    claimable_at = {PG_NOW} + $2, updated_at = {PG_NOW}
+WHERE jobs.lease_token_hash = $1 AND jobs.state = 'leased' AND jobs.lease_expires_at > {PG_NOW}
+RETURNING jobs.job_id, jobs.generation, jobs.owner, jobs.lease_expires_at,
+    jobs.lease_ttl_seconds, jobs.payload
+"""
+# SQLite has no row locks (one writer at a time): the same statement without SKIP LOCKED,
+# "now" from the process clock, as the store does in SQLite mode.
+SQLITE_CLAIM = """
+UPDATE jobs SET state = 'leased', generation = jobs.generation + 1, owner = :owner,
+    lease_token_hash = :hash, lease_ttl_seconds = :ttl, lease_expires_at = :now + :ttl,
+    claimable_at = :now + :ttl, attempts = jobs.attempts + 1, updated_at = :now
+WHERE jobs.job_id = (
+    SELECT jobs.job_id FROM jobs
+    WHERE jobs.queue = :queue AND jobs.claimable_at IS NOT NULL
+      AND jobs.claimable_at <= :now AND jobs.attempts < jobs.max_attempts
+    ORDER BY jobs.claimable_at LIMIT 1)
+RETURNING jobs.job_id, jobs.generation, jobs.owner, jobs.lease_expires_at,
+    jobs.lease_ttl_seconds, jobs.payload
+"""
+SQLITE_RENEW = """
+UPDATE jobs SET lease_ttl_seconds = :ttl, lease_expires_at = :now + :ttl,
+    claimable_at = :now + :ttl, updated_at = :now
+WHERE jobs.lease_token_hash = :hash AND jobs.state = 'leased' AND jobs.lease_expires_at > :now
+RETURNING jobs.job_id, jobs.generation, jobs.owner, jobs.lease_expires_at,
+    jobs.lease_ttl_seconds, jobs.payload
+"""
+
+Op = Callable[[], Awaitable[str]]
+
+
+_ERRORS: list[str] = []
+
+
+def _error(status: int, body: bytes) -> str:
+    if len(_ERRORS) < 5:
+        _ERRORS.append(f"{status}: {body[:300].decode(errors='replace')}")
+    return ERROR
+
+
+@dataclass
+class Recorder:
+    """Counts and latencies of what completed inside the timed window."""
+
+    window_start: float
+    window_end: float
+    latencies: array[float] = field(default_factory=lambda: array("d"))
+    ok: int = 0
+    errors: int = 0
+    empty_at: float | None = None
+    per_second: dict[int, int] = field(default_factory=dict)
+
+    def record(self, started: float, ended: float, outcome: str) -> None:
+        if outcome == EMPTY:
+            if self.empty_at is None or started < self.empty_at:
+                self.empty_at = started
+            return
+        if started < self.window_start or ended > self.window_end:
+            return
+        if outcome == OK:
+            self.ok += 1
+            self.latencies.append(ended - started)
+            second = int(ended - self.window_start)
+            self.per_second[second] = self.per_second.get(second, 0) + 1
+        else:
+            self.errors += 1
+
+
+async def run_loops(ops: Sequence[Op], warmup: float, duration: float) -> dict[str, Any]:
+    """Run each op in its own closed loop for ``warmup + duration`` seconds."""
+    began = time.perf_counter()
+    wall_began = time.time()
+    print(f"{LOAD_STARTED} {wall_began:.3f}", flush=True)
+    rec = Recorder(began + warmup, began + warmup + duration)
+
+    async def loop(op: Op) -> None:
+        clock = time.perf_counter
+        while True:
+            started = clock()
+            if started >= rec.window_end or rec.empty_at is not None:
+                return
+            try:
+                outcome = await op()
+            except (aiohttp.ClientError, OSError, TimeoutError) as error:
+                outcome = _error(0, f"{type(error).__name__}: {error}".encode())
+            rec.record(started, clock(), outcome)
+
+    await asyncio.gather(*(loop(op) for op in ops))
+    end = rec.window_end
+    exhausted = rec.empty_at is not None and rec.empty_at < rec.window_end
+    if exhausted:
+        assert rec.empty_at is not None
+        end = rec.empty_at
+    window = max(end - rec.window_start, 1e-9)
+    lat = sorted(rec.latencies)
+    seconds = int(window)
+    return {
+        "ok": rec.ok,
+        "errors": rec.errors,
+        "error_samples": list(_ERRORS),
+        "rps": rec.ok / window if window > 0.05 else 0.0,
+        "p50_ms": percentile(lat, 0.50) * 1000,
+        "p90_ms": percentile(lat, 0.90) * 1000,
+        "p99_ms": percentile(lat, 0.99) * 1000,
+        "max_ms": (lat[-1] * 1000) if lat else 0.0,
+        "window_seconds": window,
+        "exhausted": exhausted,
+        "window_start_epoch": wall_began + warmup,
+        "window_end_epoch": wall_began + warmup + window,
+        "per_second": [rec.per_second.get(s, 0) for s in range(seconds)],
+    }
+
+
+# -- HTTP modes ------------------------------------------------------------------------
+
+
+def new_session(concurrency: int) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency + 8, limit_per_host=concurrency + 8),
+        timeout=aiohttp.ClientTimeout(total=60),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+async def acquire_leases(
+    session: aiohttp.ClientSession, control: str, job_ids: Sequence[str], ttl: float
+) -> list[str]:
+    """A live lease per job, through the control API (before the timed phase)."""
+    gate = asyncio.Semaphore(16)
+
+    async def one(job_id: str) -> str:
+        async with (
+            gate,
+            session.put(
+                f"{control}/v1/jobs/{job_id}/lease",
+                json={"owner": f"bench-{job_id}", "ttl_seconds": ttl, "queue": "bench-writes"},
+            ) as resp,
+        ):
+            text = await resp.text()
+            if resp.status != 201:
+                raise SystemExit(f"acquiring a lease for {job_id}: {resp.status} {text[:300]}")
+            token: str = json.loads(text)["lease_token"]
+            return token
+
+    return list(await asyncio.gather(*(one(j) for j in job_ids)))
+
+
+def split(items: Sequence[str], parts: int) -> list[list[str]]:
+    """Loop i gets items i, i + parts, i + 2 * parts, ..."""
+    return [list(items[i::parts]) or [items[i % len(items)]] for i in range(parts)]
+
+
+async def mode_writes(args: argparse.Namespace) -> dict[str, Any]:
+    concurrency = args.concurrency
+    jobs = max(args.jobs, concurrency)
+    job_ids = [f"{args.tag}-w{i}" for i in range(jobs)]
+    async with new_session(concurrency) as session:
+        if args.control:
+            tokens = await acquire_leases(session, args.control, job_ids, args.ttl)
+        else:
+            tokens = [FAKE_TOKEN] * jobs
+        url = args.target
+
+        def make(loop_index: int, loop_tokens: list[str]) -> Op:
+            cycle = itertools.cycle(loop_tokens)
+            counter = itertools.count()
+            prefix = f"{args.tag}-{loop_index}-{secrets.token_hex(3)}"
+
+            async def op() -> str:
+                headers = {
+                    "Fencing-Token": next(cycle),
+                    "Idempotency-Key": f"{prefix}-{next(counter)}",
+                    "Content-Type": "application/json",
+                }
+                async with session.post(url, data=WRITE_BODY, headers=headers) as resp:
+                    body = await resp.read()
+                    if resp.status == 201:
+                        return OK
+                    return _error(resp.status, body)
+
+            return op
+
+        ops = [make(i, t) for i, t in enumerate(split(tokens, concurrency))]
+        result = await run_loops(ops, args.warmup, args.duration)
+    result["jobs"] = jobs
+    return result
+
+
+async def mode_claims(args: argparse.Namespace) -> dict[str, Any]:
+    concurrency = args.concurrency
+    async with new_session(concurrency) as session:
+        url = f"{args.control}/v1/queues/{args.queue}/claim"
+
+        def make(loop_index: int) -> Op:
+            payload = json.dumps({"owner": f"claimer-{loop_index}", "ttl_seconds": args.ttl})
+
+            async def op() -> str:
+                async with session.post(
+                    url, data=payload, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        return OK
+                    if resp.status == 204:
+                        return EMPTY
+                    return _error(resp.status, body)
+
+            return op
+
+        return await run_loops([make(i) for i in range(concurrency)], args.warmup, args.duration)
+
+
+async def mode_renewals(args: argparse.Namespace) -> dict[str, Any]:
+    concurrency = args.concurrency
+    jobs = max(args.jobs, concurrency)
+    job_ids = [f"{args.tag}-r{i}" for i in range(jobs)]
+    async with new_session(concurrency) as session:
+        tokens = await acquire_leases(session, args.control, job_ids, args.ttl)
+        url = f"{args.control}/v1/leases/renew"
+
+        def make(loop_tokens: list[str]) -> Op:
+            payloads = itertools.cycle(
+                [json.dumps({"lease_token": t, "ttl_seconds": args.ttl}) for t in loop_tokens]
+            )
+
+            async def op() -> str:
+                async with session.post(
+                    url, data=next(payloads), headers={"Content-Type": "application/json"}
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        return OK
+                    return _error(resp.status, body)
+
+            return op
+
+        ops = [make(t) for t in split(tokens, concurrency)]
+        result = await run_loops(ops, args.warmup, args.duration)
+    result["jobs"] = jobs
+    return result
+
+
+# -- raw SQL floors ----------------------------------------------------------------------
+
+
+def _pg_dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+def _sqlite_path(url: str) -> str:
+    return url.split(":///", 1)[1]
+
+
+async def mode_floor(args: argparse.Namespace, what: str) -> dict[str, Any]:
+    url: str = args.database_url
+    concurrency = args.concurrency
+    if url.startswith("postgresql"):
+        import asyncpg  # type: ignore[import-untyped]
+
+        pool = await asyncpg.create_pool(
+            _pg_dsn(url), min_size=args.pool_size, max_size=args.pool_size
+        )
+        try:
+            if what == "claims":
+
+                def make(i: int) -> Op:
+                    owner = f"floor-{i}"
+
+                    async def op() -> str:
+                        row = await pool.fetchrow(
+                            PG_CLAIM, args.queue, owner, secrets.token_hex(32), args.ttl
+                        )
+                        return OK if row is not None else EMPTY
+
+                    return op
+
+                ops = [make(i) for i in range(concurrency)]
+            else:
+                hashes = [
+                    r[0]
+                    for r in await pool.fetch(
+                        "SELECT lease_token_hash FROM jobs WHERE job_id LIKE $1 "
+                        "AND state = 'leased' ORDER BY job_id",
+                        args.job_prefix + "%",
+                    )
+                ]
+                ops = [_pg_renew_op(pool, hs, args.ttl) for hs in split(hashes, concurrency)]
+            return await run_loops(ops, args.warmup, args.duration)
+        finally:
+            await pool.close()
+
+    import aiosqlite
+
+    conn = await aiosqlite.connect(_sqlite_path(url), isolation_level=None)
+    try:
+        for pragma in (
+            "PRAGMA busy_timeout = 10000",
+            "PRAGMA journal_mode = WAL",
+            "PRAGMA synchronous = NORMAL",
+        ):
+            await conn.execute(pragma)
+        if what == "claims":
+
+            def make_sqlite(i: int) -> Op:
+                owner = f"floor-{i}"
+
+                async def op() -> str:
+                    params = {
+                        "owner": owner,
+                        "hash": secrets.token_hex(32),
+                        "ttl": args.ttl,
+                        "now": time.time(),
+                        "queue": args.queue,
+                    }
+                    async with conn.execute(SQLITE_CLAIM, params) as cursor:
+                        row = await cursor.fetchone()
+                    return OK if row is not None else EMPTY
+
+                return op
+
+            ops = [make_sqlite(i) for i in range(concurrency)]
+        else:
+            async with conn.execute(
+                "SELECT lease_token_hash FROM jobs WHERE job_id LIKE ? AND state = 'leased' "
+                "ORDER BY job_id",
+                (args.job_prefix + "%",),
+            ) as cursor:
+                hashes = [r[0] for r in await cursor.fetchall()]
+            ops = [_sqlite_renew_op(conn, hs, args.ttl) for hs in split(hashes, concurrency)]
+        return await run_loops(ops, args.warmup, args.duration)
+    finally:
+        await conn.close()
+
+
+def _pg_renew_op(pool: Any, hashes: list[str], ttl: float) -> Op:
+    cycle = itertools.cycle(hashes)
+
+    async def op() -> str:
+        row = await pool.fetchrow(PG_RENEW, next(cycle), ttl)
+        return OK if row is not None else _error(409, b"lease lost")
+
+    return op
+
+
+def _sqlite_renew_op(conn: Any, hashes: list[str], ttl: float) -> Op:
+    cycle = itertools.cycle(hashes)
+
+    async def op() -> str:
+        params = {"hash": next(cycle), "ttl": ttl, "now": time.time()}
+        async with conn.execute(SQLITE_RENEW, params) as cursor:
+            row = await cursor.fetchone()
+        return OK if row is not None else _error(409, b"lease lost")
+
+    return op
+
+
+MODES = ("writes", "claims", "renewals", "floor-claims", "floor-renewals")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Fencegate benchmark load driver.")
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--target", help="writes: the URL to POST to")
+    parser.add_argument("--control", help="base URL of the control listener")
+    parser.add_argument("--database-url", help="floor modes: the gateway's database URL")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--jobs", type=int, default=256, help="jobs holding a lease")
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--ttl", type=float, default=3600.0, help="lease TTL (seconds)")
+    parser.add_argument("--queue", default="bench")
+    parser.add_argument("--job-prefix", default="", help="floor-renewals: leased jobs' id prefix")
+    parser.add_argument("--pool-size", type=int, default=20, help="floor modes on PostgreSQL")
+    parser.add_argument("--tag", default="bench", help="prefix of job ids and keys")
+    parser.add_argument("--out", help="write the result (JSON) here, else to stdout")
+    return parser
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.mode == "writes":
+        result = await mode_writes(args)
+    elif args.mode == "claims":
+        result = await mode_claims(args)
+    elif args.mode == "renewals":
+        result = await mode_renewals(args)
+    else:
+        result = await mode_floor(args, args.mode.removeprefix("floor-"))
+    result["mode"] = args.mode
+    result["concurrency"] = args.concurrency
+    result["driver_pid"] = os.getpid()
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = asyncio.run(run(args))
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as out:
+            out.write(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The benchmark's upstream: a tiny aiohttp server that reads the request and answers
+201 with a small JSON body, as a payment API's "create charge" would.
+
+Run alone: ``python -m bench.upstream --port 9000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+from aiohttp import web
+
+if __package__ in (None, ""):  # run as a file: python bench/upstream.py
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import serve_app
+
+BODY = b'{"id":"ch_bench","object":"charge","status":"succeeded","amount":1250}'
+
+
+async def answer(request: web.Request) -> web.Response:
+    await request.read()
+    return web.Response(status=201, body=BODY, content_type="application/json")
+
+
+def create_app() -> web.Application:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    asyncio.run(serve_app(create_app(), args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

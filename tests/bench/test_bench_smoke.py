@@ -1,0 +1,83 @@
+"""The benchmark's smoke run (``python -m bench.run --quick``): it starts every target in
+its own process, drives each, and reports every row. This checks that it works, never its
+speed: the numbers come from a full local run (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 110  # under pytest's own timeout, so the run is stopped cleanly (TERM) first
+
+
+def run_quick(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.run", "--quick", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)  # it stops its servers and drops its database
+        try:
+            out, err = process.communicate(timeout=30)
+        finally:
+            process.kill()
+        pytest.fail(f"the quick benchmark took over {TIMEOUT} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+@pytest.mark.postgres
+def test_quick_benchmark_reports_every_target(pg_database_url: str, tmp_path: Path) -> None:
+    # pg_database_url: skips locally / fails in CI when PostgreSQL is unreachable; the
+    # benchmark creates (and drops) its own database on that server.
+    out = tmp_path / "out.json"
+    result = run_quick(
+        "--backends", "sqlite,postgres", "--postgres-url", pg_database_url, "--json", str(out)
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    doc = json.loads(out.read_text())
+    assert doc["failures"] == []
+    rows = doc["rows"]
+
+    writes = {(r["target"], r["backend"]) for r in rows if r["section"] == "writes"}
+    assert writes == {
+        ("upstream direct (reference)", None),
+        ("bare aiohttp proxy (floor)", None),
+        ("fencegate sqlite", "sqlite"),
+        ("fencegate postgres", "postgres"),
+    }
+    lease = {(r["operation"], r["backend"], r["path"]) for r in rows if r["section"] == "lease"}
+    assert lease == {
+        (operation, backend, path)
+        for operation in ("claims", "renewals")
+        for backend in ("sqlite", "postgres")
+        for path in ("HTTP API", "raw SQL")
+    }
+    for row in rows:
+        name = row.get("target") if row["section"] == "writes" else row["operation"]
+        assert row["ok"] > 0 and row["rps"] > 0, (name, row)
+        assert row["errors"] == 0, (name, row["error_samples"])
+        assert row["p50_ms"] > 0 and row["p99_ms"] >= row["p50_ms"], (name, row)
+
+    gateways = [r for r in rows if r["section"] == "writes" and r["backend"] is not None]
+    for row in gateways:
+        # Ratios and verdicts are computed (not judged here) and the gateway's memory read.
+        assert row["rps_ratio"] is not None and row["p99_ratio"] is not None
+        assert row["rss_peak_mib"] and row["rss_start_mib"] and row["rss_end_mib"]
+    table = result.stdout
+    assert "bare aiohttp proxy (floor)" in table and "fencegate postgres" in table
+    assert "not judged" in table
