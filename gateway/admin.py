@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, Any
+from typing import Annotated
 
 from aiohttp import web
 from pydantic import Field
@@ -93,19 +93,7 @@ async def resolve(request: web.Request) -> web.Response:
 
 
 async def upstreams(request: web.Request) -> web.Response:
-    items: list[dict[str, Any]] = [
-        {
-            "name": u.name,
-            "url": u.url,
-            "fenced_methods": u.fenced_methods,
-            "require_idempotency_key": u.require_idempotency_key,
-            "timeout_seconds": u.timeout_seconds,
-            "max_body_bytes": u.max_body_bytes,
-            "unknown_outcome": u.unknown_outcome,
-            "set_headers": sorted(u.set_headers),
-        }
-        for u in request.app[GATEWAY_STATE].upstreams.values()
-    ]
+    items = [u.summary() for u in request.app[GATEWAY_STATE].upstreams.values()]
     return web.json_response({"items": items})
 
 

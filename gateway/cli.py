@@ -347,19 +347,7 @@ def _gen(generation: int | None, highest: int | None) -> str:
 
 
 def cmd_upstreams(args: argparse.Namespace, settings: Settings) -> int:
-    items: list[dict[str, Any]] = [
-        {
-            "name": u.name,
-            "url": u.url,
-            "fenced_methods": u.fenced_methods,
-            "require_idempotency_key": u.require_idempotency_key,
-            "timeout_seconds": u.timeout_seconds,
-            "max_body_bytes": u.max_body_bytes,
-            "unknown_outcome": u.unknown_outcome,
-            "set_headers": sorted(u.set_headers),
-        }
-        for u in settings.upstreams
-    ]
+    items = [u.summary() for u in settings.upstreams]
     if args.json:
         print(json.dumps({"items": items}, indent=2))
         return 0

@@ -107,6 +107,19 @@ class UpstreamSettings(BaseModel):
     set_headers: dict[str, SecretStr] = Field(default_factory=dict)
     unknown_outcome: Literal["hold", "retry"] = "hold"
 
+    def summary(self) -> dict[str, Any]:
+        """What operators may see of this upstream (header names, never their values)."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "fenced_methods": self.fenced_methods,
+            "require_idempotency_key": self.require_idempotency_key,
+            "timeout_seconds": self.timeout_seconds,
+            "max_body_bytes": self.max_body_bytes,
+            "unknown_outcome": self.unknown_outcome,
+            "set_headers": sorted(self.set_headers),
+        }
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:

@@ -97,15 +97,7 @@ class GatewayStore:
                 return None, None, float((await conn.execute(sa.select(now))).scalar_one())
             presented = Presented(orphan[0], orphan[1], orphan[2], None)
             return presented, None, float(orphan[3])
-        job = rules.Job(
-            row.job_id,
-            State(row.state),
-            row.generation,
-            owner=row.owner,
-            lease_expires_at=row.lease_expires_at,
-            attempts=row.attempts,
-            max_attempts=row.max_attempts,
-        )
+        job = _job(row._mapping)
         presented = Presented(row.job_id, row.lease_generation, row.lease_owner, job)
         return presented, row.fence_generation, float(row.now)
 
@@ -202,15 +194,7 @@ class GatewayStore:
                 return Admission(now=now, presented=None)
             job = None
             if row["state"] is not None:
-                job = rules.Job(
-                    row["job_id"],
-                    State(row["state"]),
-                    row["generation"],
-                    owner=row["owner"],
-                    lease_expires_at=row["lease_expires_at"],
-                    attempts=row["attempts"],
-                    max_attempts=row["max_attempts"],
-                )
+                job = _job(row)
             presented = Presented(row["job_id"], row["lease_generation"], row["lease_owner"], job)
             highest = row["fence_generation"]
             if fence.lease_reason(presented, now) is not None:
@@ -492,6 +476,19 @@ LEFT JOIN lease ON true
 LEFT JOIN job ON true
 LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = :key
 """
+
+
+def _job(row: Any) -> rules.Job:
+    """The job's columns of an admission row, for the rules to judge."""
+    return rules.Job(
+        row["job_id"],
+        State(row["state"]),
+        row["generation"],
+        owner=row["owner"],
+        lease_expires_at=row["lease_expires_at"],
+        attempts=row["attempts"],
+        max_attempts=row["max_attempts"],
+    )
 
 
 def _record(row: Any) -> Record:

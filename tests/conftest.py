@@ -246,15 +246,19 @@ class Stack:
 
 
 @pytest.fixture
-def make_stack(
+async def make_stack(
     engine: AsyncEngine,
     aiohttp_client: Callable[..., Any],
     make_settings: Callable[..., Settings],
     clock: FakeClock,
-) -> Callable[..., Any]:
-    # ``engine`` first: set up first, torn down last, after the apps that use it.
-    """Build a gateway replica: ``await make_stack(upstreams=[...], clock=None)``."""
+) -> AsyncIterator[Callable[..., Any]]:
+    """Build a gateway replica: ``await make_stack(upstreams=[...], use_clock=False)``.
+
+    Every replica's apps are closed before ``engine`` (set up first, torn down last) is
+    disposed: their background upkeep may still hold a connection."""
     from gateway.proxy import Gateway, create_proxy_app
+
+    stacks: list[Stack] = []
 
     async def make(*, use_clock: bool = True, **overrides: Any) -> Stack:
         settings = make_settings(**overrides)
@@ -262,9 +266,13 @@ def make_stack(
         gateway = Gateway(settings, store)
         control = await aiohttp_client(create_control_app(settings, store, gateway))
         proxy = await aiohttp_client(create_proxy_app(gateway))
-        return Stack(control, proxy)
+        stacks.append(Stack(control, proxy))
+        return stacks[-1]
 
-    return make
+    yield make
+    for stack in stacks:
+        await stack.control.close()
+        await stack.proxy.close()
 
 
 def upstream_config(up: Upstream, name: str = "pay", **extra: Any) -> dict[str, Any]:

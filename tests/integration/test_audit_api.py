@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,8 +18,8 @@ from gateway.admin import GATEWAY_STATE
 from gateway.server import SETTINGS, upkeep
 from lease_core.api import STORE
 from tests.conftest import FakeClock, Upstream, upstream_config
+from tests.gateway_helpers import PROBLEM
 
-PROBLEM = "application/problem+json"
 ENTRY_KEYS = {
     "id",
     "at",
@@ -47,22 +46,6 @@ def epoch(text: str) -> float:
 
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
-
-
-@pytest.fixture
-async def make_stack(make_stack: Any) -> AsyncIterator[Any]:
-    """The shared factory, plus closing each replica's apps before the engine is disposed."""
-    stacks: list[Any] = []
-
-    async def make(**overrides: Any) -> Any:
-        stack = await make_stack(**overrides)
-        stacks.append(stack)
-        return stack
-
-    yield make
-    for stack in stacks:
-        await stack.control.close()
-        await stack.proxy.close()
 
 
 async def page(stack: Any, **query: str) -> dict[str, Any]:

@@ -16,37 +16,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
 from gateway.config import load_settings
 from tests.conftest import FakeClock, Upstream, upstream_config
-
-PROBLEM = "application/problem+json"
-
-
-async def problem(resp: Any, status: int, reason: str) -> dict[str, Any]:
-    """Check that ``resp`` is the gateway's own RFC 9457 answer and return it."""
-    text = await resp.text()
-    assert resp.status == status, text
-    assert resp.content_type == PROBLEM, (resp.content_type, text)
-    doc: dict[str, Any] = await resp.json(content_type=None)
-    assert doc["reason"] == reason, doc
-    assert doc["status"] == status
-    assert doc["type"].endswith(reason) and doc["type"].startswith("http")
-    assert isinstance(doc["title"], str) and doc["title"]
-    assert isinstance(doc["detail"], str) and doc["detail"]
-    return doc
-
-
-async def ok(resp: Any, status: int = 201) -> bytes:
-    """The body of a forwarded answer, read to the end: the gateway settles the key's
-    record before it ends the body, so a duplicate sent after this sees the record."""
-    body: bytes = await resp.read()
-    assert resp.status == status, body
-    assert "Idempotent-Replayed" not in resp.headers
-    return body
+from tests.gateway_helpers import PROBLEM, ok, problem
 
 
 async def raw_request(
@@ -79,23 +54,6 @@ async def raw_request(
         name, _, value = line.partition(":")
         response_headers[name.strip().lower()] = value.strip()
     return int(status_line.split(" ")[1]), response_headers, payload
-
-
-@pytest.fixture
-async def make_stack(make_stack: Any) -> AsyncIterator[Any]:
-    """The shared factory, plus closing each replica's apps before the engine is disposed
-    (their background upkeep may still be using a connection)."""
-    stacks: list[Any] = []
-
-    async def make(**overrides: Any) -> Any:
-        stack = await make_stack(**overrides)
-        stacks.append(stack)
-        return stack
-
-    yield make
-    for stack in stacks:
-        await stack.control.close()
-        await stack.proxy.close()
 
 
 def unknown_token() -> str:

@@ -10,7 +10,7 @@ import base64
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -21,28 +21,7 @@ from gateway.admin import GATEWAY_STATE
 from gateway.server import SETTINGS, upkeep
 from lease_core.api import STORE
 from tests.conftest import FakeClock, Upstream, upstream_config
-
-PROBLEM = "application/problem+json"
-
-
-async def problem(resp: Any, status: int, reason: str) -> dict[str, Any]:
-    text = await resp.text()
-    assert resp.status == status, text
-    assert resp.content_type == PROBLEM, (resp.content_type, text)
-    doc: dict[str, Any] = await resp.json(content_type=None)
-    assert doc["reason"] == reason, doc
-    assert doc["status"] == status
-    assert doc["type"].endswith(reason)
-    assert doc["title"] and doc["detail"]
-    return doc
-
-
-async def ok(resp: Any, status: int = 201) -> bytes:
-    """A forwarded answer, read to its end (the record is settled before the end)."""
-    body: bytes = await resp.read()
-    assert resp.status == status, body
-    assert "Idempotent-Replayed" not in resp.headers
-    return body
+from tests.gateway_helpers import PROBLEM, ok, problem
 
 
 async def problem_from(
@@ -76,22 +55,6 @@ def closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
-
-
-@pytest.fixture
-async def make_stack(make_stack: Any) -> AsyncIterator[Any]:
-    """The shared factory, plus closing each replica's apps before the engine is disposed."""
-    stacks: list[Any] = []
-
-    async def make(**overrides: Any) -> Any:
-        stack = await make_stack(**overrides)
-        stacks.append(stack)
-        return stack
-
-    yield make
-    for stack in stacks:
-        await stack.control.close()
-        await stack.proxy.close()
 
 
 async def unknown_outcomes(stack: Any) -> list[dict[str, Any]]:

@@ -7,70 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
-import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.schema import requests
 from tests.conftest import FakeClock, Upstream, upstream_config
-
-PROBLEM = "application/problem+json"
-
-
-async def problem(resp: Any, status: int, reason: str) -> dict[str, Any]:
-    text = await resp.text()
-    assert resp.status == status, text
-    assert resp.content_type == PROBLEM, (resp.content_type, text)
-    doc: dict[str, Any] = await resp.json(content_type=None)
-    assert doc["reason"] == reason, doc
-    assert doc["status"] == status and doc["type"].endswith(reason)
-    assert doc["title"] and doc["detail"]
-    return doc
-
-
-async def ok(resp: Any, status: int = 201) -> bytes:
-    body: bytes = await resp.read()
-    assert resp.status == status, body
-    assert "Idempotent-Replayed" not in resp.headers
-    return body
-
-
-async def until_in_flight(upstream: Upstream, count: int = 1, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while upstream.in_flight < count:
-        assert time.monotonic() < deadline, "the write never reached the upstream"
-        await asyncio.sleep(0.005)
-
-
-async def until_admitted(engine: AsyncEngine, job_id: str, key: str) -> None:
-    """Wait until the gateway has admitted the write with this key (its record exists)."""
-    stmt = sa.select(sa.func.count()).where(requests.c.job_id == job_id, requests.c.key == key)
-    deadline = time.monotonic() + 5
-    while True:
-        async with engine.connect() as conn:
-            if (await conn.execute(stmt)).scalar():
-                return
-        assert time.monotonic() < deadline, f"write {key} was never admitted"
-        await asyncio.sleep(0.005)
-
-
-@pytest.fixture
-async def make_stack(make_stack: Any) -> AsyncIterator[Any]:
-    """The shared factory, plus closing each replica's apps before the engine is disposed."""
-    stacks: list[Any] = []
-
-    async def make(**overrides: Any) -> Any:
-        stack = await make_stack(**overrides)
-        stacks.append(stack)
-        return stack
-
-    yield make
-    for stack in stacks:
-        await stack.control.close()
-        await stack.proxy.close()
+from tests.gateway_helpers import ok, problem, until_admitted, until_in_flight
 
 
 async def test_interleaved_generations_reach_the_upstream_in_order(

@@ -12,58 +12,20 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from aiohttp.test_utils import TestClient
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.config import Settings
 from gateway.proxy import Gateway, create_proxy_app
-from gateway.schema import requests
 from gateway.server import create_control_app
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore
 from tests.conftest import FakeClock, Stack, Upstream, upstream_config
+from tests.gateway_helpers import ok, problem, until_admitted, until_in_flight
 
 pytestmark = pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
-
-PROBLEM = "application/problem+json"
-
-
-async def problem(resp: Any, status: int, reason: str) -> dict[str, Any]:
-    text = await resp.text()
-    assert resp.status == status, text
-    assert resp.content_type == PROBLEM, (resp.content_type, text)
-    doc: dict[str, Any] = await resp.json(content_type=None)
-    assert doc["reason"] == reason, doc
-    return doc
-
-
-async def ok(resp: Any, status: int = 201) -> bytes:
-    body: bytes = await resp.read()
-    assert resp.status == status, body
-    assert "Idempotent-Replayed" not in resp.headers
-    return body
-
-
-async def until_in_flight(upstream: Upstream, count: int = 1) -> None:
-    deadline = time.monotonic() + 5
-    while upstream.in_flight < count:
-        assert time.monotonic() < deadline, "the write never reached the upstream"
-        await asyncio.sleep(0.005)
-
-
-async def until_admitted(engine: AsyncEngine, job_id: str, key: str) -> None:
-    """Wait until a replica has admitted the write with this key (its record exists)."""
-    stmt = sa.select(sa.func.count()).where(requests.c.job_id == job_id, requests.c.key == key)
-    deadline = time.monotonic() + 5
-    while True:
-        async with engine.connect() as conn:
-            if (await conn.execute(stmt)).scalar():
-                return
-        assert time.monotonic() < deadline, f"write {key} was never admitted"
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
