@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from enum import Enum
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -20,14 +19,6 @@ OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"}
 )
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class Role(Enum):
-    WORKER = "worker"
-    ADMIN = "admin"
-
-
-ROLE = web.RequestKey("role", Role)
 
 
 def _matches(presented: bytes, tokens: list[bytes]) -> bool:
@@ -45,21 +36,17 @@ def auth_middleware(settings: AuthSettings) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in OPEN_PATHS or not settings.enabled:
-            request[ROLE] = Role.ADMIN
             return await handler(request)
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise exc.Unauthorized("send Authorization: Bearer <token>")
         token = presented.strip().encode("utf-8", "surrogateescape")
         if _matches(token, admin):
-            role = Role.ADMIN
-        elif _matches(token, worker):
-            role = Role.WORKER
-        else:
+            return await handler(request)
+        if not _matches(token, worker):
             raise exc.Unauthorized("unknown bearer token")
-        if role is Role.WORKER and not request.path.startswith("/v1/"):
+        if not request.path.startswith("/v1/"):
             raise exc.Forbidden("worker tokens may only use /v1/; this path needs an admin token")
-        request[ROLE] = role
         return await handler(request)
 
     return middleware

@@ -12,15 +12,14 @@ from aiohttp import web
 
 log = logging.getLogger("fencegate.tasks")
 
-TASKS = web.AppKey("background_tasks", set[asyncio.Task[None]])
-
 
 def every(
     app: web.Application, name: str, interval: float, step: Callable[[], Awaitable[object]]
 ) -> None:
     """Run ``step`` every ``interval`` seconds (first after one interval) for the app's
-    lifetime; errors are logged and the loop goes on. At shutdown a step in progress is
-    allowed to finish (bounded), so no transaction is cut off mid-way."""
+    lifetime; the cleanup context holds the task's reference. Errors are logged and the
+    loop goes on. At shutdown a step in progress may finish (bounded), so no transaction
+    is cut off mid-way."""
     stop = asyncio.Event()
 
     async def loop() -> None:
@@ -37,7 +36,6 @@ def every(
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.get_running_loop().create_task(loop(), name=f"fencegate:{name}")
-        app.setdefault(TASKS, set()).add(task)
         yield
         stop.set()
         try:
@@ -46,6 +44,5 @@ def every(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        app[TASKS].discard(task)
 
     app.cleanup_ctx.append(ctx)
