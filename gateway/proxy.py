@@ -139,8 +139,7 @@ class Gateway:
         headers: dict[str, str] | None = None,
     ) -> web.Response:
         info = fence.REASONS[reason]
-        presented = ctx.admission.presented if ctx.admission else None
-        extra = fence.problem_extra(presented, ctx.admission.highest if ctx.admission else None)
+        extra = self._problem_extra(ctx)
         self._count(ctx, reason.value)
         log.info(
             "answered %s %d",
@@ -155,7 +154,7 @@ class Gateway:
                 }
             },
         )
-        await self._audit(ctx, reason.value, info.status)
+        await self._audit(ctx, reason.value, info.status, extra)
         return problem_response(
             status=info.status,
             reason=reason.value,
@@ -171,7 +170,9 @@ class Gateway:
             ctx.extra["stored_status"] = record.status
             return await self.reject(ctx, Reason.REPLAY_UNAVAILABLE)
         self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
-        await self._audit(ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0)
+        await self._audit(
+            ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0, self._problem_extra(ctx)
+        )
         headers = CIMultiDict(record.headers or [])
         headers["Idempotent-Replayed"] = "true"
         return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
@@ -179,10 +180,15 @@ class Gateway:
     def _count(self, ctx: Ctx, reason: str) -> None:
         self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
 
-    async def _audit(self, ctx: Ctx, reason: str, status: int) -> None:
+    @staticmethod
+    def _problem_extra(ctx: Ctx) -> dict[str, Any]:
+        if ctx.admission is None:
+            return {}
+        return fence.problem_extra(ctx.admission.presented, ctx.admission.highest)
+
+    async def _audit(self, ctx: Ctx, reason: str, status: int, extra: dict[str, Any]) -> None:
         request = ctx.request
         presented = ctx.admission.presented if ctx.admission else None
-        highest = fence.problem_extra(presented, ctx.admission.highest if ctx.admission else None)
         await self.audit.record(
             AuditEntry(
                 reason=reason,
@@ -191,7 +197,7 @@ class Gateway:
                 path=request.raw_path,
                 job_id=presented.job_id if presented else None,
                 generation=presented.generation if presented else None,
-                highest_generation=highest.get("highest_generation"),
+                highest_generation=extra.get("highest_generation"),
                 owner=presented.owner if presented else None,
                 upstream=ctx.upstream.name if ctx.upstream else None,
                 idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
@@ -270,12 +276,7 @@ class Gateway:
         token = presented_tokens[0].strip()
         if not tokens.is_well_formed(token):
             return await self.reject(ctx, Reason.INVALID_FENCING_TOKEN)
-        named = {
-            h.strip().lower()
-            for v in request.headers.getall("Connection", [])
-            for h in v.split(",")
-        }
-        if named & PROTECTED:
+        if connection_named(request.headers) & PROTECTED:
             return await self.reject(
                 ctx,
                 Reason.INVALID_REQUEST,
@@ -547,11 +548,7 @@ class Gateway:
 
         ctx.forwarded = True
         async with upstream_response:
-            named = {
-                h.strip().lower()
-                for v in upstream_response.headers.getall("Connection", [])
-                for h in v.split(",")
-            }
+            named = connection_named(upstream_response.headers)
             response_headers = [
                 (k, v)
                 for k, v in upstream_response.headers.items()
@@ -625,6 +622,11 @@ class Gateway:
             return out
 
 
+def connection_named(headers: CIMultiDictProxy[str]) -> set[str]:
+    """The header names a ``Connection`` header lists (hop-by-hop for this message)."""
+    return {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
+
+
 def _framing_problem(request: web.Request) -> str | None:
     """Body framing we refuse rather than guess at (request smuggling lives here)."""
     codings = [
@@ -661,7 +663,7 @@ def forward_headers(
     """Client headers minus hop-by-hop, the credential and what we set; plus fencing
     headers, forwarding headers and the upstream's own configured headers."""
     incoming: CIMultiDictProxy[str] = request.headers
-    named = {h.strip().lower() for v in incoming.getall("Connection", []) for h in v.split(",")}
+    named = connection_named(incoming)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         lower = name.lower()
