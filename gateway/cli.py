@@ -160,8 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except lease_exc.LeaseError as error:
         print(f"fencegate: {error.detail}", file=sys.stderr)
         return 1
-    except (sa.exc.SQLAlchemyError, OSError) as error:
+    except sa.exc.SQLAlchemyError as error:
         print(f"fencegate: database error: {error}".splitlines()[0], file=sys.stderr)
+        return 1
+    except OSError as error:  # a listener's port taken, a file not writable, ...
+        print(f"fencegate: {error}".splitlines()[0], file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
