@@ -8,21 +8,23 @@ reclaim cannot slip between the lease check and the fence update.
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from lease_core import rules
+from lease_core.direct import Statement
 from lease_core.rules import State
-from lease_core.schema import jobs, leases
 from lease_core.store import LeaseStore
 
 from . import fence
 from .fence import Presented, Record, RecordState
-from .schema import fences, requests
+from .schema import requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,55 +58,14 @@ class GatewayStore:
 
     # -- reading the lease --------------------------------------------------------
 
-    async def _presented(
-        self, conn: AsyncConnection, token_hash: str, *, lock: bool
-    ) -> tuple[Presented | None, int | None, float]:
-        now = self.dialect.now()
-        stmt = (
-            sa.select(
-                leases.c.job_id,
-                leases.c.generation.label("lease_generation"),
-                leases.c.owner.label("lease_owner"),
-                jobs.c.state,
-                jobs.c.generation,
-                jobs.c.owner,
-                jobs.c.lease_expires_at,
-                jobs.c.attempts,
-                jobs.c.max_attempts,
-                fences.c.generation.label("fence_generation"),
-                now.label("now"),
-            )
-            .select_from(
-                leases.join(jobs, jobs.c.job_id == leases.c.job_id).outerjoin(
-                    fences, fences.c.job_id == leases.c.job_id
-                )
-            )
-            .where(leases.c.token_hash == token_hash)
-        )
-        if lock and not self.dialect.sqlite:
-            stmt = stmt.with_for_update(read=True, of=jobs)
-        row = (await conn.execute(stmt)).first()
-        if row is None:
-            # An unknown token, or the token of a job that has since been purged.
-            orphan = (
-                await conn.execute(
-                    sa.select(leases.c.job_id, leases.c.generation, leases.c.owner, now).where(
-                        leases.c.token_hash == token_hash
-                    )
-                )
-            ).first()
-            if orphan is None:
-                return None, None, float((await conn.execute(sa.select(now))).scalar_one())
-            presented = Presented(orphan[0], orphan[1], orphan[2], None)
-            return presented, None, float(orphan[3])
-        job = _job(row._mapping)
-        presented = Presented(row.job_id, row.lease_generation, row.lease_owner, job)
-        return presented, row.fence_generation, float(row.now)
-
     async def check_lease(self, token_hash: str) -> Admission:
         """Read-only: may this token write now? (For refusals before the body is read.)"""
-        async with self.lease_store.transaction() as conn:
-            presented, highest, now = await self._presented(conn, token_hash, lock=False)
+        params = {"token_hash": token_hash, "now": self.dialect.injected_now()}
+        lease_store = self.lease_store
+        row = await lease_store.timed(lease_store.direct.fetchrow(_PRESENTED, params))
+        assert row is not None
+        now = float(row["now"])
+        presented, highest = _presented(row)
         return Admission(now=now, presented=presented, highest=highest)
 
     # -- admitting a write ----------------------------------------------------------
@@ -112,67 +73,15 @@ class GatewayStore:
     async def admit(self, write: WriteRequest) -> Admission:
         """In one transaction: check the lease, raise the job's fence to this generation,
         claim the key (or read its record), and see whether an older generation's write
-        is still in flight. On PostgreSQL that is one statement (one round trip)."""
-        if not self.dialect.sqlite:
-            return await self._admit_one_statement(write)
-        async with self.lease_store.transaction() as conn:
-            presented, highest, now = await self._presented(conn, write.token_hash, lock=True)
-            if fence.lease_reason(presented, now) is not None:
-                return Admission(now=now, presented=presented, highest=highest)
-            assert presented is not None
-            job_id, generation = presented.job_id, presented.generation
-            upsert = self.dialect.insert(fences).values(
-                job_id=job_id, generation=generation, updated_at=now
-            )
-            await conn.execute(
-                upsert.on_conflict_do_update(
-                    index_elements=[fences.c.job_id],
-                    set_={"generation": generation, "updated_at": now},
-                    where=fences.c.generation < generation,
-                )
-            )
-            attempt = uuid.uuid4().hex
-            claim = (
-                self.dialect.insert(requests)
-                .values(
-                    job_id=job_id,
-                    key=write.key,
-                    fingerprint=write.fingerprint,
-                    state=RecordState.IN_FLIGHT.value,
-                    generation=generation,
-                    attempt=attempt,
-                    upstream=write.upstream,
-                    method=write.method,
-                    path=write.path,
-                    deadline=now + write.deadline_in,
-                    created_at=now,
-                    updated_at=now,
-                )
-                .on_conflict_do_nothing(index_elements=[requests.c.job_id, requests.c.key])
-                .returning(requests.c.attempt)
-            )
-            claimed = (await conn.execute(claim)).first() is not None
-            record = None if claimed else await self._record(conn, job_id, write.key)
-            older = claimed and await self._older_in_flight(conn, job_id, generation, now)
-        return Admission(
-            now=now,
-            presented=presented,
-            highest=max(generation, highest or 0),
-            claimed=claimed,
-            attempt=attempt if claimed else None,
-            record=record,
-            older_in_flight=older,
-        )
-
-    async def _admit_one_statement(self, write: WriteRequest) -> Admission:
+        is still in flight. On PostgreSQL that is one statement (one round trip); on
+        SQLite one IMMEDIATE transaction on the database thread (one hop)."""
         attempt = uuid.uuid4().hex
-        injected = self.dialect.injected_now()
-        clock_sql = (
-            "SELECT CAST(:injected_now AS double precision) AS now"
-            if injected is not None
-            else "SELECT CAST(extract(epoch FROM now()) AS double precision) AS now"
-        )
-        stmt = sa.text(_ADMIT_SQL.replace("{clock}", clock_sql))
+        direct = self.lease_store.direct
+        timed = self.lease_store.timed
+        if direct.sqlite:
+            now = self.dialect.injected_now()
+            assert now is not None  # SQLite's clock is always the process's
+            return await timed(direct.run(partial(_admit_sqlite, write, attempt, now)))
         params: dict[str, Any] = {
             "token_hash": write.token_hash,
             "key": write.key,
@@ -184,35 +93,38 @@ class GatewayStore:
             "deadline_in": write.deadline_in,
             "in_flight": RecordState.IN_FLIGHT.value,
             "leased": State.LEASED.value,
+            "now": self.dialect.injected_now(),
         }
-        if injected is not None:
-            params["injected_now"] = injected
-        async with self.lease_store.transaction() as conn:
-            row = (await conn.execute(stmt, params)).mappings().one()
-            now = float(row["now"])
-            if row["job_id"] is None:
-                return Admission(now=now, presented=None)
-            job = None
-            if row["state"] is not None:
-                job = _job(row)
-            presented = Presented(row["job_id"], row["lease_generation"], row["lease_owner"], job)
-            highest = row["fence_generation"]
-            if fence.lease_reason(presented, now) is not None:
-                return Admission(now=now, presented=presented, highest=highest)
-            claimed = bool(row["claimed"])
-            record = None
-            if not claimed:
-                if row["r_attempt"] is not None:
-                    record = _record(
-                        {
-                            **row,
-                            "state": row["r_state"],
-                            "generation": row["r_generation"],
-                            "attempt": row["r_attempt"],
-                        }
-                    )
-                else:  # claimed concurrently, after this statement's snapshot was taken
-                    record = await self._record(conn, presented.job_id, write.key)
+        row = await timed(direct.fetchrow(_ADMIT_PG, params))
+        assert row is not None
+        now = float(row["now"])
+        if row["job_id"] is None:
+            return Admission(now=now, presented=None)
+        job = None
+        if row["state"] is not None:
+            job = _job(row)
+        presented = Presented(row["job_id"], row["lease_generation"], row["lease_owner"], job)
+        highest = row["fence_generation"]
+        if fence.lease_reason(presented, now) is not None:
+            return Admission(now=now, presented=presented, highest=highest)
+        claimed = bool(row["claimed"])
+        record = None
+        if not claimed:
+            if row["r_attempt"] is not None:
+                record = _record(
+                    {
+                        **dict(row),
+                        "state": row["r_state"],
+                        "generation": row["r_generation"],
+                        "attempt": row["r_attempt"],
+                    },
+                    decode=True,
+                )
+            else:  # claimed concurrently, after this statement's snapshot was taken
+                found = await timed(
+                    direct.fetchrow(_RECORD, {"job_id": presented.job_id, "key": write.key})
+                )
+                record = None if found is None else _record(found, decode=True)
         return Admission(
             now=now,
             presented=presented,
@@ -222,18 +134,6 @@ class GatewayStore:
             record=record,
             older_in_flight=claimed and bool(row["older_in_flight"]),
         )
-
-    async def _record(self, conn: AsyncConnection, job_id: str, key: str) -> Record | None:
-        row = (
-            (
-                await conn.execute(
-                    sa.select(requests).where(requests.c.job_id == job_id, requests.c.key == key)
-                )
-            )
-            .mappings()
-            .first()
-        )
-        return None if row is None else _record(row)
 
     async def take_over(
         self, job_id: str, key: str, record: Record, generation: int, deadline_in: float
@@ -263,13 +163,7 @@ class GatewayStore:
         return attempt if row is not None else None
 
     async def older_in_flight(self, job_id: str, generation: int) -> bool:
-        async with self.lease_store.transaction() as conn:
-            return await self._older_in_flight(conn, job_id, generation, self.dialect.now())
-
-    @staticmethod
-    async def _older_in_flight(
-        conn: AsyncConnection, job_id: str, generation: int, now: Any
-    ) -> bool:
+        now = self.dialect.now()
         stmt = sa.select(
             sa.exists().where(
                 requests.c.job_id == job_id,
@@ -278,7 +172,8 @@ class GatewayStore:
                 requests.c.deadline > now,
             )
         )
-        return bool((await conn.execute(stmt)).scalar())
+        async with self.lease_store.transaction() as conn:
+            return bool((await conn.execute(stmt)).scalar())
 
     # -- settling ---------------------------------------------------------------------
 
@@ -294,24 +189,23 @@ class GatewayStore:
         body: bytes | None,
         note: str | None = None,
     ) -> None:
-        """Store the answer of our attempt (completed, or unknown outcome)."""
-        where = (requests.c.job_id == job_id, requests.c.key == key, requests.c.attempt == attempt)
-        async with self.lease_store.transaction() as conn:
-            if fence.is_anonymous(key) and state is RecordState.COMPLETED:
-                await conn.execute(sa.delete(requests).where(*where))
-                return
-            await conn.execute(
-                sa.update(requests)
-                .where(*where)
-                .values(
-                    state=state.value,
-                    status=status,
-                    headers=[list(h) for h in headers] if headers is not None else None,
-                    body=body,
-                    note=note,
-                    updated_at=self.dialect.now(),
-                )
+        """Store the answer of our attempt (completed, or unknown outcome): one
+        statement, sent straight to the driver."""
+        params: dict[str, Any] = {"job_id": job_id, "key": key, "attempt": attempt}
+        if fence.is_anonymous(key) and state is RecordState.COMPLETED:
+            statement = _FORGET
+        else:
+            statement = _SETTLE
+            params.update(
+                state=state.value,
+                status=status,
+                headers=None if headers is None else json.dumps([list(h) for h in headers]),
+                body=body,
+                note=note,
+                now=self.dialect.injected_now(),
             )
+        lease_store = self.lease_store
+        await lease_store.timed(lease_store.direct.fetchrow(statement, params))
 
     async def release(self, job_id: str, key: str, attempt: str, back_to: Record | None) -> None:
         """Our attempt did not reach the upstream: undo the claim (or return the record to
@@ -423,8 +317,9 @@ class GatewayStore:
 # fence raise, the key claim, the existing record and the older-in-flight check, in one
 # statement. Data-modifying CTEs run exactly once; the outer SELECT reads the snapshot
 # from before them, so a record claimed here shows as claimed = 1 and r.* NULL.
-_ADMIT_SQL = """
-WITH clock AS ({clock}),
+_ADMIT_PG = Statement(
+    """
+WITH clock AS (SELECT {now} AS now),
 lease AS (
     SELECT l.job_id, l.generation, l.owner FROM leases AS l WHERE l.token_hash = :token_hash
 ),
@@ -476,6 +371,120 @@ LEFT JOIN lease ON true
 LEFT JOIN job ON true
 LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = :key
 """
+)
+
+# The lease behind a token, its job and its fence; always one row (job_id NULL: no such
+# token; state NULL: the job has been purged since).
+_PRESENTED = Statement(
+    """
+SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
+       j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
+       f.generation AS fence_generation
+FROM (SELECT {now} AS now) AS clock
+LEFT JOIN leases AS l ON l.token_hash = :token_hash
+LEFT JOIN jobs AS j ON j.job_id = l.job_id
+LEFT JOIN fences AS f ON f.job_id = l.job_id
+"""
+)
+
+# SQLite: the admission's steps as statements of one IMMEDIATE transaction
+# (``_admit_sqlite``).
+_RAISE_FENCE_SQLITE = Statement(
+    """
+INSERT INTO fences (job_id, generation, updated_at) VALUES (:job_id, :generation, {now})
+ON CONFLICT (job_id) DO UPDATE
+    SET generation = excluded.generation, updated_at = excluded.updated_at
+    WHERE fences.generation < excluded.generation
+"""
+)
+_CLAIM_KEY_SQLITE = Statement(
+    """
+INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
+                                 upstream, method, path, deadline, created_at, updated_at)
+VALUES (:job_id, :key, :fingerprint, :in_flight, :generation, :attempt, :upstream, :method,
+        :path, {now} + :deadline_in, {now}, {now})
+ON CONFLICT (job_id, key) DO NOTHING
+RETURNING attempt
+"""
+)
+_OLDER_IN_FLIGHT_SQLITE = Statement(
+    """
+SELECT EXISTS (
+    SELECT 1 FROM idempotency_records
+    WHERE job_id = :job_id AND state = :in_flight AND generation < :generation
+      AND deadline > {now}
+)
+"""
+)
+_RECORD = Statement(
+    """
+SELECT fingerprint, state, generation, attempt, deadline, status, headers, body
+FROM idempotency_records WHERE job_id = :job_id AND key = :key
+"""
+)
+_SETTLE = Statement(
+    """
+UPDATE idempotency_records
+SET state = :state, status = :status, headers = :headers, body = :body, note = :note,
+    updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+"""
+)
+_FORGET = Statement(
+    "DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt"
+)
+
+
+def _admit_sqlite(
+    write: WriteRequest, attempt: str, now: float, conn: sqlite3.Connection
+) -> Admission:
+    """``GatewayStore.admit`` on SQLite, run on the database thread inside BEGIN IMMEDIATE
+    (which keeps every other writer out until it commits)."""
+    row = conn.execute(_PRESENTED.sqlite, {"token_hash": write.token_hash, "now": now}).fetchone()
+    presented, highest = _presented(row)
+    if presented is None:
+        return Admission(now=now, presented=None)
+    if fence.lease_reason(presented, now) is not None:
+        return Admission(now=now, presented=presented, highest=highest)
+    params = {
+        "job_id": presented.job_id,
+        "generation": presented.generation,
+        "now": now,
+        "key": write.key,
+        "fingerprint": write.fingerprint,
+        "in_flight": RecordState.IN_FLIGHT.value,
+        "attempt": attempt,
+        "upstream": write.upstream,
+        "method": write.method,
+        "path": write.path,
+        "deadline_in": write.deadline_in,
+    }
+    conn.execute(_RAISE_FENCE_SQLITE.sqlite, params)
+    claimed = conn.execute(_CLAIM_KEY_SQLITE.sqlite, params).fetchone() is not None
+    record = None
+    if not claimed:
+        found = conn.execute(_RECORD.sqlite, params).fetchone()
+        record = None if found is None else _record(found, decode=True)
+    older = claimed and bool(conn.execute(_OLDER_IN_FLIGHT_SQLITE.sqlite, params).fetchone()[0])
+    return Admission(
+        now=now,
+        presented=presented,
+        highest=max(presented.generation, highest or 0),
+        claimed=claimed,
+        attempt=attempt if claimed else None,
+        record=record,
+        older_in_flight=older,
+    )
+
+
+def _presented(row: Any) -> tuple[Presented | None, int | None]:
+    """The lease a token presents and its job's fence, from a ``_PRESENTED`` row."""
+    if row["job_id"] is None:
+        return None, None
+    if row["state"] is None:  # the job has been purged
+        return Presented(row["job_id"], row["lease_generation"], row["lease_owner"], None), None
+    presented = Presented(row["job_id"], row["lease_generation"], row["lease_owner"], _job(row))
+    return presented, row["fence_generation"]
 
 
 def _job(row: Any) -> rules.Job:
@@ -491,8 +500,11 @@ def _job(row: Any) -> rules.Job:
     )
 
 
-def _record(row: Any) -> Record:
+def _record(row: Any, *, decode: bool = False) -> Record:
+    """A record's row; ``decode``: a driver's row, whose JSON is still text."""
     headers = row["headers"]
+    if decode and isinstance(headers, str):
+        headers = json.loads(headers)
     return Record(
         fingerprint=row["fingerprint"],
         state=RecordState(row["state"]),

@@ -11,6 +11,8 @@ from sqlalchemy import event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from .direct import Direct, create_direct
+
 Clock = Callable[[], float]
 """Seconds since the epoch. Injected in tests; None means the authoritative clock."""
 
@@ -19,7 +21,26 @@ def is_sqlite(url: str | sa.URL) -> bool:
     return sa.make_url(url).get_backend_name() == "sqlite"
 
 
-def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> AsyncEngine:
+class Engine(AsyncEngine):
+    """An async engine that also carries the driver-level executor of the hot path
+    (``lease_core.direct``); ``dispose()`` closes both."""
+
+    def __init__(self, sync_engine: sa.Engine) -> None:
+        super().__init__(sync_engine)
+        self.direct: Direct = create_direct(sync_engine)
+
+    async def dispose(self, close: bool = True) -> None:
+        await self.direct.close()
+        await super().dispose(close)
+
+
+def direct_of(engine: AsyncEngine) -> Direct:
+    if not isinstance(engine, Engine):
+        raise TypeError("make the engine with lease_core.db.create_engine")
+    return engine.direct
+
+
+def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
     """An engine tuned for the backend.
 
     SQLite: one connection for the whole process (SQLite has one writer anyway, and a
@@ -31,10 +52,11 @@ def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> AsyncEngine:
     if is_sqlite(url):
         engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=60)
         _sqlite_setup(engine)
-        return engine
-    return create_async_engine(
+        return Engine(engine.sync_engine)
+    engine = create_async_engine(
         url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, pool_timeout=30
     )
+    return Engine(engine.sync_engine)
 
 
 def _sqlite_setup(engine: AsyncEngine) -> None:

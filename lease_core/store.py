@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import base64
 import json
+import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from . import exceptions as exc
 from . import rules, tokens
-from .db import Clock, Dialect
+from .db import Clock, Dialect, direct_of
+from .direct import Statement, is_unavailable
 from .metrics import Metrics
 from .rules import State
 from .schema import job_tombstones, jobs, leases
@@ -109,6 +112,8 @@ _LEASE_RETURNING = (
     jobs.c.payload,
 )
 
+T = TypeVar("T")
+
 # Errors that mean "the database is not there right now", translated in one place.
 _UNAVAILABLE = (sa.exc.DBAPIError, OSError, TimeoutError)
 
@@ -120,6 +125,7 @@ class LeaseStore:
         self, engine: AsyncEngine, *, clock: Clock | None = None, metrics: Metrics | None = None
     ) -> None:
         self.engine = engine
+        self.direct = direct_of(engine)
         self.dialect = Dialect(engine, clock)
         self.metrics = metrics or Metrics()
 
@@ -137,6 +143,21 @@ class LeaseStore:
             raise exc.StoreUnavailable() from error
         finally:
             self.metrics.store_seconds.observe(time.perf_counter() - started)
+
+    async def timed(self, call: Awaitable[T]) -> T:
+        """A hot-path call sent straight to the driver (``direct``), measured and
+        counted like ``transaction``."""
+        started = time.perf_counter()
+        try:
+            return await call
+        except exc.StoreUnavailable:
+            self.metrics.store_errors.inc()
+            raise
+        finally:
+            self.metrics.store_seconds.observe(time.perf_counter() - started)
+
+    def _now_param(self) -> dict[str, float | None]:
+        return {"now": self.dialect.injected_now()}
 
     # -- jobs ---------------------------------------------------------------------
 
@@ -288,35 +309,20 @@ class LeaseStore:
         return _lease(row, token)
 
     async def claim(self, *, queue: str, owner: str, ttl: float) -> LeaseRecord | None:
-        """Lease the next claimable job of ``queue``: pending and due, or expired."""
+        """Lease the next claimable job of ``queue``: pending and due, or expired.
+        One statement on PostgreSQL (the grant and its record), one transaction on
+        SQLite."""
         token, token_hash = tokens.new_token()
-        now = self.dialect.now()
-        candidate = (
-            sa.select(jobs.c.job_id)
-            .where(
-                jobs.c.queue == queue,
-                jobs.c.claimable_at.is_not(None),
-                jobs.c.claimable_at <= now,
-                jobs.c.attempts < jobs.c.max_attempts,
-            )
-            .order_by(jobs.c.claimable_at)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-            .scalar_subquery()
-        )
-        stmt = (
-            sa.update(jobs)
-            .where(jobs.c.job_id == candidate)
-            .values(self._grant_values(owner, ttl, token_hash, now))
-            .returning(*_LEASE_RETURNING)
-        )
-        async with self.transaction() as conn:
-            row = (await conn.execute(stmt)).mappings().first()
-            if row is None:
-                return None
-            lease = await self._record_grant(conn, row, token, token_hash, now)
+        params = {"queue": queue, "owner": owner, "ttl": float(ttl), "token_hash": token_hash}
+        params.update(self._now_param())
+        if self.direct.sqlite:
+            row = await self.timed(self.direct.run(partial(_claim_sqlite, params)))
+        else:
+            row = await self.timed(self.direct.fetchrow(_CLAIM_PG, params))
+        if row is None:
+            return None
         self.metrics.grants.labels("claim").inc()
-        return lease
+        return _lease(row, token, decode=True)
 
     async def acquire(
         self,
@@ -386,22 +392,18 @@ class LeaseStore:
         ]
 
     async def renew(self, token: str, ttl: float | None = None) -> LeaseRecord:
-        now = self.dialect.now()
-        new_ttl: Any = jobs.c.lease_ttl_seconds if ttl is None else ttl
-        stmt = (
-            sa.update(jobs)
-            .where(*self._current(token, now))
-            .values(
-                lease_ttl_seconds=new_ttl,
-                lease_expires_at=now + new_ttl,
-                claimable_at=now + new_ttl,
-                updated_at=now,
-            )
-            .returning(*_LEASE_RETURNING)
-        )
-        lease = _lease(await self._on_current(token, stmt), None)
+        if not tokens.is_well_formed(token):
+            raise exc.InvalidLeaseToken()
+        params = {"token_hash": tokens.hash_token(token), "ttl": None if ttl is None else ttl}
+        params.update(self._now_param())
+        row = await self.timed(self.direct.fetchrow(_RENEW, params))
+        if row is None:
+            async with self.transaction() as conn:
+                reason = await self._refusal(conn, token)
+            self.metrics.losses.labels(reason).inc()
+            raise exc.LOST_BY_REASON[reason]()
         self.metrics.renewals.inc()
-        return lease
+        return _lease(row, None, decode=True)
 
     async def complete(self, token: str, result: Any = None) -> JobRecord:
         now = self.dialect.now()
@@ -541,31 +543,86 @@ def _token_hash(token: str) -> str:
     return tokens.hash_token(token) if tokens.is_well_formed(token) else ""
 
 
-def _lease(row: sa.RowMapping, token: str | None) -> LeaseRecord:
+def _lease(row: Mapping[Any, Any], token: str | None, *, decode: bool = False) -> LeaseRecord:
+    """A grant's row; ``decode``: a driver's row, whose JSON is still text."""
+    payload = row["payload"]
     return LeaseRecord(
         job_id=row["job_id"],
         generation=row["generation"],
         owner=row["owner"],
         expires_at=row["lease_expires_at"],
         ttl_seconds=row["lease_ttl_seconds"],
-        payload=row["payload"],
+        payload=json.loads(payload) if decode and payload is not None else payload,
         lease_token=token,
     )
 
 
-# SQLSTATE classes and codes that mean "the server is not there right now": 08 connection
-# exceptions, 57P01-57P03 admin/crash shutdown and "cannot connect now", 53 resources.
-_UNAVAILABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53")
-_UNAVAILABLE_WORDS = (
-    "connect",
-    "closed",
-    "terminat",
-    "shutdown",
-    "shutting down",
-    "starting up",
-    "another operation is in progress",
-    "database is locked",
-    "recovery mode",
+# The hot path's statements, sent straight to the driver (``lease_core.direct``).
+_LEASED = State.LEASED.value
+_GRANT_SET = f"""
+    state = '{_LEASED}', generation = jobs.generation + 1, owner = :owner,
+    lease_token_hash = :token_hash, lease_ttl_seconds = :ttl,
+    lease_expires_at = {{now}} + :ttl, claimable_at = {{now}} + :ttl,
+    attempts = jobs.attempts + 1, updated_at = {{now}}
+"""
+_CLAIMABLE = """
+    SELECT job_id FROM jobs
+    WHERE queue = :queue AND claimable_at IS NOT NULL AND claimable_at <= {now}
+      AND attempts < max_attempts
+    ORDER BY claimable_at LIMIT 1
+"""
+_GRANTED = (
+    "jobs.job_id, jobs.generation, jobs.owner, jobs.lease_expires_at, "
+    "jobs.lease_ttl_seconds, jobs.payload"
+)
+_RECORD_GRANT = """
+    INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
+    SELECT :token_hash, job_id, generation, owner, {now}, lease_expires_at FROM granted
+"""
+# PostgreSQL: the candidate (skipping rows other claims hold), its grant and the grant's
+# record, in one statement.
+_CLAIM_PG = Statement(
+    f"""
+WITH candidate AS ({_CLAIMABLE} FOR UPDATE SKIP LOCKED),
+granted AS (
+    UPDATE jobs SET {_GRANT_SET} FROM candidate WHERE jobs.job_id = candidate.job_id
+    RETURNING {_GRANTED}
+),
+recorded AS ({_RECORD_GRANT})
+SELECT * FROM granted
+"""
+)
+# SQLite (no data-modifying CTEs; the IMMEDIATE transaction keeps other writers out).
+_CLAIM_SQLITE = Statement(
+    f"UPDATE jobs SET {_GRANT_SET} WHERE job_id = ({_CLAIMABLE}) RETURNING {_GRANTED}"
+)
+_RECORD_GRANT_SQLITE = Statement(
+    """
+INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
+VALUES (:token_hash, :job_id, :generation, :owner, {now}, :lease_expires_at)
+"""
+)
+
+
+def _claim_sqlite(params: dict[str, Any], conn: sqlite3.Connection) -> Mapping[str, Any] | None:
+    row = conn.execute(_CLAIM_SQLITE.sqlite, params).fetchone()
+    if row is None:
+        return None
+    granted = dict(row)
+    conn.execute(_RECORD_GRANT_SQLITE.sqlite, {**params, **granted})
+    return granted
+
+
+_RENEW = Statement(
+    f"""
+UPDATE jobs SET
+    lease_ttl_seconds = COALESCE(:ttl, lease_ttl_seconds),
+    lease_expires_at = {{now}} + COALESCE(:ttl, lease_ttl_seconds),
+    claimable_at = {{now}} + COALESCE(:ttl, lease_ttl_seconds),
+    updated_at = {{now}}
+WHERE lease_token_hash = :token_hash AND state = '{_LEASED}' AND lease_expires_at > {{now}}
+RETURNING {_GRANTED}
+"""
 )
 
 
@@ -575,18 +632,7 @@ def _is_connection_error(error: sa.exc.DBAPIError) -> bool:
         error, sa.exc.OperationalError | sa.exc.InterfaceError
     ):
         return True
-    orig = error.orig
-    sqlstate = str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
-    if sqlstate and sqlstate.startswith(_UNAVAILABLE_SQLSTATES):
-        return True
-    for candidate in (orig, getattr(orig, "__cause__", None)):
-        if isinstance(candidate, OSError | ConnectionError | TimeoutError):
-            return True
-        name = type(candidate).__name__
-        if "Connection" in name or "CannotConnectNow" in name or "AdminShutdown" in name:
-            return True
-    text = str(orig).lower()
-    return any(word in text for word in _UNAVAILABLE_WORDS)
+    return error.orig is not None and is_unavailable(error.orig)
 
 
 def encode_cursor(created_at: float, job_id: str) -> str:

@@ -1,0 +1,329 @@
+"""The hot path's statements, sent straight to the database driver.
+
+A fenced write (admit, settle), a claim and a renewal each run a fixed statement. Through
+SQLAlchemy's per-call machinery (statement building, compiled-cache lookup, execution
+context, pool pre-ping, BEGIN/COMMIT around one statement) each cost 0.4-1 ms of the
+gateway's CPU; sent straight to the driver, about a tenth of that (docs/performance.md).
+So these few go direct, and everything else (the control API's rarer calls, the
+dashboard, migrations) stays on SQLAlchemy:
+
+- PostgreSQL: one asyncpg pool. Each operation is ONE statement (data-modifying CTEs
+  where it has several steps), prepared once per connection and sent without
+  BEGIN/COMMIT: a single statement is its own transaction. One round trip.
+- SQLite: one connection on its own thread. Each operation is one function run there
+  between ``BEGIN IMMEDIATE`` and ``COMMIT``: one hop between threads per transaction,
+  not one per driver call. Operations queued while the thread works run back to back
+  and are answered with one wake-up of the event loop.
+
+Both turn "the database is not there right now" into ``StoreUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import sqlite3
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+
+from . import exceptions as exc
+
+T = TypeVar("T")
+Row = Mapping[str, Any]
+
+_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+_SERVER_NOW = "CAST(extract(epoch FROM now()) AS double precision)"
+
+
+class Statement:
+    """One SQL statement written once, with ``:name`` parameters and ``{now}`` where
+    the authoritative time goes: a ``:now`` parameter (SQLite, or an injected clock)
+    or PostgreSQL's own clock."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @cached_property
+    def sqlite(self) -> str:
+        return self.text.replace("{now}", ":now")
+
+    def postgres(self, injected_now: bool) -> tuple[str, tuple[str, ...]]:
+        return self._postgres[injected_now]
+
+    @cached_property
+    def _postgres(self) -> dict[bool, tuple[str, tuple[str, ...]]]:
+        variants = {}
+        for injected in (False, True):
+            text = self.text.replace(
+                "{now}", "CAST(:now AS double precision)" if injected else _SERVER_NOW
+            )
+            names: list[str] = []
+
+            def number(match: re.Match[str], names: list[str] = names) -> str:
+                name = match.group(1)
+                if name not in names:
+                    names.append(name)
+                return f"${names.index(name) + 1}"
+
+            variants[injected] = (_PARAM.sub(number, text), tuple(names))
+        return variants
+
+
+class Direct:
+    """The driver-level executor of one engine. Created with the engine, closed by its
+    ``dispose()``; connects on first use."""
+
+    sqlite: bool
+
+    async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
+        """Run one statement as its own transaction; its first row, if any."""
+        raise NotImplementedError
+
+    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """SQLite only: run ``work`` on the database thread inside one IMMEDIATE
+        transaction (committed when it returns, rolled back when it raises)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+def create_direct(engine: sa.Engine) -> Direct:
+    if engine.dialect.name == "sqlite":
+        return SqliteDirect(engine.url.database or "")
+    _args, params = engine.dialect.create_connect_args(engine.url)
+    return PostgresDirect(dict(params), pool_size=engine.pool.size())  # type: ignore[attr-defined]
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------
+
+
+class PostgresDirect(Direct):
+    sqlite = False
+
+    def __init__(self, connect_args: dict[str, Any], *, pool_size: int) -> None:
+        # SQLAlchemy's own spelling of the statement cache; asyncpg's is different.
+        cache = connect_args.pop("prepared_statement_cache_size", None)
+        connect_args.pop("prepared_statement_name_func", None)
+        if cache is not None:
+            connect_args["statement_cache_size"] = int(cache)
+        self._connect_args = connect_args
+        self._pool_size = pool_size
+        self._pool: Any = None
+        self._opening: asyncio.Lock | None = None
+
+    async def _get_pool(self) -> Any:
+        if self._pool is not None:
+            return self._pool
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._pool is None:
+                import asyncpg  # type: ignore[import-untyped]
+
+                self._pool = await asyncpg.create_pool(
+                    min_size=0, max_size=self._pool_size, **self._connect_args
+                )
+        return self._pool
+
+    async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
+        text, names = statement.postgres(params.get("now") is not None)
+        args = [params[name] for name in names]
+        try:
+            pool = await self._get_pool()
+            async with pool.acquire(timeout=30) as conn:
+                row: Row | None = await conn.fetchrow(text, *args)
+                return row
+        except Exception as error:
+            if is_unavailable(error):
+                raise exc.StoreUnavailable() from error
+            raise
+
+    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        raise TypeError("run() is for SQLite; on PostgreSQL an operation is one statement")
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+
+# SQLSTATE classes and codes that mean "the server is not there right now": 08 connection
+# exceptions, 57P01-57P03 admin/crash shutdown and "cannot connect now", 53 resources.
+_UNAVAILABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53")
+_UNAVAILABLE_WORDS = (
+    "connect",
+    "closed",
+    "terminat",
+    "shutdown",
+    "shutting down",
+    "starting up",
+    "another operation is in progress",
+    "database is locked",
+    "recovery mode",
+)
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """A driver's error that means the database is unreachable, not that our SQL is
+    wrong (asyncpg, sqlite3, or the OS underneath them)."""
+    if isinstance(error, OSError | ConnectionError | TimeoutError | exc.StoreUnavailable):
+        return True
+    sqlstate = str(getattr(error, "sqlstate", None) or getattr(error, "pgcode", None) or "")
+    if sqlstate and sqlstate.startswith(_UNAVAILABLE_SQLSTATES):
+        return True
+    for candidate in (error, error.__cause__):
+        if isinstance(candidate, OSError | ConnectionError | TimeoutError):
+            return True
+        name = type(candidate).__name__
+        if "Connection" in name or "CannotConnectNow" in name or "AdminShutdown" in name:
+            return True
+        if name == "InterfaceError" and "closed" in str(candidate).lower():
+            return True
+    if isinstance(error, sqlite3.OperationalError):
+        text = str(error).lower()
+        return "locked" in text or "unable to open" in text or "disk i/o" in text
+    text = str(error).lower()
+    return any(word in text for word in _UNAVAILABLE_WORDS)
+
+
+# -- SQLite -------------------------------------------------------------------------------
+
+
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]
+
+
+class SqliteDirect(Direct):
+    sqlite = True
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._stopped_loop: asyncio.AbstractEventLoop | None = None
+
+    async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
+        text = statement.sqlite
+
+        def one(conn: sqlite3.Connection) -> Row | None:
+            row: Row | None = conn.execute(text, params).fetchone()
+            return row
+
+        return await self.run(one)
+
+    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        loop = asyncio.get_running_loop()
+        if self._thread is None:
+            if not self._path or self._path == ":memory:" or self._path.startswith("file::memory"):
+                raise ValueError("SQLite in memory is not supported: give the database a file")
+            self._thread = threading.Thread(
+                target=self._serve, name="fencegate-sqlite", daemon=True
+            )
+            self._thread.start()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((work, future, loop))
+        return await future
+
+    async def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._stopped, self._stopped_loop = done, loop
+        self._jobs.put(None)
+        await done
+        thread.join()
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=True)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA busy_timeout = 10000")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA cache_size = -65536")  # up to 64 MiB of pages, on demand
+        return conn
+
+    def _serve(self) -> None:
+        """The database thread: take what is queued, run each in its own transaction,
+        answer the batch with one wake-up per event loop."""
+        conn: sqlite3.Connection | None = None
+        opening_error: BaseException | None = None
+        try:
+            conn = self._open()
+        except sqlite3.Error as error:
+            opening_error = exc.StoreUnavailable()
+            opening_error.__cause__ = error
+        stop = False
+        while not stop:
+            batch = [self._jobs.get()]
+            while True:
+                try:
+                    batch.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            answers: dict[asyncio.AbstractEventLoop, list[tuple[Any, bool, Any]]] = {}
+            for job in batch:
+                if job is None:
+                    stop = True
+                    continue
+                work, future, loop = job
+                try:
+                    if conn is None:
+                        assert opening_error is not None
+                        raise opening_error
+                    answer = (future, True, _transaction(conn, work))
+                except BaseException as error:
+                    answer = (future, False, error)
+                answers.setdefault(loop, []).append(answer)
+            for loop, results in answers.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver, results)
+                except RuntimeError:  # that loop is closed: nobody waits for these
+                    pass
+        if conn is not None:
+            conn.close()
+        if self._stopped is not None and self._stopped_loop is not None:
+            try:
+                self._stopped_loop.call_soon_threadsafe(_set_done, self._stopped)
+            except RuntimeError:
+                pass
+
+
+def _transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = work(conn)
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+    except sqlite3.Error as error:
+        if is_unavailable(error):
+            raise exc.StoreUnavailable() from error
+        raise
+
+
+def _deliver(results: Sequence[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+    for future, ok, value in results:
+        if future.cancelled():
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
