@@ -200,7 +200,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from .server import serve
 
     configure(args.log_level, args.log_format, access_log=args.access_log)
-    run_loop(serve(settings, reload_settings=lambda: load_settings(args.config)))
+    run_loop(serve(settings, reload_settings=lambda: load_settings(args.config), freeze_gc=True))
     return 0
 
 
