@@ -18,7 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from lease_core import rules
-from lease_core.direct import Statement
+from lease_core.direct import Batched, Statement
 from lease_core.rules import State
 from lease_core.store import LeaseStore
 
@@ -91,11 +91,9 @@ class GatewayStore:
             "method": write.method,
             "path": write.path,
             "deadline_in": write.deadline_in,
-            "in_flight": RecordState.IN_FLIGHT.value,
-            "leased": State.LEASED.value,
             "now": self.dialect.injected_now(),
         }
-        row = await timed(direct.fetchrow(_ADMIT_PG, params))
+        row = await timed(direct.fetchrow_batched(_ADMIT_PG, params))
         assert row is not None
         now = float(row["now"])
         if row["job_id"] is None:
@@ -192,20 +190,20 @@ class GatewayStore:
         """Store the answer of our attempt (completed, or unknown outcome): one
         statement, sent straight to the driver."""
         params: dict[str, Any] = {"job_id": job_id, "key": key, "attempt": attempt}
-        if fence.is_anonymous(key) and state is RecordState.COMPLETED:
-            statement = _FORGET
-        else:
-            statement = _SETTLE
-            params.update(
-                state=state.value,
-                status=status,
-                headers=None if headers is None else json.dumps([list(h) for h in headers]),
-                body=body,
-                note=note,
-                now=self.dialect.injected_now(),
-            )
         lease_store = self.lease_store
-        await lease_store.timed(lease_store.direct.fetchrow(statement, params))
+        direct = lease_store.direct
+        if fence.is_anonymous(key) and state is RecordState.COMPLETED:
+            await lease_store.timed(direct.fetchrow(_FORGET, params))
+            return
+        params.update(
+            state=state.value,
+            status=status,
+            headers=None if headers is None else json.dumps([list(h) for h in headers]),
+            body=body,
+            note=note,
+            now=self.dialect.injected_now(),
+        )
+        await lease_store.timed(direct.fetchrow_batched(_SETTLE, params))
 
     async def release(self, job_id: str, key: str, attempt: str, back_to: Record | None) -> None:
         """Our attempt did not reach the upstream: undo the claim (or return the record to
@@ -316,28 +314,47 @@ class GatewayStore:
 # PostgreSQL: the lease check (the job row locked FOR SHARE so no reclaim slips in), the
 # fence raise, the key claim, the existing record and the older-in-flight check, in one
 # statement. Data-modifying CTEs run exactly once; the outer SELECT reads the snapshot
-# from before them, so a record claimed here shows as claimed = 1 and r.* NULL.
-_ADMIT_PG = Statement(
-    """
+# from before them, so a record claimed here shows as claimed and r.* NULL.
+#
+# Concurrent admissions share one statement (``Batched``): every ``:name`` is then an
+# array with one element per write, and ``n`` tells which write a row answers. Two
+# writes of one job in one batch hold the same lease (one snapshot, one current lease),
+# so the fence is raised once per job (DISTINCT ON); rows are locked in job_id (and key)
+# order, so two batches cannot deadlock on them. A lone write is sent as arrays of one.
+_ADMIT_BODY = """
 WITH clock AS (SELECT {now} AS now),
+input AS (
+    SELECT * FROM unnest(
+        CAST(:token_hash AS text[]), CAST(:key AS text[]), CAST(:fingerprint AS text[]),
+        CAST(:attempt AS text[]), CAST(:upstream AS text[]), CAST(:method AS text[]),
+        CAST(:path AS text[]), CAST(:deadline_in AS double precision[])
+    ) WITH ORDINALITY AS i(token_hash, key, fingerprint, attempt, upstream, method, path,
+                           deadline_in, n)
+),
 lease AS (
-    SELECT l.job_id, l.generation, l.owner FROM leases AS l WHERE l.token_hash = :token_hash
+    SELECT i.n, l.job_id, l.generation, l.owner
+    FROM input AS i JOIN leases AS l ON l.token_hash = i.token_hash
 ),
 job AS (
     SELECT j.job_id, j.state, j.generation, j.owner, j.lease_expires_at, j.attempts,
            j.max_attempts
-    FROM jobs AS j JOIN lease ON j.job_id = lease.job_id
+    FROM jobs AS j WHERE j.job_id IN (SELECT lease.job_id FROM lease)
+    ORDER BY j.job_id
     FOR SHARE OF j
 ),
 current_lease AS (
-    SELECT lease.job_id, lease.generation
-    FROM lease JOIN job ON job.generation = lease.generation AND job.owner = lease.owner
+    SELECT lease.n, lease.job_id, lease.generation
+    FROM lease
+    JOIN job ON job.job_id = lease.job_id AND job.generation = lease.generation
+            AND job.owner = lease.owner
     CROSS JOIN clock
     WHERE job.state = :leased AND job.lease_expires_at > clock.now
 ),
 raised AS (
     INSERT INTO fences (job_id, generation, updated_at)
-    SELECT c.job_id, c.generation, clock.now FROM current_lease AS c CROSS JOIN clock
+    SELECT DISTINCT ON (c.job_id) c.job_id, c.generation, clock.now
+    FROM current_lease AS c CROSS JOIN clock
+    ORDER BY c.job_id, c.generation DESC
     ON CONFLICT (job_id) DO UPDATE
         SET generation = excluded.generation, updated_at = excluded.updated_at
         WHERE fences.generation < excluded.generation
@@ -346,19 +363,19 @@ raised AS (
 claim AS (
     INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
                                      upstream, method, path, deadline, created_at, updated_at)
-    SELECT c.job_id, :key, :fingerprint, :in_flight, c.generation, :attempt, :upstream,
-           :method, :path, clock.now + :deadline_in, clock.now, clock.now
-    FROM current_lease AS c CROSS JOIN clock
+    SELECT c.job_id, i.key, i.fingerprint, :in_flight, c.generation, i.attempt, i.upstream,
+           i.method, i.path, clock.now + i.deadline_in, clock.now, clock.now
+    FROM current_lease AS c JOIN input AS i ON i.n = c.n CROSS JOIN clock
+    ORDER BY c.job_id, i.key
     ON CONFLICT (job_id, key) DO NOTHING
     RETURNING attempt
 )
-SELECT clock.now,
+SELECT i.n, clock.now,
        lease.job_id, lease.generation AS lease_generation, lease.owner AS lease_owner,
        job.state, job.generation, job.owner, job.lease_expires_at, job.attempts,
        job.max_attempts,
        (SELECT f.generation FROM fences AS f WHERE f.job_id = lease.job_id) AS fence_generation,
-       (SELECT count(*) FROM claim) AS claimed,
-       (SELECT count(*) FROM raised) AS raised,
+       EXISTS (SELECT 1 FROM claim WHERE claim.attempt = i.attempt) AS claimed,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body,
        EXISTS (
@@ -366,11 +383,18 @@ SELECT clock.now,
            WHERE o.job_id = lease.job_id AND o.state = :in_flight
              AND o.generation < lease.generation AND o.deadline > clock.now
        ) AS older_in_flight
-FROM clock
-LEFT JOIN lease ON true
-LEFT JOIN job ON true
-LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = :key
+FROM input AS i
+CROSS JOIN clock
+LEFT JOIN lease ON lease.n = i.n
+LEFT JOIN job ON job.job_id = lease.job_id
+LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = i.key
 """
+_ADMIT_PG = Batched(
+    Statement(
+        _ADMIT_BODY.replace(":leased", f"'{State.LEASED.value}'").replace(
+            ":in_flight", f"'{RecordState.IN_FLIGHT.value}'"
+        )
+    )
 )
 
 # The lease behind a token, its job and its fence; always one row (job_id NULL: no such
@@ -422,13 +446,28 @@ SELECT fingerprint, state, generation, attempt, deadline, status, headers, body
 FROM idempotency_records WHERE job_id = :job_id AND key = :key
 """
 )
-_SETTLE = Statement(
-    """
+_SETTLE = Batched(
+    single=Statement(
+        """
 UPDATE idempotency_records
 SET state = :state, status = :status, headers = :headers, body = :body, note = :note,
     updated_at = {now}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt
 """
+    ),
+    many=Statement(
+        """
+UPDATE idempotency_records AS r
+SET state = v.state, status = v.status, headers = CAST(v.headers AS json), body = v.body,
+    note = v.note, updated_at = {now}
+FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]),
+            CAST(:state AS text[]), CAST(:status AS integer[]), CAST(:headers AS text[]),
+            CAST(:body AS bytea[]), CAST(:note AS text[]))
+     WITH ORDINALITY AS v(job_id, key, attempt, state, status, headers, body, note, n)
+WHERE r.job_id = v.job_id AND r.key = v.key AND r.attempt = v.attempt
+RETURNING v.n
+"""
+    ),
 )
 _FORGET = Statement(
     "DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt"

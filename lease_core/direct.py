@@ -30,9 +30,9 @@ import queue
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import cached_property, partial
+from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 
@@ -79,6 +79,18 @@ class Statement:
         return variants
 
 
+class Batched:
+    """A statement that concurrent callers share on PostgreSQL: ``many`` runs over
+    arrays (``:name`` is then the list of every caller's ``name``, in order) and
+    returns a column ``n``, the 1-based position of the caller a row answers.
+    ``single`` is the same for one caller's plain parameters (SQLite runs only that);
+    without it a lone caller is sent ``many`` over arrays of one."""
+
+    def __init__(self, many: Statement, single: Statement | None = None) -> None:
+        self.many = many
+        self.single = single
+
+
 class Direct:
     """The driver-level executor of one engine. Created with the engine, closed by its
     ``dispose()``; connects on first use."""
@@ -88,6 +100,13 @@ class Direct:
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         """Run one statement as its own transaction; its first row, if any."""
         raise NotImplementedError
+
+    async def fetchrow_batched(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
+        """``fetchrow`` of ``statement.single``, where concurrent callers may share one
+        round trip and one commit (PostgreSQL)."""
+        if statement.single is None:
+            raise TypeError("this statement has no form for one caller")
+        return await self.fetchrow(statement.single, params)
 
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """SQLite only: run ``work`` on the database thread inside one IMMEDIATE
@@ -121,6 +140,7 @@ class PostgresDirect(Direct):
         self._pool_size = pool_size
         self._pool: Any = None
         self._opening: asyncio.Lock | None = None
+        self._coalescers: dict[Batched, Coalescer[Mapping[str, Any], Row | None]] = {}
 
     async def _get_pool(self) -> Any:
         if self._pool is not None:
@@ -151,6 +171,59 @@ class PostgresDirect(Direct):
                 raise exc.StoreUnavailable() from error
             raise
 
+    async def fetchrow_batched(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
+        coalescer = self._coalescers.get(statement)
+        if coalescer is None:
+            coalescer = self._coalescers[statement] = Coalescer(
+                partial(self._fetch_many, statement), lanes=BATCH_LANES, max_batch=MAX_BATCH
+            )
+        return await coalescer.submit(params)
+
+    async def _fetch_many(
+        self, statement: Batched, calls: list[Mapping[str, Any]]
+    ) -> list[Row | BaseException | None]:
+        """One statement for all ``calls``; when it fails for another reason than an
+        unreachable database, each call again on its own (one bad call must not fail
+        the others, and a deadlock between two batches is retried this way)."""
+        if len(calls) == 1:
+            return [await self._answer(self._one(statement, calls[0]))]
+        try:
+            rows = await self._fetch_all(statement.many, _arrays(calls))
+        except exc.StoreUnavailable:
+            raise
+        except Exception:
+            return [await self._answer(self._one(statement, call)) for call in calls]
+        answers: list[Row | BaseException | None] = [None] * len(calls)
+        for row in rows:
+            answers[row["n"] - 1] = row
+        return answers
+
+    async def _one(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
+        if statement.single is not None:
+            return await self.fetchrow(statement.single, params)
+        rows = await self._fetch_all(statement.many, _arrays([params]))
+        return rows[0] if rows else None
+
+    @staticmethod
+    async def _answer(call: Awaitable[Row | None]) -> Row | BaseException | None:
+        try:
+            return await call
+        except Exception as error:
+            return error
+
+    async def _fetch_all(self, statement: Statement, params: Mapping[str, Any]) -> list[Row]:
+        text, names = statement.postgres(params.get("now") is not None)
+        args = [params[name] for name in names]
+        try:
+            pool = await self._get_pool()
+            async with pool.acquire() as conn:
+                rows: list[Row] = await conn.fetch(text, *args)
+                return rows
+        except Exception as error:
+            if is_unavailable(error):
+                raise exc.StoreUnavailable() from error
+            raise
+
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         raise TypeError("run() is for SQLite; on PostgreSQL an operation is one statement")
 
@@ -158,6 +231,77 @@ class PostgresDirect(Direct):
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
+
+
+def _arrays(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The parameters of a ``Batched.many``: one list per name; one clock reading."""
+    arrays: dict[str, Any] = {name: [call[name] for call in calls] for name in calls[0]}
+    arrays["now"] = calls[0].get("now")
+    return arrays
+
+
+# Batched statements: at most this many of one kind in flight at once; callers arriving
+# meanwhile wait and go together in the next one (up to MAX_BATCH).
+BATCH_LANES = 2
+MAX_BATCH = 64
+
+Item = TypeVar("Item")
+Answer = TypeVar("Answer")
+
+
+class Coalescer(Generic[Item, Answer]):
+    """Concurrent calls coalesced into batches: while ``lanes`` batches are running,
+    new calls queue and go in the next batch. A lone caller is sent at once, so
+    batching adds no wait when there is no load. ``run_batch`` returns one answer
+    per call (an exception instance answers that call with that exception)."""
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[Item]], Awaitable[list[Answer | BaseException]]],
+        *,
+        lanes: int,
+        max_batch: int,
+    ) -> None:
+        self._run_batch = run_batch
+        self._lanes = lanes
+        self._max_batch = max_batch
+        self._queued: list[tuple[Item, asyncio.Future[Answer]]] = []
+        self._running = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(self, item: Item) -> Answer:
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._queued.append((item, future))
+        if self._running < self._lanes:
+            self._running += 1
+            task = asyncio.ensure_future(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._queued:
+                batch = self._queued[: self._max_batch]
+                del self._queued[: self._max_batch]
+                try:
+                    answers = await self._run_batch([item for item, _ in batch])
+                except BaseException as error:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(error)
+                    if not isinstance(error, Exception):
+                        raise
+                    continue
+                for (_, future), answer in zip(batch, answers, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(answer, BaseException):
+                        future.set_exception(answer)
+                    else:
+                        future.set_result(answer)
+        finally:
+            self._running -= 1
 
 
 async def _no_reset(_conn: Any) -> None:
