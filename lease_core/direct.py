@@ -350,7 +350,7 @@ def is_unavailable(error: BaseException) -> bool:
 # -- SQLite -------------------------------------------------------------------------------
 
 
-# Inline commits between two checkpoints. SQLite's own default is every 1,000 pages of
+# Inline operations between two checkpoints. SQLite's own default is every 1,000 pages of
 # log; an admission writes a handful of pages.
 CHECKPOINT_EVERY = 200
 _CHECKPOINT = "checkpoint"
@@ -364,8 +364,11 @@ class SqliteDirect(Direct):
         self._path = path
         self._inline: sqlite3.Connection | None = None
         self._jobs: queue.SimpleQueue[_Job | str | None] = queue.SimpleQueue()
-        self._commits = 0  # inline commits since the last checkpoint was asked for
+        self._written = 0  # inline operations since the last checkpoint was asked for
         self._checkpoint_queued = False
+        # The open group transaction's callers, each waiting for its COMMIT; None
+        # when no transaction is open.
+        self._waiting: list[asyncio.Future[None]] | None = None
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Future[None] | None = None
         self._stopped_loop: asyncio.AbstractEventLoop | None = None
@@ -381,23 +384,69 @@ class SqliteDirect(Direct):
         return await self.run(one)
 
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        if self._inline is None:
-            self._inline = self._open(busy_timeout_ms=0, check_same_thread=False)
+        """``work`` runs at once, on this thread, under its own savepoint of the group
+        transaction: every operation of this turn of the event loop shares one
+        ``BEGIN IMMEDIATE ... COMMIT``. The caller gets its answer once that COMMIT is
+        done; a ``work`` that raises is rolled back alone, and raises at once."""
+        conn = self._inline
+        if conn is None:
+            conn = self._inline = self._open(busy_timeout_ms=0, check_same_thread=False)
             # Checkpoints copy the log into the database file (and sync it): never on
             # the event loop; the database thread runs them (``_checkpoint_soon``).
-            self._inline.execute("PRAGMA wal_autocheckpoint = 0")
+            conn.execute("PRAGMA wal_autocheckpoint = 0")
+        waiting = self._waiting
+        if waiting is None:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as error:
+                if not _is_busy(error):
+                    raise exc.StoreUnavailable() from error
+                self.handed_off += 1
+                return await self._on_thread(work)
+            waiting = self._waiting = []
+            asyncio.get_running_loop().call_soon(self._commit)
+        conn.execute("SAVEPOINT op")
         try:
-            result = _transaction(self._inline, work, busy=_Busy)
-        except _Busy:
-            self.handed_off += 1
-            return await self._on_thread(work)
-        self._commits += 1
-        if self._commits >= CHECKPOINT_EVERY:
-            self._checkpoint_soon()
+            result = work(conn)
+        except BaseException as error:
+            conn.execute("ROLLBACK TO op")
+            conn.execute("RELEASE op")
+            if isinstance(error, sqlite3.Error) and is_unavailable(error):
+                raise exc.StoreUnavailable() from error
+            raise
+        conn.execute("RELEASE op")
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting.append(committed)
+        await committed
         return result
 
+    def _commit(self) -> None:
+        """End the group transaction (scheduled by the first operation in it)."""
+        waiting, self._waiting = self._waiting or [], None
+        conn = self._inline
+        if conn is None:  # closed meanwhile
+            failure: BaseException | None = exc.StoreUnavailable()
+        else:
+            failure = None
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as error:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                failure = exc.StoreUnavailable() if is_unavailable(error) else error
+        for future in waiting:
+            if future.done():
+                continue
+            if failure is None:
+                future.set_result(None)
+            else:
+                future.set_exception(failure)
+        self._written += len(waiting)
+        if self._written >= CHECKPOINT_EVERY:
+            self._checkpoint_soon()
+
     def _checkpoint_soon(self) -> None:
-        self._commits = 0
+        self._written = 0
         if not self._checkpoint_queued:
             self._checkpoint_queued = True
             self._start_thread()
@@ -418,6 +467,8 @@ class SqliteDirect(Direct):
         return await future
 
     async def close(self) -> None:
+        if self._waiting is not None:
+            self._commit()
         inline, self._inline = self._inline, None
         if inline is not None:
             inline.close()
@@ -502,17 +553,14 @@ class SqliteDirect(Direct):
                 pass
 
 
-class _Busy(Exception):
-    """Another connection holds the write lock; nothing was done."""
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    text = str(error).lower()
+    return "locked" in text or "busy" in text
 
 
-def _transaction(
-    conn: sqlite3.Connection,
-    work: Callable[[sqlite3.Connection], T],
-    busy: type[Exception] = exc.StoreUnavailable,
-) -> T:
-    """``work`` in one IMMEDIATE transaction. A lock that could not be had raises
-    ``busy`` after rolling back; other connection-level failures ``StoreUnavailable``."""
+def _transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
+    """``work`` in one IMMEDIATE transaction (the database thread's). A lock not had
+    within the busy timeout and other connection-level failures: ``StoreUnavailable``."""
     try:
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -523,12 +571,6 @@ def _transaction(
                 conn.execute("ROLLBACK")
             raise
         return result
-    except sqlite3.OperationalError as error:
-        if "locked" in str(error).lower() or "busy" in str(error).lower():
-            raise busy() from error
-        if is_unavailable(error):
-            raise exc.StoreUnavailable() from error
-        raise
     except sqlite3.Error as error:
         if is_unavailable(error):
             raise exc.StoreUnavailable() from error
