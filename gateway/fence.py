@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from lease_core import rules
+from lease_core import rules, tokens
 
 
 class Reason(StrEnum):
@@ -138,7 +137,7 @@ def parse_key(header: str, max_length: int = 255) -> str | None:
 
 def anonymous_key() -> str:
     """A key for a write that carries none: tracked while in flight, never replayed."""
-    return ANONYMOUS_PREFIX + uuid.uuid4().hex
+    return ANONYMOUS_PREFIX + tokens.new_serial_id()
 
 
 def is_anonymous(key: str) -> bool:

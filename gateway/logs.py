@@ -7,12 +7,13 @@ import logging
 import re
 import sys
 import time
-import uuid
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+
+from lease_core import tokens
 
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -74,7 +75,7 @@ def configure(level: str = "INFO", fmt: str = "auto", *, access_log: bool = Fals
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Take a sane ``X-Request-Id`` or make one; echo it; log one access line."""
     presented = request.headers.get("X-Request-Id", "")
-    request_id = presented if _SAFE_ID.fullmatch(presented) else uuid.uuid4().hex[:16]
+    request_id = presented if _SAFE_ID.fullmatch(presented) else tokens.new_serial_id()
     token = REQUEST_ID.set(request_id)
     started = time.perf_counter()
     status = 500

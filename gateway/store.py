@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import uuid
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import sqlalchemy as sa
 
-from lease_core import rules
+from lease_core import rules, tokens
 from lease_core.direct import Batched, Statement
 from lease_core.rules import State
 from lease_core.store import LeaseStore
@@ -75,7 +74,7 @@ class GatewayStore:
         claim the key (or read its record), and see whether an older generation's write
         is still in flight. On PostgreSQL that is one statement (one round trip); on
         SQLite one IMMEDIATE transaction on the database thread (one hop)."""
-        attempt = uuid.uuid4().hex
+        attempt = tokens.new_serial_id()
         direct = self.lease_store.direct
         timed = self.lease_store.timed
         if direct.sqlite:
@@ -138,7 +137,7 @@ class GatewayStore:
     ) -> str | None:
         """Forward a key again (retry policy, or an operator said 'not applied'): only if
         its record is still the one we judged. Returns the new attempt id, or None."""
-        attempt = uuid.uuid4().hex
+        attempt = tokens.new_serial_id()
         now = self.dialect.now()
         stmt = (
             sa.update(requests)

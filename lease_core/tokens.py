@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
 import re
 import secrets
 
@@ -29,3 +31,24 @@ def is_well_formed(token: str) -> bool:
 def redact(token: str) -> str:
     """What may appear in logs and the audit: the prefix and four characters."""
     return token[:8] + "…" if len(token) > 8 else "…"
+
+
+class _Serial:
+    """Identifiers unique across processes without a system call each: 64 random bits
+    drawn once per process (again in a forked child) and a counter. For internal ids
+    that must not repeat but need not be unguessable (a write attempt, a request id)."""
+
+    def __init__(self) -> None:
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._count = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"
+
+
+new_serial_id = _Serial()
+"""32 hex characters, unique per call (see ``_Serial``)."""
