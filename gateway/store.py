@@ -59,7 +59,11 @@ class GatewayStore:
 
     async def check_lease(self, token_hash: str) -> Admission:
         """Read-only: may this token write now? (For refusals before the body is read.)"""
-        params = {"token_hash": token_hash, "now": self.dialect.injected_now()}
+        params = {
+            "token_hash": token_hash,
+            "now": self.dialect.injected_now(),
+            "in_flight": _IN_FLIGHT,
+        }
         lease_store = self.lease_store
         row = await lease_store.timed(lease_store.direct.fetchrow(_PRESENTED, params))
         assert row is not None
@@ -396,13 +400,19 @@ _ADMIT_PG = Batched(
     )
 )
 
-# The lease behind a token, its job and its fence; always one row (job_id NULL: no such
-# token; state NULL: the job has been purged since).
+# The lease behind a token, its job, its fence and whether an older generation's write
+# to the job is still in flight; always one row (job_id NULL: no such token; state NULL:
+# the job has been purged since).
 _PRESENTED = Statement(
     """
 SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
        j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
-       f.generation AS fence_generation
+       f.generation AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = l.job_id AND o.state = :in_flight
+             AND o.generation < l.generation AND o.deadline > clock.now
+       ) AS older_in_flight
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN leases AS l ON l.token_hash = :token_hash
 LEFT JOIN jobs AS j ON j.job_id = l.job_id
@@ -428,15 +438,6 @@ VALUES (:job_id, :key, :fingerprint, :in_flight, :generation, :attempt, :upstrea
         :path, {now} + :deadline_in, {now}, {now})
 ON CONFLICT (job_id, key) DO NOTHING
 RETURNING attempt
-"""
-)
-_OLDER_IN_FLIGHT_SQLITE = Statement(
-    """
-SELECT EXISTS (
-    SELECT 1 FROM idempotency_records
-    WHERE job_id = :job_id AND state = :in_flight AND generation < :generation
-      AND deadline > {now}
-)
 """
 )
 _RECORD = Statement(
@@ -473,12 +474,17 @@ _FORGET = Statement(
 )
 
 
+_IN_FLIGHT = RecordState.IN_FLIGHT.value
+
+
 def _admit_sqlite(
     write: WriteRequest, attempt: str, now: float, conn: sqlite3.Connection
 ) -> Admission:
     """``GatewayStore.admit`` on SQLite, run on the database thread inside BEGIN IMMEDIATE
     (which keeps every other writer out until it commits)."""
-    row = conn.execute(_PRESENTED.sqlite, {"token_hash": write.token_hash, "now": now}).fetchone()
+    row = conn.execute(
+        _PRESENTED.sqlite, {"token_hash": write.token_hash, "now": now, "in_flight": _IN_FLIGHT}
+    ).fetchone()
     presented, highest = _presented(row)
     if presented is None:
         return Admission(now=now, presented=None)
@@ -503,7 +509,7 @@ def _admit_sqlite(
     if not claimed:
         found = conn.execute(_RECORD.sqlite, params).fetchone()
         record = None if found is None else _record(found, decode=True)
-    older = claimed and bool(conn.execute(_OLDER_IN_FLIGHT_SQLITE.sqlite, params).fetchone()[0])
+    older = claimed and bool(row["older_in_flight"])
     return Admission(
         now=now,
         presented=presented,
