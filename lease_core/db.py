@@ -25,9 +25,9 @@ class Engine(AsyncEngine):
     """An async engine that also carries the driver-level executor of the hot path
     (``lease_core.direct``); ``dispose()`` closes both."""
 
-    def __init__(self, sync_engine: sa.Engine) -> None:
+    def __init__(self, sync_engine: sa.Engine, *, direct_pool_size: int = 10) -> None:
         super().__init__(sync_engine)
-        self.direct: Direct = create_direct(sync_engine)
+        self.direct: Direct = create_direct(sync_engine, pool_size=direct_pool_size)
 
     async def dispose(self, close: bool = True) -> None:
         await self.direct.close()
@@ -43,20 +43,26 @@ def direct_of(engine: AsyncEngine) -> Direct:
 def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
     """An engine tuned for the backend.
 
-    SQLite: one connection for the whole process (SQLite has one writer anyway, and a
-    queue in the pool is cheaper than the file lock's busy-wait), WAL, and every
-    transaction begins IMMEDIATE so another process's writer makes us wait, not fail.
-    PostgreSQL: a pool with pre-ping so a restarted server is recovered from.
+    SQLite: one SQLAlchemy connection (SQLite has one writer anyway, and a queue in the
+    pool is cheaper than the file lock's busy-wait), WAL, and every transaction begins
+    IMMEDIATE so another process's writer makes us wait, not fail. The hot path has its
+    own connections (``lease_core.direct``).
+    PostgreSQL: a pool with pre-ping so a restarted server is recovered from, beside
+    the hot path's own asyncpg pool (``lease_core.direct``).
     """
     url = sa.make_url(url)
     if is_sqlite(url):
         engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=60)
         _sqlite_setup(engine)
         return Engine(engine.sync_engine)
+    # The hot path's own pool gets ``pool_size`` connections; the rarer statements on
+    # SQLAlchemy's pool half as many plus as many again under bursts: at most
+    # 2 x pool_size in all.
+    half = max(1, pool_size // 2)
     engine = create_async_engine(
-        url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, pool_timeout=30
+        url, pool_size=half, max_overflow=half, pool_pre_ping=True, pool_timeout=30
     )
-    return Engine(engine.sync_engine)
+    return Engine(engine.sync_engine, direct_pool_size=pool_size)
 
 
 def _sqlite_setup(engine: AsyncEngine) -> None:

@@ -117,11 +117,12 @@ class Direct:
         raise NotImplementedError
 
 
-def create_direct(engine: sa.Engine) -> Direct:
+def create_direct(engine: sa.Engine, *, pool_size: int) -> Direct:
+    """The executor for ``engine``'s database, connecting as that engine does."""
     if engine.dialect.name == "sqlite":
         return SqliteDirect(engine.url.database or "")
     _args, params = engine.dialect.create_connect_args(engine.url)
-    return PostgresDirect(dict(params), pool_size=engine.pool.size())  # type: ignore[attr-defined]
+    return PostgresDirect(dict(params), pool_size=pool_size)
 
 
 # -- PostgreSQL ---------------------------------------------------------------------------
