@@ -11,7 +11,6 @@ Run alone: ``python -m bench.bare_proxy --upstream http://127.0.0.1:9000 --port 
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
@@ -24,7 +23,7 @@ if __package__ in (None, ""):  # run as a file: python bench/bare_proxy.py
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import serve_app
+from bench.common import run, serve_app
 
 HOP_BY_HOP = frozenset(
     {
@@ -101,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
-    asyncio.run(serve_app(create_app(args.upstream), args.host, args.port))
+    run(serve_app(create_app(args.upstream), args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 READY_PREFIX = "bench listening:"
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop where it is installed, as ``fencegate serve`` does: the floors and
+    the driver get the same event loop as the gateway they are compared with."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def percentile(sorted_values: Sequence[float], fraction: float) -> float:

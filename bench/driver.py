@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a file: python bench/driver.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import percentile
+from bench.common import run as run_on_loop
 
 OK, EMPTY, ERROR = "ok", "empty", "error"
 LOAD_STARTED = "bench load started at"
@@ -464,7 +465,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = asyncio.run(run(args))
+    result = run_on_loop(run(args))
     text = json.dumps(result)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:

@@ -7,7 +7,6 @@ Run alone: ``python -m bench.upstream --port 9000``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -18,7 +17,7 @@ if __package__ in (None, ""):  # run as a file: python bench/upstream.py
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import serve_app
+from bench.common import run, serve_app
 
 BODY = b'{"id":"ch_bench","object":"charge","status":"succeeded","amount":1250}'
 
@@ -39,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
-    asyncio.run(serve_app(create_app(), args.host, args.port))
+    run(serve_app(create_app(), args.host, args.port))
 
 
 if __name__ == "__main__":
