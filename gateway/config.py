@@ -36,6 +36,7 @@ from pydantic_settings import (
 from yarl import URL
 
 from lease_core.config import LeaseSettings
+from lease_core.direct import IN_MEMORY, is_in_memory
 
 DEFAULT_CONFIG_FILE = "fencegate.toml"
 TOKEN_CHARS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -206,6 +207,8 @@ class Settings(BaseSettings):
             raise ValueError("not a database URL") from error
         if url.drivername not in ("sqlite+aiosqlite", "postgresql+asyncpg"):
             raise ValueError("use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db")
+        if url.get_backend_name() == "sqlite" and is_in_memory(url):
+            raise ValueError(f"{IN_MEMORY} (sqlite+aiosqlite:///path.db)")
         return value
 
     @model_validator(mode="after")

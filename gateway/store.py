@@ -99,13 +99,9 @@ class GatewayStore:
         row = await timed(direct.fetchrow_batched(_ADMIT_PG, params))
         assert row is not None
         now = float(row["now"])
-        if row["job_id"] is None:
+        presented, highest = _presented(row)
+        if presented is None:
             return Admission(now=now, presented=None)
-        job = None
-        if row["state"] is not None:
-            job = _job(row)
-        presented = Presented(row["job_id"], row["lease_generation"], row["lease_owner"], job)
-        highest = row["fence_generation"]
         if fence.lease_reason(presented, now) is not None:
             return Admission(now=now, presented=presented, highest=highest)
         claimed = bool(row["claimed"])

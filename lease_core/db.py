@@ -11,7 +11,7 @@ from sqlalchemy import event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from .direct import Direct, create_direct
+from .direct import IN_MEMORY, Direct, create_direct, is_in_memory
 
 Clock = Callable[[], float]
 """Seconds since the epoch. Injected in tests; None means the authoritative clock."""
@@ -52,6 +52,8 @@ def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
     """
     url = sa.make_url(url)
     if is_sqlite(url):
+        if is_in_memory(url):
+            raise ValueError(IN_MEMORY)
         engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=60)
         _sqlite_setup(engine)
         return Engine(engine.sync_engine)

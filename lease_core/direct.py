@@ -117,9 +117,27 @@ class Direct:
         raise NotImplementedError
 
 
+IN_MEMORY = "SQLite in memory is not supported: give the database a file"
+
+
+def is_in_memory(url: str | sa.URL) -> bool:
+    """An SQLite URL whose database lives in one connection's memory (each of our
+    connections would see a different, empty database)."""
+    url = sa.make_url(url)
+    database = url.database or ""
+    return (
+        not database
+        or database == ":memory:"
+        or database.startswith("file::memory")
+        or url.query.get("mode") == "memory"
+    )
+
+
 def create_direct(engine: sa.Engine, *, pool_size: int) -> Direct:
     """The executor for ``engine``'s database, connecting as that engine does."""
     if engine.dialect.name == "sqlite":
+        if is_in_memory(engine.url):
+            raise ValueError(IN_MEMORY)
         return SqliteDirect(engine.url.database or "")
     _args, params = engine.dialect.create_connect_args(engine.url)
     return PostgresDirect(dict(params), pool_size=pool_size)
@@ -188,15 +206,24 @@ class PostgresDirect(Direct):
         the others, and a deadlock between two batches is retried this way)."""
         if len(calls) == 1:
             return [await self._answer(self._one(statement, calls[0]))]
-        try:
-            rows = await self._fetch_all(statement.many, _arrays(calls))
-        except exc.StoreUnavailable:
-            raise
-        except Exception:
-            return [await self._answer(self._one(statement, call)) for call in calls]
         answers: list[Row | BaseException | None] = [None] * len(calls)
-        for row in rows:
-            answers[row["n"] - 1] = row
+        # One statement per clock reading: an injected clock (tests) is each caller's
+        # own; the server's clock (None) is shared by all.
+        by_clock: dict[Any, list[int]] = {}
+        for i, call in enumerate(calls):
+            by_clock.setdefault(call.get("now"), []).append(i)
+        for positions in by_clock.values():
+            group = [calls[i] for i in positions]
+            try:
+                rows = await self._fetch_all(statement.many, _arrays(group))
+            except exc.StoreUnavailable:
+                raise
+            except Exception:
+                for i in positions:
+                    answers[i] = await self._answer(self._one(statement, calls[i]))
+                continue
+            for row in rows:
+                answers[positions[row["n"] - 1]] = row
         return answers
 
     async def _one(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
@@ -235,7 +262,8 @@ class PostgresDirect(Direct):
 
 
 def _arrays(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The parameters of a ``Batched.many``: one list per name; one clock reading."""
+    """The parameters of a ``Batched.many``: one list per name; the clock reading the
+    calls share."""
     arrays: dict[str, Any] = {name: [call[name] for call in calls] for name in calls[0]}
     arrays["now"] = calls[0].get("now")
     return arrays
@@ -326,24 +354,28 @@ _UNAVAILABLE_WORDS = (
 
 
 def is_unavailable(error: BaseException) -> bool:
-    """A driver's error that means the database is unreachable, not that our SQL is
-    wrong (asyncpg, sqlite3, or the OS underneath them)."""
+    """A driver's error that means the database is unreachable, not that our SQL or a
+    value is wrong (asyncpg, sqlite3, or the OS underneath them)."""
     if isinstance(error, OSError | ConnectionError | TimeoutError | exc.StoreUnavailable):
         return True
+    if isinstance(error, sqlite3.Error):
+        text = str(error).lower()
+        return isinstance(error, sqlite3.OperationalError) and (
+            "locked" in text or "unable to open" in text or "disk i/o" in text
+        )
+    if isinstance(error, ValueError):  # a value the driver could not encode (DataError)
+        return False
     sqlstate = str(getattr(error, "sqlstate", None) or getattr(error, "pgcode", None) or "")
-    if sqlstate and sqlstate.startswith(_UNAVAILABLE_SQLSTATES):
-        return True
+    if sqlstate:  # the server answered: its code says what happened, never its text
+        return sqlstate.startswith(_UNAVAILABLE_SQLSTATES)
     for candidate in (error, error.__cause__):
         if isinstance(candidate, OSError | ConnectionError | TimeoutError):
             return True
         name = type(candidate).__name__
         if "Connection" in name or "CannotConnectNow" in name or "AdminShutdown" in name:
             return True
-        if name == "InterfaceError" and "closed" in str(candidate).lower():
-            return True
-    if isinstance(error, sqlite3.OperationalError):
-        text = str(error).lower()
-        return "locked" in text or "unable to open" in text or "disk i/o" in text
+    # A client-side error of the driver ("connection is closed", "another operation is
+    # in progress"): these carry no values of ours, so their words are safe to read.
     text = str(error).lower()
     return any(word in text for word in _UNAVAILABLE_WORDS)
 
@@ -373,7 +405,8 @@ class SqliteDirect(Direct):
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Future[None] | None = None
         self._stopped_loop: asyncio.AbstractEventLoop | None = None
-        self.handed_off = 0  # operations that found the write lock taken
+        self.handed_off = 0  # operations sent to the thread: the lock was taken
+        self._on_thread_now = 0  # of those, not answered yet
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         text = statement.sqlite
@@ -395,6 +428,11 @@ class SqliteDirect(Direct):
             # Checkpoints copy the log into the database file (and sync it): never on
             # the event loop; the database thread runs them (``_checkpoint_soon``).
             conn.execute("PRAGMA wal_autocheckpoint = 0")
+        if self._on_thread_now:
+            # Behind an operation that waits on the thread for the lock: queue behind it,
+            # or the loop's group transactions would keep taking the lock before it.
+            self.handed_off += 1
+            return await self._on_thread(work)
         waiting = self._waiting
         if waiting is None:
             try:
@@ -464,8 +502,12 @@ class SqliteDirect(Direct):
         loop = asyncio.get_running_loop()
         self._start_thread()
         future: asyncio.Future[T] = loop.create_future()
-        self._jobs.put((work, future, loop))
-        return await future
+        self._on_thread_now += 1
+        try:
+            self._jobs.put((work, future, loop))
+            return await future
+        finally:
+            self._on_thread_now -= 1
 
     async def close(self) -> None:
         if self._waiting is not None:
@@ -487,8 +529,8 @@ class SqliteDirect(Direct):
         self, *, busy_timeout_ms: int = 10000, check_same_thread: bool = True
     ) -> sqlite3.Connection:
         path = self._path
-        if not path or path == ":memory:" or path.startswith("file::memory"):
-            raise ValueError("SQLite in memory is not supported: give the database a file")
+        if is_in_memory(sa.URL.create("sqlite", database=path)):
+            raise ValueError(IN_MEMORY)
         try:
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=check_same_thread)
             conn.row_factory = sqlite3.Row

@@ -311,18 +311,6 @@ async def test_postgres_a_value_the_database_rejects_fails_only_its_call(
 
 
 @ON_POSTGRES
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: is_unavailable() matches words ('connect', 'closed', ...) anywhere in an "
-        "error's text, and data errors quote the input (asyncpg's client-side DataError "
-        "lists the whole array of a batch, PostgreSQL quotes a value it cannot parse). "
-        "So when one call of a batch is rejected and any co-batched value contains such "
-        "a word, the failure is taken for an unreachable database: no per-call retry, "
-        "every caller of the batch gets StoreUnavailable. (Latent for the gateway's own "
-        "statements, whose inputs are validated first; any Batched statement can hit it.)"
-    ),
-)
 async def test_postgres_a_rejected_value_next_to_a_word_like_connect_fails_alone(
     engine: AsyncEngine,
 ) -> None:
@@ -626,16 +614,6 @@ async def test_postgres_admissions_on_the_server_clock(
 
 
 @ON_POSTGRES
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a batch takes its clock from its first call (direct._arrays: one 'now' for "
-        "all). Two stores on one engine with different clocks (an injected one and the "
-        "server's) share the coalescer, so a write is judged by another caller's clock: "
-        "here a current lease granted on the server's clock is refused as expired. "
-        "(Production runs one store per engine; tests mixing clocks on one engine can.)"
-    ),
-)
 async def test_postgres_each_write_is_judged_on_its_own_clock(
     engine: AsyncEngine, store: LeaseStore, gstore: GatewayStore
 ) -> None:
@@ -654,14 +632,6 @@ async def test_postgres_each_write_is_judged_on_its_own_clock(
 
 
 @ON_POSTGRES
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Divergence: for a token whose job was purged, PostgreSQL's batched admit reports "
-        "the job's old fence as `highest`, while check_lease (and SQLite's admit) report "
-        "None (gateway.store._presented drops the fence when the job is gone)."
-    ),
-)
 async def test_postgres_admit_reports_a_purged_jobs_fence_like_check_lease(
     store: LeaseStore, gstore: GatewayStore
 ) -> None:
@@ -1029,6 +999,28 @@ async def test_sqlite_hand_off_while_the_engine_holds_the_write_lock(
 
 
 @ON_SQLITE
+async def test_sqlite_operations_queue_behind_one_waiting_on_the_thread(
+    engine: AsyncEngine, sqlite_path: Path
+) -> None:
+    """Once an operation waits on the thread for the lock, later ones queue behind it
+    instead of taking the freed lock inline first (which, under steady load, kept the
+    waiting one waiting until its busy timeout)."""
+    direct = sqlite_direct(engine)
+    await direct.run(insert("warm"))
+    with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")  # another process's writer
+        first = asyncio.ensure_future(direct.run(insert("first")))
+        await asyncio.sleep(0.05)
+        assert not first.done()
+        other.execute("COMMIT")
+        # The lock is free now, but "first" has not been answered yet.
+        later = [asyncio.ensure_future(direct.run(insert(f"later-{i}"))) for i in range(5)]
+        ids = await asyncio.wait_for(asyncio.gather(first, *later), 10)
+    assert ids[0] < min(ids[1:])  # nothing overtook the waiting operation
+    assert direct.handed_off >= 1
+
+
+@ON_SQLITE
 async def test_sqlite_hand_off_of_a_gateway_admission(
     engine: AsyncEngine, store: LeaseStore, gstore: GatewayStore
 ) -> None:
@@ -1119,14 +1111,6 @@ async def test_sqlite_in_memory_is_refused(path: str) -> None:
     await direct.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "create_engine() on in-memory SQLite fails inside SQLAlchemy with a TypeError about "
-        "pool_size/max_overflow/pool_timeout (StaticPool), before SqliteDirect's clear "
-        "'in memory is not supported' error can be raised."
-    ),
-)
 @pytest.mark.parametrize("url", ["sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:"])
 async def test_create_engine_refuses_in_memory_sqlite_clearly(url: str) -> None:
     with pytest.raises(ValueError, match="in memory is not supported"):

@@ -244,9 +244,15 @@ def test_absolute_sqlite_path_is_kept(tmp_path: Path) -> None:
     assert _sqlite_path(load_settings(path, environ={})) == target
 
 
-def test_in_memory_sqlite_is_kept(tmp_path: Path) -> None:
-    path = write(tmp_path, 'database_url = "sqlite+aiosqlite:///:memory:"\n')
-    assert load_settings(path, environ={}).database_url == "sqlite+aiosqlite:///:memory:"
+@pytest.mark.parametrize(
+    "url",
+    ["sqlite+aiosqlite:///:memory:", "sqlite+aiosqlite://", "sqlite+aiosqlite:///x?mode=memory"],
+)
+def test_in_memory_sqlite_is_refused(tmp_path: Path, url: str) -> None:
+    # Every connection would see its own empty database: refused with the reason.
+    path = write(tmp_path, f'database_url = "{url}"\n')
+    with pytest.raises(ConfigError, match="SQLite in memory is not supported"):
+        load_settings(path, environ={})
 
 
 def test_postgres_url_is_kept_with_its_password(tmp_path: Path) -> None:
