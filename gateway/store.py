@@ -4,6 +4,9 @@ transaction), settle it, wait for older generations, resolve unknown outcomes.
 Nothing authoritative lives in process memory: several replicas on one PostgreSQL
 answer as one. The job row is locked (``FOR SHARE``) while a write is admitted, so a
 reclaim cannot slip between the lease check and the fence update.
+
+Every request's statements (admit, settle, the lease check) are plain SQL sent straight
+to the driver (``lease_core.direct``); the rarer ones stay on SQLAlchemy.
 """
 
 from __future__ import annotations

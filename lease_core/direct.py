@@ -9,15 +9,19 @@ dashboard, migrations) stays on SQLAlchemy:
 
 - PostgreSQL: one asyncpg pool. Each operation is ONE statement (data-modifying CTEs
   where it has several steps), prepared once per connection and sent without
-  BEGIN/COMMIT: a single statement is its own transaction. One round trip.
-- SQLite: each operation is one function run between ``BEGIN IMMEDIATE`` and
-  ``COMMIT``, right on the event loop's thread: with WAL and ``synchronous = NORMAL`` a
-  whole admission takes tens of microseconds, less than one hop to a worker thread and
-  back. That connection never waits for a lock (``busy_timeout = 0``): when another
-  connection (the SQLAlchemy engine's, another process's) holds the write lock, the
-  operation goes to a database thread whose connection waits as long as the engine's
-  does, and the event loop serves other requests meanwhile. Operations queued there
-  while it works run back to back and are answered with one wake-up of the loop.
+  BEGIN/COMMIT (a single statement is its own transaction), and no reset query when the
+  connection goes back to the pool: one round trip. Concurrent admissions and settles
+  share one statement over arrays (``Batched``, ``Coalescer``): one round trip and one
+  commit for all of them, each judged as if alone.
+- SQLite: each operation is a function run right on the event loop's thread: with WAL
+  and ``synchronous = NORMAL`` a whole admission takes tens of microseconds, less than
+  one hop to a worker thread and back. The operations of one turn of the event loop
+  share one ``BEGIN IMMEDIATE ... COMMIT``, a savepoint each. That connection never
+  waits for the lock (``busy_timeout = 0``): when another connection (the SQLAlchemy
+  engine's, another process's) holds it, the operation goes to a database thread whose
+  connection waits as long as the engine's does, while the event loop serves other
+  requests; operations queue behind it there until it is done. That thread also runs
+  the WAL checkpoints, which copy the log into the database file and sync it.
 
 Both turn "the database is not there right now" into ``StoreUnavailable``.
 """
@@ -109,8 +113,8 @@ class Direct:
         return await self.fetchrow(statement.single, params)
 
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        """SQLite only: run ``work`` on the database thread inside one IMMEDIATE
-        transaction (committed when it returns, rolled back when it raises)."""
+        """SQLite only: ``work`` in a write transaction; its result once committed; its
+        writes rolled back when it raises."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -178,17 +182,8 @@ class PostgresDirect(Direct):
         return self._pool
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
-        text, names = statement.postgres(params.get("now") is not None)
-        args = [params[name] for name in names]
-        try:
-            pool = await self._get_pool()
-            async with pool.acquire() as conn:
-                row: Row | None = await conn.fetchrow(text, *args)
-                return row
-        except Exception as error:
-            if is_unavailable(error):
-                raise exc.StoreUnavailable() from error
-            raise
+        rows = await self._fetch_all(statement, params)
+        return rows[0] if rows else None
 
     async def fetchrow_batched(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
         coalescer = self._coalescers.get(statement)
