@@ -182,8 +182,8 @@ class PostgresDirect(Direct):
         return self._pool
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
-        rows = await self._fetch_all(statement, params)
-        return rows[0] if rows else None
+        row: Row | None = await self._send("fetchrow", statement, params)
+        return row
 
     async def fetchrow_batched(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
         coalescer = self._coalescers.get(statement)
@@ -235,13 +235,17 @@ class PostgresDirect(Direct):
             return error
 
     async def _fetch_all(self, statement: Statement, params: Mapping[str, Any]) -> list[Row]:
+        rows: list[Row] = await self._send("fetch", statement, params)
+        return rows
+
+    async def _send(self, method: str, statement: Statement, params: Mapping[str, Any]) -> Any:
+        """``statement`` through the connection's ``method`` (``fetch``, ``fetchrow``)."""
         text, names = statement.postgres(params.get("now") is not None)
         args = [params[name] for name in names]
         try:
             pool = await self._get_pool()
             async with pool.acquire() as conn:
-                rows: list[Row] = await conn.fetch(text, *args)
-                return rows
+                return await getattr(conn, method)(text, *args)
         except Exception as error:
             if is_unavailable(error):
                 raise exc.StoreUnavailable() from error
