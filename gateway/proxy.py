@@ -85,6 +85,15 @@ class Ctx:
     send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
 
 
+class ForwardingMetrics(NamedTuple):
+    """One upstream's series that every forwarded request touches."""
+
+    decision_seconds: Any
+    in_flight: Any
+    forward_seconds: Any
+    forwarded: Any
+
+
 class Target(NamedTuple):
     upstream: UpstreamSettings
     rest: str
@@ -100,6 +109,7 @@ class Gateway:
         self.store = GatewayStore(lease_store)
         self.audit = Audit(lease_store)
         self.metrics = lease_store.metrics
+        self._by_upstream: dict[str, ForwardingMetrics] = {}
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None
         self.active = 0  # requests being handled, against max_concurrent_requests
@@ -459,18 +469,32 @@ class Gateway:
         attempt: str | None,
         back_to: Record | None,
     ) -> web.StreamResponse:
-        metrics, name = self.metrics, upstream.name
+        metrics = self._forwarding_metrics(upstream.name)
         started = time.perf_counter()
         if ctx.admission is not None:
-            metrics.decision_seconds.labels(name).observe(started - ctx.started)
-        metrics.in_flight.labels(name).inc()
+            metrics.decision_seconds.observe(started - ctx.started)
+        metrics.in_flight.inc()
         try:
             return await self._send(ctx, upstream, url, headers, body, attempt, back_to)
         finally:
-            metrics.in_flight.labels(name).dec()
+            metrics.in_flight.dec()
             if ctx.forwarded:
-                metrics.forward_seconds.labels(name).observe(time.perf_counter() - started)
-                metrics.decisions.labels(name, "forwarded").inc()
+                metrics.forward_seconds.observe(time.perf_counter() - started)
+                metrics.forwarded.inc()
+
+    def _forwarding_metrics(self, name: str) -> ForwardingMetrics:
+        """An upstream's labelled series, looked up once (``labels()`` takes a lock and
+        builds a key on every call; this runs on every forwarded request)."""
+        found = self._by_upstream.get(name)
+        if found is None:
+            m = self.metrics
+            found = self._by_upstream[name] = ForwardingMetrics(
+                decision_seconds=m.decision_seconds.labels(name),
+                in_flight=m.in_flight.labels(name),
+                forward_seconds=m.forward_seconds.labels(name),
+                forwarded=m.decisions.labels(name, "forwarded"),
+            )
+        return found
 
     async def _send(
         self,

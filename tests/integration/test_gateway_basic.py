@@ -87,3 +87,33 @@ async def test_expect_continue_with_current_token_gets_continue(
     finally:
         writer.close()
     assert len(upstream.received) == 1 and upstream.received[0]["body"] == b"{}"
+
+
+def _sample(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not in /metrics")
+
+
+async def test_metrics_count_forwards_and_refusals(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    first = await stack.lease("job-m", owner="a", ttl=10)
+    for key in ("m-1", "m-2"):
+        assert (await stack.write("/pay/charges", first, key=key)).status == 201
+    clock.advance(11)
+    await stack.lease("job-m", owner="b", ttl=10)
+    assert (await stack.write("/pay/charges", first, key="m-3")).status == 409
+
+    text = await (await stack.control.get("/metrics")).text()
+    pay = 'upstream="pay"'
+    assert _sample(text, f'fencegate_gateway_decisions_total{{reason="forwarded",{pay}}}') == 2
+    assert _sample(text, f"fencegate_gateway_forward_seconds_count{{{pay}}}") == 2
+    assert _sample(text, f"fencegate_gateway_decision_seconds_count{{{pay}}}") == 2
+    assert _sample(text, f"fencegate_gateway_in_flight_writes{{{pay}}}") == 0
+    stale = f'fencegate_gateway_decisions_total{{reason="stale-generation",{pay}}}'
+    assert _sample(text, stale) == 1
+    # Two admissions and two settles went through the hot path, timed like transactions.
+    assert _sample(text, "fencegate_store_transaction_seconds_count") >= 4
