@@ -398,9 +398,7 @@ class SqliteDirect(Direct):
         self._jobs: queue.SimpleQueue[_Job | str | None] = queue.SimpleQueue()
         self._written = 0  # inline operations since the last checkpoint was asked for
         self._checkpoint_queued = False
-        # The open group transaction's callers, each waiting for its COMMIT; None
-        # when no transaction is open.
-        self._waiting: list[asyncio.Future[None]] | None = None
+        self._group: _Group | None = None  # the open group transaction
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Future[None] | None = None
         self._stopped_loop: asyncio.AbstractEventLoop | None = None
@@ -414,13 +412,17 @@ class SqliteDirect(Direct):
             row: Row | None = conn.execute(text, params).fetchone()
             return row
 
-        return await self.run(one)
+        # One statement needs no savepoint: SQLite undoes a failed statement itself.
+        return await self._run(one, savepoint=False)
 
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """``work`` runs at once, on this thread, under its own savepoint of the group
         transaction: every operation of this turn of the event loop shares one
         ``BEGIN IMMEDIATE ... COMMIT``. The caller gets its answer once that COMMIT is
         done; a ``work`` that raises is rolled back alone, and raises at once."""
+        return await self._run(work, savepoint=True)
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T], *, savepoint: bool) -> T:
         conn = self._inline
         if conn is None:
             conn = self._inline = self._open(busy_timeout_ms=0, check_same_thread=False)
@@ -432,8 +434,8 @@ class SqliteDirect(Direct):
             # or the loop's group transactions would keep taking the lock before it.
             self.handed_off += 1
             return await self._on_thread(work)
-        waiting = self._waiting
-        if waiting is None:
+        group = self._group
+        if group is None:
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as error:
@@ -441,47 +443,62 @@ class SqliteDirect(Direct):
                     raise exc.StoreUnavailable() from error
                 self.handed_off += 1
                 return await self._on_thread(work)
-            waiting = self._waiting = []
-            asyncio.get_running_loop().call_soon(self._commit)
-        conn.execute("SAVEPOINT op")
+            group = self._group = _Group()
+            asyncio.get_running_loop().call_soon(self._commit, group)
+        if savepoint:
+            conn.execute("SAVEPOINT op")
         try:
             result = work(conn)
         except BaseException as error:
-            conn.execute("ROLLBACK TO op")
-            conn.execute("RELEASE op")
-            if isinstance(error, sqlite3.Error) and is_unavailable(error):
+            unavailable = isinstance(error, sqlite3.Error) and is_unavailable(error)
+            if not conn.in_transaction:
+                # The error took the whole transaction with it (an I/O error, a full
+                # disk): the group's earlier operations are undone too.
+                self._end(group, exc.StoreUnavailable() if unavailable else error)
+            elif savepoint:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+            if unavailable:
                 raise exc.StoreUnavailable() from error
             raise
-        conn.execute("RELEASE op")
+        if savepoint:
+            conn.execute("RELEASE op")
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiting.append(committed)
+        group.waiting.append(committed)
         await committed
         return result
 
-    def _commit(self) -> None:
+    def _commit(self, group: _Group) -> None:
         """End the group transaction (scheduled by the first operation in it)."""
-        waiting, self._waiting = self._waiting or [], None
+        if group is not self._group:
+            return  # ended already (failed, or closed)
         conn = self._inline
-        if conn is None:  # closed meanwhile
-            failure: BaseException | None = exc.StoreUnavailable()
+        failure: BaseException | None = None
+        if conn is None:
+            failure = exc.StoreUnavailable()
         else:
-            failure = None
             try:
                 conn.execute("COMMIT")
             except sqlite3.Error as error:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 failure = exc.StoreUnavailable() if is_unavailable(error) else error
-        for future in waiting:
+        self._end(group, failure)
+
+    def _end(self, group: _Group, failure: BaseException | None) -> None:
+        """Answer the group's callers: committed, or ``failure``."""
+        self._group = None
+        for future in group.waiting:
             if future.done():
                 continue
             if failure is None:
                 future.set_result(None)
             else:
                 future.set_exception(failure)
-        self._written += len(waiting)
-        if self._written >= CHECKPOINT_EVERY:
-            self._checkpoint_soon()
+        if failure is None:
+            self._written += len(group.waiting)
+            if self._written >= CHECKPOINT_EVERY:
+                self._checkpoint_soon()
 
     def _checkpoint_soon(self) -> None:
         self._written = 0
@@ -509,8 +526,8 @@ class SqliteDirect(Direct):
             self._on_thread_now -= 1
 
     async def close(self) -> None:
-        if self._waiting is not None:
-            self._commit()
+        if self._group is not None:
+            self._commit(self._group)
         inline, self._inline = self._inline, None
         if inline is not None:
             inline.close()
@@ -593,6 +610,15 @@ class SqliteDirect(Direct):
                 self._stopped_loop.call_soon_threadsafe(_set_done, self._stopped)
             except RuntimeError:
                 pass
+
+
+class _Group:
+    """One group transaction: the callers waiting for its COMMIT."""
+
+    __slots__ = ("waiting",)
+
+    def __init__(self) -> None:
+        self.waiting: list[asyncio.Future[None]] = []
 
 
 def _is_busy(error: sqlite3.OperationalError) -> bool:

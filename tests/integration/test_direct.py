@@ -964,6 +964,52 @@ async def test_sqlite_a_failing_operation_rolls_back_alone_and_raises_at_once(
 
 
 @ON_SQLITE
+async def test_sqlite_a_failed_single_statement_fails_alone(
+    engine: AsyncEngine, reader: Callable[[str], int]
+) -> None:
+    """``fetchrow`` runs without a savepoint: SQLite undoes a failed statement itself,
+    and the other operations of the turn still commit."""
+    direct = sqlite_direct(engine)
+    bad = Statement("INSERT INTO probe (id, who) VALUES (1, :who)")  # id 1 taken below
+    results = await asyncio.gather(
+        direct.run(insert("first")),  # gets id 1
+        direct.fetchrow(bad, {"who": "duplicate-id"}),
+        direct.fetchrow(
+            Statement("INSERT INTO probe (who) VALUES (:who) RETURNING id"), {"who": "x"}
+        ),
+        return_exceptions=True,
+    )
+    assert results[0] == 1
+    assert isinstance(results[1], sqlite3.IntegrityError)
+    assert isinstance(results[2], sqlite3.Row) and results[2]["id"] == 2
+    assert reader("first") == 1 and reader("x") == 1 and reader("duplicate-id") == 0
+
+
+@ON_SQLITE
+async def test_sqlite_an_error_that_ends_the_transaction_fails_the_whole_group(
+    engine: AsyncEngine, reader: Callable[[str], int]
+) -> None:
+    """When an error takes the whole transaction with it (SQLite does that on I/O errors
+    or a full disk; here the work ends it itself), the earlier operations of the group
+    are undone too: their callers must hear so, not be told they committed."""
+    direct = sqlite_direct(engine)
+
+    def ends_the_transaction(conn: sqlite3.Connection) -> int:
+        conn.execute("INSERT INTO probe (who) VALUES ('lost-too')")
+        conn.execute("ROLLBACK")
+        raise Boom("the transaction is gone")
+
+    earlier = asyncio.ensure_future(direct.run(insert("earlier")))
+    failing = asyncio.ensure_future(direct.run(ends_the_transaction))
+    results = await asyncio.gather(earlier, failing, return_exceptions=True)
+    assert isinstance(results[0], Boom) and isinstance(results[1], Boom)
+    assert reader("earlier") == 0 and reader("lost-too") == 0
+    # The next operation opens a new group and commits.
+    assert await direct.run(insert("after")) > 0
+    assert reader("after") == 1
+
+
+@ON_SQLITE
 async def test_sqlite_hand_off_while_the_engine_holds_the_write_lock(
     engine: AsyncEngine, store: LeaseStore, sqlite_path: Path, reader: Callable[[str], int]
 ) -> None:
