@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from . import exceptions as exc
 from . import rules, tokens
 from .db import Clock, Dialect, direct_of
-from .direct import Statement, is_unavailable
+from .direct import Batched, Statement, is_unavailable
 from .metrics import Metrics
 from .rules import State
 from .schema import job_tombstones, jobs, leases
@@ -310,15 +310,15 @@ class LeaseStore:
 
     async def claim(self, *, queue: str, owner: str, ttl: float) -> LeaseRecord | None:
         """Lease the next claimable job of ``queue``: pending and due, or expired.
-        One statement on PostgreSQL (the grant and its record), one transaction on
-        SQLite."""
+        One statement on PostgreSQL (the grant and its record; concurrent claims share
+        it), one transaction on SQLite."""
         token, token_hash = tokens.new_token()
         params = {"queue": queue, "owner": owner, "ttl": float(ttl), "token_hash": token_hash}
         params.update(self._now_param())
         if self.direct.sqlite:
             row = await self.timed(self.direct.run(partial(_claim_sqlite, params)))
         else:
-            row = await self.timed(self.direct.fetchrow(_CLAIM_PG, params))
+            row = await self.timed(self.direct.fetchrow_batched(_CLAIM_PG, params))
         if row is None:
             return None
         self.metrics.grants.labels("claim").inc()
@@ -575,22 +575,49 @@ _GRANTED = (
     "jobs.job_id, jobs.generation, jobs.owner, jobs.lease_expires_at, "
     "jobs.lease_ttl_seconds, jobs.payload"
 )
-_RECORD_GRANT = """
-    INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
-    SELECT :token_hash, job_id, generation, owner, {now}, lease_expires_at FROM granted
-"""
-# PostgreSQL: the candidate (skipping rows other claims hold), its grant and the grant's
-# record, in one statement.
-_CLAIM_PG = Statement(
-    f"""
-WITH candidate AS ({_CLAIMABLE} FOR UPDATE SKIP LOCKED),
-granted AS (
-    UPDATE jobs SET {_GRANT_SET} FROM candidate WHERE jobs.job_id = candidate.job_id
-    RETURNING {_GRANTED}
+# PostgreSQL: concurrent claims share one statement (``Batched``): every parameter is an
+# array with one element per caller. For each queue asked for, as many candidates as
+# callers (skipping rows other claims hold), in claimable order; the k-th caller of a
+# queue gets its k-th candidate, or nothing when the queue had fewer. The grants and
+# their records in the same statement.
+_CLAIM_PG = Batched(
+    Statement(
+        f"""
+WITH input AS (
+    SELECT i.*, row_number() OVER (PARTITION BY i.queue ORDER BY i.n) AS k
+    FROM unnest(CAST(:queue AS text[]), CAST(:owner AS text[]), CAST(:token_hash AS text[]),
+                CAST(:ttl AS double precision[]))
+         WITH ORDINALITY AS i(queue, owner, token_hash, ttl, n)
 ),
-recorded AS ({_RECORD_GRANT})
+candidate AS (
+    SELECT c.job_id, q.queue,
+           row_number() OVER (PARTITION BY q.queue ORDER BY c.claimable_at, c.job_id) AS k
+    FROM (SELECT queue, count(*) AS wanted FROM input GROUP BY queue) AS q
+    CROSS JOIN LATERAL (
+        SELECT j.job_id, j.claimable_at FROM jobs AS j
+        WHERE j.queue = q.queue AND j.claimable_at IS NOT NULL
+          AND j.claimable_at <= {{now}} AND j.attempts < j.max_attempts
+        ORDER BY j.claimable_at LIMIT q.wanted
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+),
+granted AS (
+    UPDATE jobs SET
+        state = '{_LEASED}', generation = jobs.generation + 1, owner = i.owner,
+        lease_token_hash = i.token_hash, lease_ttl_seconds = i.ttl,
+        lease_expires_at = {{now}} + i.ttl, claimable_at = {{now}} + i.ttl,
+        attempts = jobs.attempts + 1, updated_at = {{now}}
+    FROM candidate JOIN input AS i ON i.queue = candidate.queue AND i.k = candidate.k
+    WHERE jobs.job_id = candidate.job_id
+    RETURNING i.n, i.token_hash, {_GRANTED}
+),
+recorded AS (
+    INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
+    SELECT token_hash, job_id, generation, owner, {{now}}, lease_expires_at FROM granted
+)
 SELECT * FROM granted
 """
+    )
 )
 # SQLite (no data-modifying CTEs; the IMMEDIATE transaction keeps other writers out).
 _CLAIM_SQLITE = Statement(

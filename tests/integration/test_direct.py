@@ -1376,3 +1376,41 @@ async def test_postgres_a_closed_port_is_store_unavailable_quickly(
     assert all(isinstance(r, exc.StoreUnavailable) for r in settled), settled
     assert store_errors(store) == 3 + 12 + 5
     assert time.monotonic() - started < 10
+
+
+# -- claims --------------------------------------------------------------------------------------
+
+
+async def test_concurrent_claims_over_two_queues_each_get_their_own_job(
+    backend: str, store: LeaseStore, statements: FetchAllCounter
+) -> None:
+    """Concurrent claims (one shared statement per batch on PostgreSQL): every job goes
+    to one caller at most, earlier jobs first, each queue's callers only get that
+    queue's jobs, and callers beyond a queue's supply get nothing."""
+    for i in range(40):
+        await store.enqueue(queue="wide", job_id=f"w{i:02d}")
+    for i in range(10):
+        await store.enqueue(queue="narrow", job_id=f"n{i:02d}")
+    callers = [("wide" if i % 2 else "narrow", f"worker-{i}") for i in range(60)]
+    leases = await asyncio.gather(
+        *(store.claim(queue=q, owner=owner, ttl=30) for q, owner in callers)
+    )
+    got = {
+        q: [lease for (cq, _), lease in zip(callers, leases, strict=True) if cq == q]
+        for q in ("wide", "narrow")
+    }
+    wide = [lease for lease in got["wide"] if lease is not None]
+    narrow = [lease for lease in got["narrow"] if lease is not None]
+    assert len(wide) == 30 and len(narrow) == 10
+    assert sorted(lease.job_id for lease in wide) == [f"w{i:02d}" for i in range(30)]
+    assert sorted(lease.job_id for lease in narrow) == [f"n{i:02d}" for i in range(10)]
+    granted = [lease for lease in leases if lease is not None]
+    assert len({lease.lease_token for lease in granted}) == 40
+    for (_, owner), lease in zip(callers, leases, strict=True):
+        if lease is not None:
+            assert lease.owner == owner and lease.generation == 1 and lease.ttl_seconds == 30
+            # The token works: the grant and its record were written together.
+            assert (await store.renew(lease.lease_token or "")).job_id == lease.job_id
+    if backend == "postgres":
+        assert max(statements.sizes) > 1  # batches formed
+        assert statements.failed == 0
