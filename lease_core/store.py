@@ -396,7 +396,7 @@ class LeaseStore:
             raise exc.InvalidLeaseToken()
         params = {"token_hash": tokens.hash_token(token), "ttl": None if ttl is None else ttl}
         params.update(self._now_param())
-        row = await self.timed(self.direct.fetchrow(_RENEW, params))
+        row = await self.timed(self.direct.fetchrow_batched(_RENEW, params))
         if row is None:
             async with self.transaction() as conn:
                 reason = await self._refusal(conn, token)
@@ -640,7 +640,7 @@ def _claim_sqlite(params: dict[str, Any], conn: sqlite3.Connection) -> Mapping[s
     return granted
 
 
-_RENEW = Statement(
+_RENEW_ONE = Statement(
     f"""
 UPDATE jobs SET
     lease_ttl_seconds = COALESCE(:ttl, lease_ttl_seconds),
@@ -650,6 +650,43 @@ UPDATE jobs SET
 WHERE lease_token_hash = :token_hash AND state = '{_LEASED}' AND lease_expires_at > {{now}}
 RETURNING {_GRANTED}
 """
+)
+# PostgreSQL: concurrent renewals share one statement. A token asked for twice in one
+# batch is renewed once, with its last caller's ttl, and every caller of it gets the
+# renewed lease (as if the renewals ran one after the other at the same instant). Rows
+# are locked in job_id order, so two batches never wait on each other in a cycle.
+_RENEW = Batched(
+    single=_RENEW_ONE,
+    many=Statement(
+        f"""
+WITH clock AS (SELECT {{now}} AS now),
+input AS (
+    SELECT * FROM unnest(CAST(:token_hash AS text[]), CAST(:ttl AS double precision[]))
+         WITH ORDINALITY AS i(token_hash, ttl, n)
+),
+wanted AS (
+    SELECT DISTINCT ON (token_hash) token_hash, ttl FROM input ORDER BY token_hash, n DESC
+),
+locked AS (
+    SELECT j.job_id FROM jobs AS j
+    WHERE j.lease_token_hash IN (SELECT token_hash FROM wanted)
+    ORDER BY j.job_id
+    FOR UPDATE OF j
+),
+renewed AS (
+    UPDATE jobs SET
+        lease_ttl_seconds = COALESCE(w.ttl, jobs.lease_ttl_seconds),
+        lease_expires_at = clock.now + COALESCE(w.ttl, jobs.lease_ttl_seconds),
+        claimable_at = clock.now + COALESCE(w.ttl, jobs.lease_ttl_seconds),
+        updated_at = clock.now
+    FROM locked, wanted AS w, clock
+    WHERE jobs.job_id = locked.job_id AND jobs.lease_token_hash = w.token_hash
+      AND jobs.state = '{_LEASED}' AND jobs.lease_expires_at > clock.now
+    RETURNING jobs.lease_token_hash, {_GRANTED}
+)
+SELECT i.n, renewed.* FROM input AS i JOIN renewed ON renewed.lease_token_hash = i.token_hash
+"""
+    ),
 )
 
 

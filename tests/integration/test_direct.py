@@ -1414,3 +1414,50 @@ async def test_concurrent_claims_over_two_queues_each_get_their_own_job(
     if backend == "postgres":
         assert max(statements.sizes) > 1  # batches formed
         assert statements.failed == 0
+
+
+# -- renewals ------------------------------------------------------------------------------------
+
+
+async def test_concurrent_renewals_each_renew_their_own_lease(
+    backend: str, store: LeaseStore, clock: FakeClock, statements: FetchAllCounter
+) -> None:
+    """Concurrent renewals (one shared statement per batch on PostgreSQL): each caller
+    gets its own lease with its own ttl; a token asked for twice in one batch is renewed
+    for both callers; an ended, an expired and a never-granted token next to them are
+    refused alone with the reason a lone renewal gets."""
+    tokens_ = [await lease(store, f"r{i:02d}", ttl=60) for i in range(30)]
+    ended = await lease(store, "ended", ttl=60)
+    await store.release(ended)
+    expiring = await lease(store, "expiring", ttl=1)
+    clock.advance(2)
+    calls = [(token, float(10 + i)) for i, token in enumerate(tokens_)]
+    calls.append((tokens_[0], 500.0))  # the same token twice in one batch
+    results = await asyncio.gather(
+        *(store.renew(token, ttl) for token, ttl in calls),
+        store.renew(ended),
+        store.renew(expiring),
+        store.renew(tokens.new_token()[0]),
+        return_exceptions=True,
+    )
+    renewed, refused = results[: len(calls)], results[len(calls) :]
+    for (token, ttl), got in zip(calls[1:-1], renewed[1:-1], strict=True):
+        assert not isinstance(got, BaseException), got
+        assert got.job_id == f"r{tokens_.index(token):02d}"
+        assert got.ttl_seconds == ttl and got.expires_at == pytest.approx(clock() + ttl)
+        assert got.generation == 1
+    # Both renewals of r00 succeed and land on the same job; the lease ends with one
+    # of the two ttls (on PostgreSQL's shared statement, the later caller's).
+    first, again = renewed[0], renewed[-1]
+    assert not isinstance(first, BaseException) and not isinstance(again, BaseException)
+    assert first.job_id == again.job_id == "r00"
+    job = await store.get_job("r00")
+    assert job.lease_expires_at in (clock() + 10.0, clock() + 500.0)
+    assert isinstance(refused[0], exc.LeaseEnded)
+    assert isinstance(refused[1], exc.LeaseExpired)
+    assert isinstance(refused[2], exc.InvalidLeaseToken)
+    # The renewals were written: a later lone renewal without a ttl keeps the new one.
+    assert (await store.renew(tokens_[5])).ttl_seconds == 15.0
+    if backend == "postgres":
+        assert max(statements.sizes) > 1  # batches formed
+        assert statements.failed == 0
