@@ -167,6 +167,10 @@ class GatewaySettings(BaseModel):
     max_concurrent_requests: int = Field(1024, ge=1, le=100_000)
     upstream_connections_per_host: int = Field(256, ge=1, le=10_000)
     keepalive_timeout_seconds: float = Field(75.0, gt=0, le=3600, allow_inf_nan=False)
+    # How long an idle connection to an upstream is kept for reuse. Keep it below the
+    # upstream's own idle timeout: a write sent on a connection that the upstream closed
+    # meanwhile is never re-sent, so its outcome is unknown.
+    upstream_keepalive_seconds: float = Field(4.0, gt=0, le=3600, allow_inf_nan=False)
     shutdown_timeout_seconds: float = Field(15.0, ge=0, le=600, allow_inf_nan=False)
     # Answers up to this size are stored for replay; a duplicate of a larger one gets
     # 409 replay-unavailable (the write was applied; its body was not kept).

@@ -129,10 +129,19 @@ class Gateway:
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
             connector=aiohttp.TCPConnector(
-                limit=0, limit_per_host=self.settings.gateway.upstream_connections_per_host
+                limit=0,
+                limit_per_host=self.settings.gateway.upstream_connections_per_host,
+                keepalive_timeout=self.settings.gateway.upstream_keepalive_seconds,
             ),
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
+        # Nothing re-sends a request once any byte of it has left: aiohttp's client sends
+        # an "idempotent" method (PUT, DELETE, ...) a second time by itself when the
+        # connection breaks, and a fenced PUT that the upstream applied before it cut the
+        # connection would be applied twice. There is no public switch; aiohttp's own
+        # TestClient turns it off the same way, and tests/integration asserts the effect
+        # (a cut connection after a PUT or DELETE reaches the upstream once).
+        self.session._retry_connection = False
 
     async def close(self) -> None:
         if self.session is not None:
