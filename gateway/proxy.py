@@ -362,6 +362,7 @@ class Gateway:
                 method=request.method,
                 path=rest,
                 deadline_in=deadline_in,
+                retry=upstream.unknown_outcome == "retry",
             )
         )
         reason = fence.lease_reason(admission.presented, admission.now)
@@ -370,8 +371,8 @@ class Gateway:
         assert admission.presented is not None
         job_id, generation = admission.presented.job_id, admission.presented.generation
 
-        attempt, back_to, older = admission.attempt, None, admission.older_in_flight
-        if not admission.claimed:
+        attempt, back_to, older = admission.attempt, admission.back_to, admission.older_in_flight
+        if attempt is None:  # the key has a record that is not ours: explain why
             record = admission.record
             if record is None:  # its record vanished between our claim and our read
                 return await self.reject(
@@ -388,14 +389,9 @@ class Gateway:
                     {"Retry-After": "1"} if verdict.reason is Reason.REQUEST_IN_PROGRESS else None
                 )
                 return await self.reject(ctx, verdict.reason, headers=retry)
-            attempt = await self.store.take_over(job_id, ctx.key, record, generation, deadline_in)
-            if attempt is None:
-                return await self.reject(
-                    ctx, Reason.REQUEST_IN_PROGRESS, headers={"Retry-After": "1"}
-                )
-            back_to = record
-            older = await self.store.older_in_flight(job_id, generation)
-        assert attempt is not None
+            # To be forwarded again, but the admission did not take the key over:
+            # another request took it over first.
+            return await self.reject(ctx, Reason.REQUEST_IN_PROGRESS, headers={"Retry-After": "1"})
 
         if older:
             if not await self._wait_for_older(job_id, generation):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -40,6 +40,9 @@ class Admission:
     attempt: str | None = None
     record: Record | None = None
     older_in_flight: bool = False
+    # The key's record was taken over (retry policy): ``attempt`` is ours now, and
+    # ``back_to`` is the record as it was, to return to if our attempt is never sent.
+    back_to: Record | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,9 @@ class WriteRequest:
     method: str
     path: str
     deadline_in: float
+    # The upstream's ``unknown_outcome`` is "retry": a record of this key whose outcome
+    # is unknown is taken over in the admission itself, under the same lease check.
+    retry: bool = False
 
 
 class GatewayStore:
@@ -78,9 +84,10 @@ class GatewayStore:
 
     async def admit(self, write: WriteRequest) -> Admission:
         """In one transaction: check the lease, raise the job's fence to this generation,
-        claim the key (or read its record), and see whether an older generation's write
+        claim the key (or read its record, and take it over when its outcome is unknown
+        and the upstream's policy is retry), and see whether an older generation's write
         is still in flight. On PostgreSQL that is one statement (one round trip); on
-        SQLite one IMMEDIATE transaction on the database thread (one hop)."""
+        SQLite one IMMEDIATE transaction."""
         attempt = tokens.new_serial_id()
         direct = self.lease_store.direct
         timed = self.lease_store.timed
@@ -97,6 +104,7 @@ class GatewayStore:
             "method": write.method,
             "path": write.path,
             "deadline_in": write.deadline_in,
+            "retry": write.retry,
             "now": self.dialect.injected_now(),
         }
         row = await timed(direct.fetchrow_batched(_ADMIT_PG, params))
@@ -108,7 +116,7 @@ class GatewayStore:
         if fence.lease_reason(presented, now) is not None:
             return Admission(now=now, presented=presented, highest=highest)
         claimed = bool(row["claimed"])
-        record = None
+        record = back_to = None
         if not claimed:
             if row["r_attempt"] is not None:
                 record = _record(
@@ -125,42 +133,21 @@ class GatewayStore:
                     direct.fetchrow(_RECORD, {"job_id": presented.job_id, "key": write.key})
                 )
                 record = None if found is None else _record(found, decode=True)
+            if row["taken_from"] is not None and record is not None:
+                back_to = replace(
+                    record, attempt=row["taken_from"], generation=row["taken_generation"]
+                )
+        ours = claimed or back_to is not None
         return Admission(
             now=now,
             presented=presented,
             highest=max(presented.generation, highest or 0),
             claimed=claimed,
-            attempt=attempt if claimed else None,
+            attempt=attempt if ours else None,
             record=record,
-            older_in_flight=claimed and bool(row["older_in_flight"]),
+            older_in_flight=ours and bool(row["older_in_flight"]),
+            back_to=back_to,
         )
-
-    async def take_over(
-        self, job_id: str, key: str, record: Record, generation: int, deadline_in: float
-    ) -> str | None:
-        """Forward a key again (retry policy, or an operator said 'not applied'): only if
-        its record is still the one we judged. Returns the new attempt id, or None."""
-        attempt = tokens.new_serial_id()
-        now = self.dialect.now()
-        stmt = (
-            sa.update(requests)
-            .where(
-                requests.c.job_id == job_id,
-                requests.c.key == key,
-                requests.c.attempt == record.attempt,
-            )
-            .values(
-                state=RecordState.IN_FLIGHT.value,
-                generation=generation,
-                attempt=attempt,
-                deadline=now + deadline_in,
-                updated_at=now,
-            )
-            .returning(requests.c.attempt)
-        )
-        async with self.lease_store.transaction() as conn:
-            row = (await conn.execute(stmt)).first()
-        return attempt if row is not None else None
 
     async def older_in_flight(self, job_id: str, generation: int) -> bool:
         now = self.dialect.now()
@@ -329,9 +316,10 @@ input AS (
     SELECT * FROM unnest(
         CAST(:token_hash AS text[]), CAST(:key AS text[]), CAST(:fingerprint AS text[]),
         CAST(:attempt AS text[]), CAST(:upstream AS text[]), CAST(:method AS text[]),
-        CAST(:path AS text[]), CAST(:deadline_in AS double precision[])
+        CAST(:path AS text[]), CAST(:deadline_in AS double precision[]),
+        CAST(:retry AS boolean[])
     ) WITH ORDINALITY AS i(token_hash, key, fingerprint, attempt, upstream, method, path,
-                           deadline_in, n)
+                           deadline_in, retry, n)
 ),
 lease AS (
     SELECT i.n, l.job_id, l.generation, l.owner
@@ -371,6 +359,26 @@ claim AS (
     ORDER BY c.job_id, i.key
     ON CONFLICT (job_id, key) DO NOTHING
     RETURNING attempt
+),
+held AS (
+    SELECT r.job_id, r.key, r.attempt AS taken_from, r.generation AS taken_generation,
+           i.attempt, c.generation, i.deadline_in
+    FROM current_lease AS c
+    JOIN input AS i ON i.n = c.n
+    JOIN idempotency_records AS r ON r.job_id = c.job_id AND r.key = i.key
+    CROSS JOIN clock
+    WHERE i.retry AND r.fingerprint = i.fingerprint
+      AND (r.state = :unknown OR (r.state = :in_flight AND r.deadline <= clock.now))
+    ORDER BY r.job_id, r.key
+    FOR UPDATE OF r
+),
+taken AS (
+    UPDATE idempotency_records AS r
+    SET state = :in_flight, generation = h.generation, attempt = h.attempt,
+        deadline = clock.now + h.deadline_in, updated_at = clock.now
+    FROM held AS h CROSS JOIN clock
+    WHERE r.job_id = h.job_id AND r.key = h.key AND r.attempt = h.taken_from
+    RETURNING r.attempt, h.taken_from, h.taken_generation
 )
 SELECT i.n, clock.now,
        lease.job_id, lease.generation AS lease_generation, lease.owner AS lease_owner,
@@ -380,6 +388,7 @@ SELECT i.n, clock.now,
        EXISTS (SELECT 1 FROM claim WHERE claim.attempt = i.attempt) AS claimed,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body,
+       taken.taken_from, taken.taken_generation,
        EXISTS (
            SELECT 1 FROM idempotency_records AS o
            WHERE o.job_id = lease.job_id AND o.state = :in_flight
@@ -390,12 +399,13 @@ CROSS JOIN clock
 LEFT JOIN lease ON lease.n = i.n
 LEFT JOIN job ON job.job_id = lease.job_id
 LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = i.key
+LEFT JOIN taken ON taken.attempt = i.attempt
 """
 _ADMIT_PG = Batched(
     Statement(
-        _ADMIT_BODY.replace(":leased", f"'{State.LEASED.value}'").replace(
-            ":in_flight", f"'{RecordState.IN_FLIGHT.value}'"
-        )
+        _ADMIT_BODY.replace(":leased", f"'{State.LEASED.value}'")
+        .replace(":in_flight", f"'{RecordState.IN_FLIGHT.value}'")
+        .replace(":unknown", f"'{RecordState.UNKNOWN.value}'")
     )
 )
 
@@ -443,6 +453,14 @@ _RECORD = Statement(
     """
 SELECT fingerprint, state, generation, attempt, deadline, status, headers, body
 FROM idempotency_records WHERE job_id = :job_id AND key = :key
+"""
+)
+_TAKE_OVER_SQLITE = Statement(
+    """
+UPDATE idempotency_records
+SET state = :in_flight, generation = :generation, attempt = :attempt,
+    deadline = {now} + :deadline_in, updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :taken_from
 """
 )
 _SETTLE = Batched(
@@ -504,19 +522,28 @@ def _admit_sqlite(
     }
     conn.execute(_RAISE_FENCE_SQLITE.sqlite, params)
     claimed = conn.execute(_CLAIM_KEY_SQLITE.sqlite, params).fetchone() is not None
-    record = None
+    record = back_to = None
     if not claimed:
         found = conn.execute(_RECORD.sqlite, params).fetchone()
         record = None if found is None else _record(found, decode=True)
-    older = claimed and bool(row["older_in_flight"])
+        if (
+            write.retry
+            and record is not None
+            and record.fingerprint == write.fingerprint
+            and fence.effective_state(record, now) is RecordState.UNKNOWN
+        ):
+            conn.execute(_TAKE_OVER_SQLITE.sqlite, {**params, "taken_from": record.attempt})
+            back_to = record
+    ours = claimed or back_to is not None
     return Admission(
         now=now,
         presented=presented,
         highest=max(presented.generation, highest or 0),
         claimed=claimed,
-        attempt=attempt if claimed else None,
+        attempt=attempt if ours else None,
         record=record,
-        older_in_flight=older,
+        older_in_flight=ours and bool(row["older_in_flight"]),
+        back_to=back_to,
     )
 
 

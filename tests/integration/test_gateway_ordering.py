@@ -9,6 +9,8 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.conftest import FakeClock, Upstream, upstream_config
@@ -231,3 +233,52 @@ async def test_a_waiting_write_is_not_forwarded_once_a_newer_generation_is_admit
     await ok(await third_write)
     await problem(second_resp, 409, "stale-generation")
     assert [r["generation"] for r in upstream.received] == ["1", "3"]
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_retried_unknown_key_is_taken_over_with_the_lease_check(
+    make_stack: Any, upstream: Upstream, engine: AsyncEngine
+) -> None:
+    """``unknown_outcome = "retry"``: generation 1 retries a key whose outcome is unknown
+    while generation 2 takes the job. The take-over of the key is judged in the same
+    statement as the lease and the fence, so either generation 1's retry goes out before
+    generation 2 is granted (and generation 2's write waits for it), or it is refused.
+    Here a lock on the key's record holds generation 1 inside its admission; on a gateway
+    that took the key over in a second statement, generation 2 wrote in between and the
+    upstream saw generations 1, 2, 1."""
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream, unknown_outcome="retry", timeout_seconds=5)],
+        gateway={"ordering_wait_seconds": 5},
+    )
+    first = await stack.lease("job-1", owner="a")
+    upstream.status = 502  # no answer that tells: the key's outcome is unknown
+    await ok(await stack.write("/pay/c", first, key="k"), 502)
+    upstream.status = 201
+    async with engine.connect() as locker:
+        await locker.execute(
+            sa.text(
+                "SELECT 1 FROM idempotency_records WHERE job_id = 'job-1' AND key = 'k' FOR UPDATE"
+            )
+        )
+        retry = asyncio.ensure_future(stack.write("/pay/c", first, key="k"))
+        await asyncio.sleep(0.3)  # generation 1 is now inside its admission
+        second = asyncio.ensure_future(stack.lease("job-1", owner="a"))  # a restart
+        written = asyncio.ensure_future(_write_when_granted(stack, second))
+        await asyncio.sleep(0.5)
+        await locker.rollback()
+    retried, late = await asyncio.gather(retry, written)
+    if retried.status == 201:
+        await ok(retried)
+    else:
+        await problem(retried, 409, "stale-generation")
+    await ok(late)
+    generations = [int(r["generation"]) for r in upstream.received]
+    assert generations == sorted(generations), generations
+    assert generations[-1] == 2
+
+
+async def _write_when_granted(stack: Any, granted: asyncio.Future[Any]) -> Any:
+    lease = await granted
+    return await stack.write("/pay/c", lease, key="k2")
