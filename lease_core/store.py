@@ -241,7 +241,10 @@ class LeaseStore:
         return JobPage(items, next_cursor)
 
     async def purge_job(self, job_id: str) -> None:
-        """Delete a job that no current lease holds, remembering its generation."""
+        """Delete a job that no current lease holds, remembering its generation, and the
+        gateway's records of its writes with it: a job created again under the same id
+        starts without answers to replay. Refused while one of its writes is in flight
+        (admitted before its lease ended): that record must settle first."""
         now = self.dialect.now()
         async with self.transaction() as conn:
             deleted = (
@@ -261,6 +264,25 @@ class LeaseStore:
                 if exists is None:
                     raise exc.JobNotFound(f"no job with id {job_id!r}", job_id=job_id)
                 raise exc.LeaseHeld("a current lease holds this job", job_id=job_id)
+            # The job row is gone, so no write of it can be admitted any more; one admitted
+            # before shows here, and the whole purge is undone.
+            in_flight = (
+                await conn.execute(
+                    sa.select(_records.c.key)
+                    .where(
+                        _records.c.job_id == job_id,
+                        _records.c.state == _IN_FLIGHT_RECORD,
+                        _records.c.deadline > now,
+                    )
+                    .limit(1)
+                )
+            ).first()
+            if in_flight is not None:
+                raise exc.LeaseHeld(
+                    "a write of this job is still in flight; purge it once that write has settled",
+                    job_id=job_id,
+                )
+            await conn.execute(sa.delete(_records).where(_records.c.job_id == job_id))
             tomb = self.dialect.insert(job_tombstones).values(
                 job_id=job_id, generation=deleted.generation, purged_at=now
             )
@@ -556,6 +578,17 @@ def _lease(row: Mapping[Any, Any], token: str | None, *, decode: bool = False) -
         lease_token=token,
     )
 
+
+# The gateway's records of a job's writes (``gateway.schema.requests``): they belong to
+# the job and go with it when it is purged.
+_records = sa.table(
+    "idempotency_records",
+    sa.column("job_id"),
+    sa.column("key"),
+    sa.column("state"),
+    sa.column("deadline"),
+)
+_IN_FLIGHT_RECORD = "in_flight"
 
 # The hot path's statements, sent straight to the driver (``lease_core.direct``).
 _LEASED = State.LEASED.value

@@ -636,7 +636,17 @@ async def test_postgres_admit_reports_a_purged_jobs_fence_like_check_lease(
     store: LeaseStore, gstore: GatewayStore
 ) -> None:
     token = await lease(store, "purged")
-    assert (await gstore.admit(write(token, "k"))).claimed
+    admitted = await gstore.admit(write(token, "k"))
+    assert admitted.claimed and admitted.attempt is not None
+    await gstore.settle(
+        "purged",
+        "k",
+        admitted.attempt,
+        state=RecordState.COMPLETED,
+        status=201,
+        headers=[],
+        body=b"",
+    )
     await store.complete(token)
     await store.purge_job("purged")
     checked = await gstore.check_lease(tokens.hash_token(token))

@@ -21,7 +21,7 @@ from gateway.admin import GATEWAY_STATE
 from gateway.server import SETTINGS, upkeep
 from lease_core.api import STORE
 from tests.conftest import FakeClock, Upstream, upstream_config
-from tests.gateway_helpers import PROBLEM, ok, problem
+from tests.gateway_helpers import PROBLEM, ok, problem, until_in_flight
 
 
 async def problem_from(
@@ -166,6 +166,49 @@ async def test_keys_belong_to_the_job_across_generations(
     assert [r["generation"] for r in upstream.received] == ["1", "2"]
     [entry] = await stack.audit(reason="idempotent-replay")
     assert (entry["generation"], entry["owner"]) == (2, "b")
+
+
+async def test_a_job_created_again_after_a_purge_inherits_no_answers(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """A purged job's records go with it: the new job under the same id sends its first
+    write of a step to the upstream, instead of being given the old job's answer."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    old = await stack.lease("job-1")
+    await ok(await stack.write("/pay/charges", old, key="charge", body={"amount": 5}))
+    resp = await stack.control.post("/v1/leases/complete", json={"lease_token": old["lease_token"]})
+    assert resp.status == 200, await resp.text()
+    resp = await stack.control.delete("/admin/jobs/job-1")
+    assert resp.status in (200, 204), await resp.text()
+    new = await stack.lease("job-1")
+    assert new["generation"] > old["generation"]
+    await ok(await stack.write("/pay/charges", new, key="charge", body={"amount": 5}))
+    assert [r["generation"] for r in upstream.received] == ["1", str(new["generation"])]
+    # The old token stays fenced off.
+    await problem(
+        await stack.write("/pay/charges", old, key="other", body={"amount": 5}),
+        409,
+        "stale-generation",
+    )
+
+
+async def test_a_job_with_a_write_in_flight_is_not_purged(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    """Purging a job while one of its writes is in flight (its lease expired meanwhile)
+    is refused: that write's record must settle before the job's records can go."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    upstream.delay = 0.5
+    lease = await stack.lease("job-1", ttl=5)
+    write = asyncio.ensure_future(stack.write("/pay/charges", lease, key="charge"))
+    await until_in_flight(upstream)
+    clock.advance(6)  # the lease has expired; the write is still on its way
+    resp = await stack.control.delete("/admin/jobs/job-1")
+    doc = await problem(resp, 409, "lease-held")
+    assert "in flight" in doc["detail"]
+    await ok(await write)
+    resp = await stack.control.delete("/admin/jobs/job-1")
+    assert resp.status in (200, 204), await resp.text()
 
 
 async def test_the_same_key_on_another_job_is_independent(
