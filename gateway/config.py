@@ -13,6 +13,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -121,6 +122,10 @@ class UpstreamSettings(BaseModel):
             "set_headers": sorted(self.set_headers),
         }
 
+    @cached_property
+    def set_header_names(self) -> frozenset[str]:
+        return frozenset(name.lower() for name in self.set_headers)
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
@@ -138,6 +143,9 @@ class UpstreamSettings(BaseModel):
         for method in methods:
             if not TOKEN_CHARS.fullmatch(method):
                 raise ValueError(f"{method!r} is not an HTTP method")
+        # HEAD follows GET: most frameworks answer HEAD with the GET handler.
+        if "GET" in methods and "HEAD" not in methods:
+            methods.append("HEAD")
         return methods
 
     @field_validator("set_headers")

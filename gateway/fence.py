@@ -135,6 +135,15 @@ def parse_key(header: str, max_length: int = 255) -> str | None:
     return key if 1 <= len(key) <= max_length else None
 
 
+def canonical_key(key: str) -> str:
+    """The one form of a key that upstreams get, however the worker quoted it: bare where
+    it is made of token characters (``"step-1"`` and ``step-1`` both go as ``step-1``),
+    else a structured-field string."""
+    if _TOKEN.fullmatch(key):
+        return key
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def anonymous_key() -> str:
     """A key for a write that carries none: tracked while in flight, never replayed."""
     return ANONYMOUS_PREFIX + tokens.new_serial_id()

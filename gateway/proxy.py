@@ -60,6 +60,12 @@ DROP_FROM_CLIENT = HOP_BY_HOP | {
     "content-length",
     "expect",
 }
+# Client headers that could tell the upstream another story about the request than the
+# gateway checked: where it came from, which URL it was for.
+DROP_FROM_CLIENT |= {"forwarded", "x-original-url", "x-rewrite-url"}
+# Headers that make an upstream treat a request as another method. On a method that is
+# not fenced they would turn a pass-through into an unfenced write: refused.
+METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
 DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
 PROTECTED = frozenset({"fencing-token", "idempotency-key"})
 # Upstream answers that do not tell whether the side effect happened.
@@ -283,6 +289,13 @@ class Gateway:
                 ctx, Reason.UNKNOWN_UPSTREAM, detail=f"No upstream named {name[:100]!r}."
             )
         if request.method not in upstream.fenced_methods:
+            if _method_override(request.headers) is not None:
+                return await self.reject(
+                    ctx,
+                    Reason.INVALID_REQUEST,
+                    detail="A method-override header is not allowed on a method that is not "
+                    "fenced: send the method itself.",
+                )
             return Target(upstream, rest, query, None)
 
         presented_tokens = request.headers.getall("Fencing-Token", [])
@@ -343,7 +356,9 @@ class Gateway:
             ctx.extra["max_body_bytes"] = upstream.max_body_bytes
             return await self.reject(ctx, reason or Reason.BODY_TOO_LARGE)
 
-        ctx.fingerprint = fence.fingerprint(request.method, upstream.name, rest, query, body)
+        override = _method_override(request.headers)
+        method = request.method if override is None else f"{request.method} as {override}"
+        ctx.fingerprint = fence.fingerprint(method, upstream.name, rest, query, body)
         deadline_in = (
             self.settings.gateway.ordering_wait_seconds
             + upstream.timeout_seconds
@@ -409,7 +424,7 @@ class Gateway:
                 return await self.reject(ctx, reason)
 
         url = _upstream_url(upstream, rest, query)
-        headers = forward_headers(request, upstream, job_id, generation)
+        headers = forward_headers(request, upstream, job_id, generation, ctx.key)
         return await self._forward(ctx, upstream, url, headers, body, attempt, back_to)
 
     def _target(self, request: web.Request) -> tuple[str, str, str] | str:
@@ -459,7 +474,7 @@ class Gateway:
         if body is None:
             ctx.extra["max_body_bytes"] = upstream.max_body_bytes
             return await self.reject(ctx, Reason.BODY_TOO_LARGE)
-        headers = forward_headers(ctx.request, upstream, None, None)
+        headers = forward_headers(ctx.request, upstream, None, None, None)
         return await self._forward(
             ctx, upstream, _upstream_url(upstream, rest, query), headers, body, None, None
         )
@@ -686,11 +701,37 @@ def _upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
     return f"{url}?{query}" if query else url
 
 
+def _method_override(headers: CIMultiDictProxy[str]) -> str | None:
+    """The method a method-override header asks for (any spelling of its name), if any."""
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower.startswith("x") and lower.replace("_", "-") in METHOD_OVERRIDES:
+            return value.strip().upper()[:32]
+    return None
+
+
+def _controlled(lower: str, upstream: UpstreamSettings) -> bool:
+    """A header name (with ``-`` for ``_``) that the gateway drops or sets itself: a
+    client's ``Fencing_Job`` reaches a CGI-style upstream as ``Fencing-Job`` would."""
+    return (
+        lower in DROP_FROM_CLIENT
+        or lower in PROTECTED
+        or lower == "x-request-id"
+        or lower.startswith("x-forwarded-")
+        or lower in upstream.set_header_names
+    )
+
+
 def forward_headers(
-    request: web.Request, upstream: UpstreamSettings, job_id: str | None, generation: int | None
+    request: web.Request,
+    upstream: UpstreamSettings,
+    job_id: str | None,
+    generation: int | None,
+    key: str | None,
 ) -> CIMultiDict[str]:
     """Client headers minus hop-by-hop, the credential and what we set; plus fencing
-    headers, forwarding headers and the upstream's own configured headers."""
+    headers, the key in its one canonical form, forwarding headers and the upstream's own
+    configured headers."""
     incoming: CIMultiDictProxy[str] = request.headers
     named = connection_named(incoming)
     out: CIMultiDict[str] = CIMultiDict()
@@ -698,10 +739,14 @@ def forward_headers(
         lower = name.lower()
         if lower in DROP_FROM_CLIENT or lower in named or lower.startswith("x-forwarded-"):
             continue
+        if "_" in lower and _controlled(lower.replace("_", "-"), upstream):
+            continue
         out.add(name, value)
     if job_id is not None and generation is not None:
         out["Fencing-Job"] = job_id
         out["Fencing-Generation"] = str(generation)
+        if key is not None and not fence.is_anonymous(key):
+            out["Idempotency-Key"] = fence.canonical_key(key)
     previous = incoming.get("X-Forwarded-For")
     remote = request.remote or "unknown"
     out["X-Forwarded-For"] = f"{previous}, {remote}" if previous else remote

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
@@ -251,19 +252,21 @@ async def test_missing_or_malformed_idempotency_key(make_stack: Any, upstream: U
 async def test_well_formed_keys_are_accepted(make_stack: Any, upstream: Upstream) -> None:
     stack = await make_stack(upstreams=[upstream_config(upstream)])
     lease = await stack.lease("job-1")
+    # Each key as sent, and the one form the upstream gets for it: bare where the key is
+    # made of token characters, else a structured-field string.
     keys = [
-        '"quoted"',
-        '"with space and \\"escapes\\""',
-        "123e4567-e89b-12d3-a456-426614174000",
-        "0",
-        "k" * 255,
-        '"' + "j" * 255 + '"',
-        "!#$%&'*+-.^_`|~",
+        ('"quoted"', "quoted"),
+        ('"with space and \\"escapes\\""', '"with space and \\"escapes\\""'),
+        ("123e4567-e89b-12d3-a456-426614174000", "123e4567-e89b-12d3-a456-426614174000"),
+        ("0", "0"),
+        ("k" * 255, "k" * 255),
+        ('"' + "j" * 255 + '"', "j" * 255),
+        ("!#$%&'*+-.^_`|~", "!#$%&'*+-.^_`|~"),
     ]
-    for n, key in enumerate(keys, start=1):
+    for n, (key, forwarded) in enumerate(keys, start=1):
         resp = await stack.write("/pay/charges", lease, key=key)
         assert await ok(resp) == b'{"applied": %d}' % n
-        assert upstream.received[-1]["key"] == key
+        assert upstream.received[-1]["key"] == forwarded
         # And the key is tracked: the same request again is a replay.
         resp = await stack.write("/pay/charges", lease, key=key)
         assert resp.headers.get("Idempotent-Replayed") == "true"
@@ -333,6 +336,94 @@ async def test_upstream_chooses_its_fenced_methods(make_stack: Any, upstream: Up
     resp = await stack.proxy.delete("/pay/files/1")  # not fenced here
     assert resp.status == 201
     assert [r["method"] for r in upstream.received] == ["DELETE"]
+
+
+async def test_head_is_fenced_wherever_get_is(make_stack: Any, upstream: Upstream) -> None:
+    """Most frameworks run the GET handler for HEAD: with GET fenced, a HEAD without a
+    token must not go around the fence."""
+    stack = await make_stack(upstreams=[upstream_config(upstream, fenced_methods=["GET"])])
+    resp = await stack.proxy.head("/pay/files/1")  # a HEAD answer has no body to read
+    assert (resp.status, resp.content_type) == (428, PROBLEM)
+    [entry] = await stack.audit()
+    assert (entry["reason"], entry["method"]) == ("missing-fencing-token", "HEAD")
+    lease = await stack.lease("job-1")
+    resp = await stack.proxy.head(
+        "/pay/files/1", headers={"Fencing-Token": lease["lease_token"], "Idempotency-Key": "h1"}
+    )
+    assert resp.status == 201
+    assert [(r["method"], r["generation"]) for r in upstream.received] == [("HEAD", "1")]
+
+
+@pytest.mark.parametrize(
+    "header", ["X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override", "X_HTTP_Method"]
+)
+async def test_a_method_override_on_an_unfenced_method_is_refused(
+    make_stack: Any, upstream: Upstream, header: str
+) -> None:
+    """``GET`` with ``X-HTTP-Method-Override: DELETE`` is a DELETE to many frameworks: it
+    would be a write with the upstream's credentials and no fence."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    resp = await stack.proxy.get("/pay/files/1", headers={header: "DELETE"})
+    doc = await problem(resp, 400, "invalid-request")
+    assert "override" in doc["detail"]
+    resp = await stack.proxy.post("/pay/files/1", data=b"x", headers={header: "DELETE"})
+    await problem(resp, 428, "missing-fencing-token")
+    assert upstream.received == []
+
+
+async def test_a_method_override_on_a_fenced_write_is_part_of_the_request(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """On a fenced write the override goes on, and the same key with another override is
+    another request (422), never a replay of the first."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    lease = await stack.lease("job-1")
+    headers = {"X-HTTP-Method-Override": "PUT"}
+    await ok(await stack.write("/pay/files/1", lease, key="k", headers=headers))
+    assert upstream.received[0]["headers"]["X-HTTP-Method-Override"] == "PUT"
+    resp = await stack.write("/pay/files/1", lease, key="k", headers={"X-HTTP-Method": "DELETE"})
+    await problem(resp, 422, "idempotency-key-reused")
+    await problem(await stack.write("/pay/files/1", lease, key="k"), 422, "idempotency-key-reused")
+
+
+async def test_headers_that_retell_the_request_are_not_passed_on(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """``Forwarded``, ``X-Original-URL`` and ``X-Rewrite-URL`` (which some servers route
+    by), and headers named like the gateway's own with ``_`` for ``-`` (which CGI-style
+    upstreams read as the same header), do not reach the upstream as the worker sent
+    them."""
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream, set_headers={"X-Api-Key": "k-123"})]
+    )
+    lease = await stack.lease("job-1")
+    spoofed = {
+        "Forwarded": "for=10.0.0.1;host=evil.example",
+        "X-Original-URL": "/admin/delete-everything",
+        "X-Rewrite-URL": "/admin/delete-everything",
+        "Fencing_Job": "someone-elses-job",
+        "Fencing_Generation": "99",
+        "Fencing_Token": "fgl_x",
+        "Idempotency_Key": "other-key",
+        "X_Forwarded_For": "10.9.8.7",
+        "X_Request_Id": "spoofed",
+        "X_Api_Key": "worker-key",
+        "X-Custom_Header": "kept",
+    }
+    for method in ("POST", "GET"):
+        if method == "POST":
+            await ok(await stack.write("/pay/files/1", lease, key="k", headers=spoofed))
+        else:
+            resp = await stack.proxy.get("/pay/files/1", headers=spoofed)
+            assert resp.status == 201
+        sent = upstream.received[-1]["headers"]
+        for name in spoofed:
+            if name != "X-Custom_Header":
+                assert name not in sent, (method, name, sent)
+        assert sent["X-Custom_Header"] == "kept"
+        assert sent["X-Api-Key"] == "k-123"
+    assert upstream.received[0]["headers"]["Fencing-Job"] == "job-1"
+    assert upstream.received[0]["headers"]["Idempotency-Key"] == "k"
 
 
 # -- body size ----------------------------------------------------------------------------

@@ -604,6 +604,22 @@ async def test_a_connection_lost_after_sending_is_an_unknown_outcome(
     assert flaky.calls == ["pay-1"]
 
 
+async def test_a_key_reaches_the_upstream_in_one_form_however_it_was_quoted(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """``"step-1"`` and ``step-1`` are one key to the gateway, and the upstream (which may
+    deduplicate by key byte for byte, as Stripe does) must see one key too: a retry of an
+    unknown outcome in the other quoting is forwarded with the same bytes."""
+    stack = await make_stack(upstreams=[upstream_config(upstream, unknown_outcome="retry")])
+    lease = await stack.lease("job-1")
+    upstream.status = 502
+    await ok(await stack.write("/pay/charges", lease, key='"step-1"'), 502)
+    upstream.status = 201
+    await ok(await stack.write("/pay/charges", lease, key="step-1"))
+    assert [r["key"] for r in upstream.received] == ["step-1", "step-1"]
+    assert [r["headers"]["Idempotency-Key"] for r in upstream.received] == ["step-1"] * 2
+
+
 async def test_retry_policy_keeps_the_key_unknown_when_the_retry_is_not_sent(
     make_stack: Any, aiohttp_server: Callable[..., Any]
 ) -> None:
