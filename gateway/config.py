@@ -108,6 +108,11 @@ class UpstreamSettings(BaseModel):
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=0, le=2**34)
     set_headers: dict[str, SecretStr] = Field(default_factory=dict)
     unknown_outcome: Literal["hold", "retry"] = "hold"
+    # Answers that mean "not processed, try later": the worker gets them, but they are
+    # not the key's answer, so the key stays free for the next attempt.
+    not_processed_statuses: list[Annotated[int, Field(ge=100, le=599)]] = Field(
+        default_factory=lambda: [429, 503]
+    )
 
     def summary(self) -> dict[str, Any]:
         """What operators may see of this upstream (header names, never their values)."""
@@ -119,12 +124,17 @@ class UpstreamSettings(BaseModel):
             "timeout_seconds": self.timeout_seconds,
             "max_body_bytes": self.max_body_bytes,
             "unknown_outcome": self.unknown_outcome,
+            "not_processed_statuses": self.not_processed_statuses,
             "set_headers": sorted(self.set_headers),
         }
 
     @cached_property
     def set_header_names(self) -> frozenset[str]:
         return frozenset(name.lower() for name in self.set_headers)
+
+    @cached_property
+    def not_processed(self) -> frozenset[int]:
+        return frozenset(self.not_processed_statuses)
 
     @field_validator("url")
     @classmethod

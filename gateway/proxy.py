@@ -636,8 +636,13 @@ class Gateway:
             except (TimeoutError, aiohttp.ClientError) as error:
                 log.warning("upstream %s cut its answer short: %s", upstream.name, error)
             finally:
-                if attempt is not None:
-                    known = complete and upstream_response.status not in UNKNOWN_STATUSES
+                status = upstream_response.status
+                if attempt is not None and complete and status in upstream.not_processed:
+                    # "Not processed, try later": not the key's answer. The key is free
+                    # again (or back to its earlier unknown outcome), as if not sent.
+                    await self._settle_quietly(self.store.release(job_id, key, attempt, back_to))
+                elif attempt is not None:
+                    known = complete and status not in UNKNOWN_STATUSES
                     await self._settle_quietly(
                         self.store.settle(
                             job_id,

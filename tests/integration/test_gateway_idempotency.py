@@ -649,6 +649,40 @@ async def test_retry_policy_keeps_the_key_unknown_when_the_retry_is_not_sent(
     assert len(up.received) == 1
 
 
+@pytest.mark.parametrize(
+    ("config", "status"),
+    [({}, 429), ({}, 503), ({"not_processed_statuses": [409, 425]}, 425)],
+)
+async def test_an_answer_that_means_not_processed_leaves_the_key_free(
+    make_stack: Any, upstream: Upstream, config: dict[str, Any], status: int
+) -> None:
+    """ "Too many requests, try later" is not the step's answer: stored, it would be
+    replayed on every retry and the step could never succeed under its key."""
+    stack = await make_stack(upstreams=[upstream_config(upstream, **config)])
+    lease = await stack.lease("job-1")
+    upstream.status = status
+    upstream.headers = {"Retry-After": "1"}
+    resp = await stack.write("/pay/charges", lease, key="pay-1")
+    await ok(resp, status)  # the worker gets the upstream's own answer
+    assert resp.headers["Retry-After"] == "1"
+    upstream.status, upstream.headers = 201, {}
+    await ok(await stack.write("/pay/charges", lease, key="pay-1"))
+    await replayed(await stack.write("/pay/charges", lease, key="pay-1"))
+    assert len(upstream.received) == 2
+    assert await unknown_outcomes(stack) == []
+
+
+async def test_not_processed_statuses_can_be_turned_off(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream, not_processed_statuses=[])])
+    lease = await stack.lease("job-1")
+    upstream.status = 429
+    await ok(await stack.write("/pay/charges", lease, key="pay-1"), 429)
+    await replayed(await stack.write("/pay/charges", lease, key="pay-1"), 429)
+    assert len(upstream.received) == 1
+
+
 async def test_connection_refused_leaves_the_key_free(make_stack: Any) -> None:
     stack = await make_stack(
         upstreams=[{"name": "pay", "url": f"http://127.0.0.1:{closed_port()}"}],
