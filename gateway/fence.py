@@ -153,15 +153,25 @@ def is_anonymous(key: str) -> bool:
     return key.startswith(ANONYMOUS_PREFIX)
 
 
-def fingerprint(method: str, upstream: str, path: str, query: str, body: bytes) -> str:
-    """What makes two requests 'the same request' for an idempotency key."""
+Hasher = Any  # a hashlib object (``hashlib._Hash`` is not public)
+
+
+def fingerprint_hasher(method: str, upstream: str, path: str, query: str) -> Hasher:
+    """The fingerprint of a request whose body is still to come: ``update`` it with the
+    body's pieces as they arrive, then ``hexdigest()``."""
     digest = hashlib.sha256()
     for part in (method.upper(), upstream, path, query):
         encoded = part.encode("utf-8", "surrogateescape")
         digest.update(len(encoded).to_bytes(8, "big"))
         digest.update(encoded)
+    return digest
+
+
+def fingerprint(method: str, upstream: str, path: str, query: str, body: bytes) -> str:
+    """What makes two requests 'the same request' for an idempotency key."""
+    digest = fingerprint_hasher(method, upstream, path, query)
     digest.update(body)
-    return digest.hexdigest()
+    return str(digest.hexdigest())
 
 
 # -- records and verdicts -----------------------------------------------------------

@@ -31,7 +31,7 @@ from lease_core.store import LeaseStore
 from . import fence
 from .audit import Audit, AuditEntry
 from .config import Settings, UpstreamSettings
-from .fence import Action, Reason, Record, RecordState
+from .fence import Action, Hasher, Reason, Record, RecordState
 from .logs import REQUEST_ID, request_id_middleware
 from .store import Admission, GatewayStore, WriteRequest
 
@@ -87,7 +87,7 @@ class Ctx:
     extra: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     forwarded: bool = False
-    body: bytes | None = None
+    body: io.BytesIO | None = None  # the request body, read once (the only copy)
     send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
 
 
@@ -228,7 +228,9 @@ class Gateway:
                 idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
                 client=request.remote,
                 fingerprint=ctx.fingerprint,
-                body=ctx.body if self.settings.gateway.audit_bodies else None,
+                body=ctx.body.getvalue()
+                if ctx.body is not None and self.settings.gateway.audit_bodies
+                else None,
             )
         )
 
@@ -349,16 +351,17 @@ class Gateway:
             return await self._pass_through(ctx, upstream, rest, query)
         assert ctx.key is not None
 
-        ctx.body = body = await self._read_body(request, upstream)
+        override = _method_override(request.headers)
+        method = request.method if override is None else f"{request.method} as {override}"
+        digest = fence.fingerprint_hasher(method, upstream.name, rest, query)
+        ctx.body = body = await self._read_body(request, upstream, digest)
         if body is None:  # over the limit: but a lease refusal comes first in the table
             ctx.admission = await self.store.check_lease(token_hash)
             reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
             ctx.extra["max_body_bytes"] = upstream.max_body_bytes
             return await self.reject(ctx, reason or Reason.BODY_TOO_LARGE)
 
-        override = _method_override(request.headers)
-        method = request.method if override is None else f"{request.method} as {override}"
-        ctx.fingerprint = fence.fingerprint(method, upstream.name, rest, query, body)
+        ctx.fingerprint = digest.hexdigest()
         deadline_in = (
             self.settings.gateway.ordering_wait_seconds
             + upstream.timeout_seconds
@@ -445,18 +448,24 @@ class Gateway:
             return "Backslashes are not allowed in the path."
         return name, rest, query
 
-    async def _read_body(self, request: web.Request, upstream: UpstreamSettings) -> bytes | None:
-        """The whole body, or None when it is over the upstream's limit."""
+    async def _read_body(
+        self, request: web.Request, upstream: UpstreamSettings, digest: Hasher | None = None
+    ) -> io.BytesIO | None:
+        """The whole body, or None when it is over the upstream's limit. Each piece goes
+        into the fingerprint as it arrives and into one buffer, so a body costs its size
+        once (``max_concurrent_requests`` times ``max_body_bytes`` bounds them all)."""
         limit = upstream.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return None
-        chunks, size = [], 0
+        buffer, size = io.BytesIO(), 0
         async for chunk in _chunks(request):
             size += len(chunk)
             if size > limit:
                 return None
-            chunks.append(chunk)
-        return b"".join(chunks)
+            if digest is not None:
+                digest.update(chunk)
+            buffer.write(chunk)
+        return buffer
 
     async def _wait_for_older(self, job_id: str, generation: int) -> bool:
         """Wait (bounded) until no older generation's write to this job is in flight."""
@@ -485,7 +494,7 @@ class Gateway:
         upstream: UpstreamSettings,
         url: str,
         headers: CIMultiDict[str],
-        body: bytes,
+        body: io.BytesIO,
         attempt: str | None,
         back_to: Record | None,
     ) -> web.StreamResponse:
@@ -522,7 +531,7 @@ class Gateway:
         upstream: UpstreamSettings,
         url: str,
         headers: CIMultiDict[str],
-        body: bytes,
+        body: io.BytesIO,
         attempt: str | None,
         back_to: Record | None,
     ) -> web.StreamResponse:
@@ -553,7 +562,7 @@ class Gateway:
                 request.method,
                 URL(url, encoded=True),  # forwarded as sent: no re-quoting of the path
                 headers=headers,
-                data=io.BytesIO(body) if len(body) > LARGE_BODY else (body or None),
+                data=_payload(body),
                 allow_redirects=False,
                 timeout=timeout,
             )
@@ -699,6 +708,16 @@ async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
         if not chunk:
             return
         yield chunk
+
+
+def _payload(body: io.BytesIO) -> io.BytesIO | bytes | None:
+    """What aiohttp sends: a large body straight from its buffer, in pieces (no second
+    copy); a small one as bytes (one write)."""
+    size = body.tell()
+    if size > LARGE_BODY:
+        body.seek(0)
+        return body
+    return body.getvalue() if size else None
 
 
 def _upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:

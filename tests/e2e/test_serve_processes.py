@@ -34,7 +34,7 @@ from lease_core.store import LeaseStore
 from tests.conftest import PG_URL
 
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
-LISTENING = re.compile(r"fencegate listening: .*?control=(\S+).*?proxy=(\S+)")
+LISTENING = re.compile(r"fencegate listening: .*?control=([^\s\"]+).*?proxy=([^\s\"]+)")
 
 
 def child_env() -> dict[str, str]:
