@@ -1,8 +1,8 @@
 """A model-based test of the lease core and the gateway together (hypothesis stateful).
 
 A ``RuleBasedStateMachine`` drives the real control and proxy apps (aiohttp test servers
-in an event loop the machine owns, on a SQLite copy of the migrated template, with a
-``FakeClock``) and a real upstream that counts what it receives, and holds every answer
+in an event loop the machine owns, on a SQLite copy of the migrated template and on
+PostgreSQL, with a ``FakeClock``) and a real upstream that counts what it receives, and holds every answer
 to a plain model of the rules written here from the spec:
 
 - enqueue, acquire (named), claim, renew, complete, fail and release with any token the
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -54,7 +55,7 @@ from gateway.schema import requests
 from gateway.server import create_control_app
 from lease_core import tokens
 from lease_core.db import create_engine
-from lease_core.schema import jobs
+from lease_core.schema import jobs, metadata
 from lease_core.store import LeaseStore
 from tests.conftest import FakeClock
 
@@ -151,11 +152,17 @@ def refusal(job: MJob | None, generation: int, now: float) -> str:
 
 
 class LeaseAndGatewayModel(RuleBasedStateMachine):
-    def __init__(self, template: Path) -> None:
+    def __init__(self, template: Path | None = None, postgres_url: str | None = None) -> None:
+        """On a copy of the SQLite ``template``, or on the emptied PostgreSQL database
+        at ``postgres_url`` (its statements are the production admission's)."""
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="fencegate-model-"))
-        shutil.copy(template, self.folder / "model.db")
-        self.url = f"sqlite+aiosqlite:///{self.folder / 'model.db'}"
+        if postgres_url is not None:
+            self.url = postgres_url
+        else:
+            assert template is not None
+            shutil.copy(template, self.folder / "model.db")
+            self.url = f"sqlite+aiosqlite:///{self.folder / 'model.db'}"
         self.clock = FakeClock()
         self.loop = asyncio.new_event_loop()
         self.jobs: dict[str, MJob] = {}
@@ -174,6 +181,10 @@ class LeaseAndGatewayModel(RuleBasedStateMachine):
 
     async def _start(self) -> None:
         self.engine = create_engine(self.url)
+        if self.engine.dialect.name == "postgresql":
+            async with self.engine.begin() as conn:
+                names = ", ".join(f'"{t.name}"' for t in metadata.sorted_tables)
+                await conn.execute(sa.text(f"TRUNCATE {names}"))
         store = LeaseStore(self.engine, clock=self.clock)
         upstream_app = web.Application()
         upstream_app.router.add_route("*", "/{tail:.*}", self.upstream.handle)
@@ -503,3 +514,12 @@ class LeaseAndGatewayModel(RuleBasedStateMachine):
 
 def test_lease_core_and_gateway_follow_the_model(sqlite_template: Path) -> None:
     run_state_machine_as_test(lambda: LeaseAndGatewayModel(sqlite_template), settings=PROFILE)
+
+
+@pytest.mark.postgres
+def test_lease_core_and_gateway_follow_the_model_on_postgres(pg_database_url: str) -> None:
+    """The same model against PostgreSQL: the admission that guards every write in
+    production (one statement, batched across concurrent writes) is model-checked too."""
+    run_state_machine_as_test(
+        lambda: LeaseAndGatewayModel(postgres_url=pg_database_url), settings=PROFILE
+    )
