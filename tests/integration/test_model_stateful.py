@@ -2,8 +2,8 @@
 
 A ``RuleBasedStateMachine`` drives the real control and proxy apps (aiohttp test servers
 in an event loop the machine owns, on a SQLite copy of the migrated template and on
-PostgreSQL, with a ``FakeClock``) and a real upstream that counts what it receives, and holds every answer
-to a plain model of the rules written here from the spec:
+PostgreSQL, with a ``FakeClock``) and a real upstream that counts what it receives, and
+holds every answer to a plain model of the rules written here from the spec:
 
 - enqueue, acquire (named), claim, renew, complete, fail and release with any token the
   test ever got (current or stale), advancing the clock between them;
