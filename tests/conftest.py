@@ -17,36 +17,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from aiohttp.test_utils import TestClient
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import migrate
 from gateway.config import Settings
 from gateway.server import create_control_app
 from lease_core.db import create_engine
-from lease_core.schema import metadata
 from lease_core.store import LeaseStore
-
-PG_URL = os.environ.get(
-    "FENCEGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+from tests.support import (
+    FakeClock,
+    Stack,
+    Upstream,
+    pg_admin,
+    pg_url_of,
+    postgres_unavailable,
+    truncate_all,
 )
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-
-
-class FakeClock:
-    """A clock the test moves by hand (seconds since the epoch)."""
-
-    def __init__(self, start: float = 1_800_000_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
@@ -54,33 +43,18 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-def _unavailable(message: str) -> None:
-    if IN_CI:
-        pytest.fail(f"PostgreSQL is required in CI: {message}", pytrace=False)
-    pytest.skip(f"PostgreSQL not reachable: {message}")
-
-
-async def _admin(sql: str) -> None:
-    engine = create_async_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(sa.text(sql))
-    finally:
-        await engine.dispose()
-
-
 @pytest.fixture(scope="session")
 def pg_database_url() -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for this test session."""
     name = f"fencegate_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     try:
-        asyncio.run(asyncio.wait_for(_admin(f'CREATE DATABASE "{name}"'), 10))
+        asyncio.run(asyncio.wait_for(pg_admin(f'CREATE DATABASE "{name}"'), 10))
     except Exception as error:  # any failure to reach the server
-        _unavailable(f"{type(error).__name__}: {error}")
-    url = sa.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+        postgres_unavailable(f"{type(error).__name__}: {error}")
+    url = pg_url_of(name)
     migrate.upgrade(url)
     yield url
-    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(scope="session")
@@ -105,18 +79,8 @@ def database_url(
         shutil.copy(sqlite_template, path)
         return f"sqlite+aiosqlite:///{path}"
     url: str = request.getfixturevalue("pg_database_url")
-    asyncio.run(_truncate(url))
+    asyncio.run(truncate_all(url))
     return url
-
-
-async def _truncate(url: str) -> None:
-    engine = create_async_engine(url)
-    try:
-        async with engine.begin() as conn:
-            names = ", ".join(f'"{t.name}"' for t in metadata.sorted_tables)
-            await conn.execute(sa.text(f"TRUNCATE {names}"))
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture
@@ -152,49 +116,6 @@ async def control(
 # -- gateway fixtures -------------------------------------------------------------------
 
 
-class Upstream:
-    """A real HTTP server standing in for a payment / storage API. It records every
-    request it receives; ``behaviour`` decides the answer."""
-
-    def __init__(self) -> None:
-        self.received: list[dict[str, Any]] = []
-        self.status = 201
-        self.delay = 0.0
-        self.body: bytes | None = None
-        self.headers: dict[str, str] = {}
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.url = ""
-
-    async def handler(self, request: Any) -> Any:
-        from aiohttp import web
-
-        body = await request.read()
-        record = {
-            "method": request.method,
-            "path": request.path_qs,
-            "headers": dict(request.headers),
-            "body": body,
-            "generation": request.headers.get("Fencing-Generation"),
-            "key": request.headers.get("Idempotency-Key"),
-        }
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            if self.delay:
-                await asyncio.sleep(self.delay)
-            self.received.append(record)
-        finally:
-            self.in_flight -= 1
-        answer = self.body if self.body is not None else (b'{"applied": %d}' % len(self.received))
-        return web.Response(
-            status=self.status,
-            body=answer,
-            content_type="application/json",
-            headers=self.headers,
-        )
-
-
 @pytest.fixture
 async def upstream(aiohttp_server: Callable[..., Any]) -> Upstream:
     from aiohttp import web
@@ -205,44 +126,6 @@ async def upstream(aiohttp_server: Callable[..., Any]) -> Upstream:
     server = await aiohttp_server(app)
     up.url = str(server.make_url("")).rstrip("/")
     return up
-
-
-class Stack:
-    """A control client and a proxy client on one store (one gateway replica)."""
-
-    def __init__(self, control: TestClient[Any, Any], proxy: TestClient[Any, Any]) -> None:
-        self.control = control
-        self.proxy = proxy
-
-    async def lease(self, job_id: str, owner: str = "worker-a", ttl: float = 30) -> dict[str, Any]:
-        resp = await self.control.put(
-            f"/v1/jobs/{job_id}/lease", json={"owner": owner, "ttl_seconds": ttl}
-        )
-        assert resp.status == 201, await resp.text()
-        lease: dict[str, Any] = await resp.json()
-        return lease
-
-    async def write(
-        self,
-        path: str,
-        lease: dict[str, Any] | None,
-        key: str | None = "k1",
-        body: Any = None,
-        method: str = "POST",
-        headers: dict[str, str] | None = None,
-    ) -> Any:
-        h = dict(headers or {})
-        if lease is not None:
-            h["Fencing-Token"] = lease["lease_token"]
-        if key is not None:
-            h["Idempotency-Key"] = key
-        return await self.proxy.request(method, path, json=body or {"amount": 1}, headers=h)
-
-    async def audit(self, **query: str) -> list[dict[str, Any]]:
-        resp = await self.control.get("/admin/rejections", params=query)
-        assert resp.status == 200, await resp.text()
-        items: list[dict[str, Any]] = (await resp.json())["items"]
-        return items
 
 
 @pytest.fixture
@@ -273,7 +156,3 @@ async def make_stack(
     for stack in stacks:
         await stack.control.close()
         await stack.proxy.close()
-
-
-def upstream_config(up: Upstream, name: str = "pay", **extra: Any) -> dict[str, Any]:
-    return {"name": name, "url": up.url, **extra}

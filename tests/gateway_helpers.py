@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.schema import requests
-from tests.conftest import Upstream
+from tests.support import Upstream
 
 PROBLEM = "application/problem+json"
 

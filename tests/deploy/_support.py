@@ -6,15 +6,15 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import json
-import os
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from tests.support import pg_admin, pg_url_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -24,10 +24,6 @@ COMPOSE = DEPLOY / "compose.yaml"
 CONFIG = DEPLOY / "fencegate.toml"
 CONFIG_IN_IMAGE = "/etc/fencegate/fencegate.toml"
 
-PG_URL = os.environ.get(
-    "FENCEGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
-)
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:[:?\-][^}]*)?\}")
 
@@ -148,30 +144,9 @@ def ignored(relative: str, patterns: list[str]) -> bool:
 # -- PostgreSQL ------------------------------------------------------------------------
 
 
-def postgres_unavailable(message: str) -> None:
-    """Skip on a developer's machine, FAIL in CI (like tests/conftest.py)."""
-    if IN_CI:
-        pytest.fail(f"PostgreSQL is required in CI: {message}", pytrace=False)
-    pytest.skip(f"PostgreSQL not reachable: {message}")
-
-
-async def _admin(sql: str) -> None:
-    import sqlalchemy as sa
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    engine = create_async_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(sa.text(sql))
-    finally:
-        await engine.dispose()
-
-
-def pg_admin(sql: str, timeout: float = 15) -> None:
-    asyncio.run(asyncio.wait_for(_admin(sql), timeout))
+def pg_admin_sync(sql: str, timeout: float = 15) -> None:
+    asyncio.run(asyncio.wait_for(pg_admin(sql), timeout))
 
 
 def database_url(name: str) -> str:
-    import sqlalchemy as sa
-
-    return sa.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    return pg_url_of(name)

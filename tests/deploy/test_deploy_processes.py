@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import postgres_unavailable
+
 from ._support import (
     CONFIG,
     ROOT,
@@ -39,8 +41,7 @@ from ._support import (
     database_url,
     dockerfile,
     healthcheck_command,
-    pg_admin,
-    postgres_unavailable,
+    pg_admin_sync,
 )
 
 WORKER_TOKEN = "worker-" + secrets.token_urlsafe(18)
@@ -388,7 +389,7 @@ def test_migration_job_then_two_replicas(
 ) -> None:
     name = f"fencegate_deploy_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     try:
-        pg_admin(f'CREATE DATABASE "{name}"')
+        pg_admin_sync(f'CREATE DATABASE "{name}"')
     except Exception as error:  # any failure to reach the server
         postgres_unavailable(f"{type(error).__name__}: {error}")
     upstream = StubUpstream()
@@ -400,7 +401,7 @@ def test_migration_job_then_two_replicas(
                 process.kill()
                 process.wait(10)
         upstream.close()
-        pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        pg_admin_sync(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _deploy_and_exercise(

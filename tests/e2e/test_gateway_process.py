@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import Upstream
+from tests.support import Upstream
 
 FENCEGATE = str(Path(sys.executable).parent / "fencegate")
 WORKER_TOKEN = "worker-token-0123456789"

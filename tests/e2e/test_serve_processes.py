@@ -26,12 +26,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore
-from tests.conftest import PG_URL
+from tests.support import pg_admin, pg_url_of
 
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
 LISTENING = re.compile(r"fencegate listening: .*?control=([^\s\"]+).*?proxy=([^\s\"]+)")
@@ -268,19 +266,11 @@ def empty_pg_database(pg_database_url: str) -> Iterator[str]:
     """A throwaway PostgreSQL database with no schema."""
     name = f"fencegate_e2e_{uuid.uuid4().hex[:10]}"
 
-    async def admin(sql: str) -> None:
-        engine = create_async_engine(PG_URL, isolation_level="AUTOCOMMIT")
-        try:
-            async with engine.connect() as conn:
-                await conn.execute(sa.text(sql))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     try:
-        yield sa.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+        yield pg_url_of(name)
     finally:
-        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.mark.postgres

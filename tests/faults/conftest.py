@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.support import IN_CI
 
 from .cluster import ClusterError, PgCluster
 from .harness import ProcessGroup, migrate

@@ -17,8 +17,8 @@ from gateway import fence
 from gateway.admin import GATEWAY_STATE
 from gateway.server import SETTINGS, upkeep
 from lease_core.api import STORE
-from tests.conftest import FakeClock, Upstream, upstream_config
 from tests.gateway_helpers import PROBLEM
+from tests.support import FakeClock, Upstream, upstream_config
 
 ENTRY_KEYS = {
     "id",

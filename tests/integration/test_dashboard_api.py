@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import FakeClock, Upstream, upstream_config
+from tests.support import FakeClock, Upstream, upstream_config
 
 PROBLEM = "application/problem+json"
 OVER_TIME = "/admin/ui/api/refusals-over-time"

@@ -48,7 +48,7 @@ from lease_core.direct import (
     Statement,
 )
 from lease_core.store import LeaseStore
-from tests.conftest import FakeClock
+from tests.support import FakeClock
 
 ON_POSTGRES = pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True

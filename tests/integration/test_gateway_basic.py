@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tests.conftest import FakeClock, Upstream, upstream_config
+from tests.support import FakeClock, Upstream, upstream_config
 
 
 async def test_forward_replay_and_stale(

@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
 from gateway.config import load_settings
-from tests.conftest import FakeClock, Upstream, upstream_config
 from tests.gateway_helpers import PROBLEM, ok, problem
+from tests.support import FakeClock, Upstream, upstream_config
 
 
 async def raw_request(

@@ -20,8 +20,8 @@ from aiohttp import web
 from gateway.admin import GATEWAY_STATE
 from gateway.server import SETTINGS, upkeep
 from lease_core.api import STORE
-from tests.conftest import FakeClock, Upstream, upstream_config
 from tests.gateway_helpers import PROBLEM, ok, problem, until_in_flight
+from tests.support import FakeClock, Upstream, upstream_config
 
 
 async def problem_from(

@@ -13,8 +13,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.conftest import FakeClock, Upstream, upstream_config
 from tests.gateway_helpers import ok, problem, until_admitted, until_in_flight
+from tests.support import FakeClock, Upstream, upstream_config
 
 
 async def test_interleaved_generations_reach_the_upstream_in_order(

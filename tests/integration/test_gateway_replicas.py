@@ -20,8 +20,8 @@ from gateway.proxy import Gateway, create_proxy_app
 from gateway.server import create_control_app
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore
-from tests.conftest import FakeClock, Stack, Upstream, upstream_config
 from tests.gateway_helpers import ok, problem, until_admitted, until_in_flight
+from tests.support import FakeClock, Stack, Upstream, upstream_config
 
 pytestmark = pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True

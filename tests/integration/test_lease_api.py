@@ -22,7 +22,7 @@ from gateway.server import create_control_app
 from lease_core import rules
 from lease_core.schema import job_tombstones, jobs, leases
 from lease_core.store import LeaseStore
-from tests.conftest import FakeClock
+from tests.support import FakeClock
 
 Client = TestClient[Any, Any]
 PROBLEM = "application/problem+json"

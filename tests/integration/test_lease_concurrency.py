@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from lease_core import exceptions as exc
 from lease_core.db import create_engine
 from lease_core.store import LeaseRecord, LeaseStore
-from tests.conftest import FakeClock
+from tests.support import FakeClock
 
 Client = TestClient[Any, Any]
 

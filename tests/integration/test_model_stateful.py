@@ -57,7 +57,7 @@ from lease_core import tokens
 from lease_core.db import create_engine
 from lease_core.schema import jobs, metadata
 from lease_core.store import LeaseStore
-from tests.conftest import FakeClock
+from tests.support import FakeClock
 
 settings.register_profile(
     "fencegate-model-ci",

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from alembic import command
 from gateway import migrate
 from gateway.schema import metadata
-from tests.conftest import PG_URL
+from tests.support import pg_admin, pg_url_of
 
 
 def _run(coro: Any) -> Any:
@@ -51,15 +51,6 @@ def _revisions() -> list[str]:
     return [rev.revision for rev in reversed(list(script.walk_revisions()))]
 
 
-async def _admin(sql: str) -> None:
-    engine = create_async_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(sa.text(sql))
-    finally:
-        await engine.dispose()
-
-
 @pytest.fixture
 def empty_sqlite(tmp_path: Path) -> str:
     return f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}"
@@ -70,11 +61,11 @@ def empty_postgres(pg_database_url: str) -> Iterator[str]:
     """A throwaway, empty PostgreSQL database (``pg_database_url`` only proves that the
     server is there: it fails in CI, skips elsewhere, when it is not)."""
     name = f"fencegate_migr_{uuid.uuid4().hex[:10]}"
-    _run(_admin(f'CREATE DATABASE "{name}"'))
+    _run(pg_admin(f'CREATE DATABASE "{name}"'))
     try:
-        yield sa.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+        yield pg_url_of(name)
     finally:
-        _run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        _run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

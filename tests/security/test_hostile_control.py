@@ -16,10 +16,9 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway import migrate
+from tests.support import pg_admin, pg_url_of
 
 from ._support import (
     ADMIN_TOKEN,
@@ -34,9 +33,6 @@ from ._support import (
     request,
 )
 
-PG_URL = os.environ.get(
-    "FENCEGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
-)
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 SQL = "x'; DROP TABLE jobs;--"
 
@@ -525,27 +521,18 @@ async def test_a_thousand_pipelined_unauthenticated_calls(stack: Stack) -> None:
 # -- NUL in free text reaching PostgreSQL -------------------------------------------------
 
 
-async def _pg_admin(sql: str) -> None:
-    engine = create_async_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(sa.text(sql))
-    finally:
-        await engine.dispose()
-
-
 @pytest.fixture(scope="module")
 def pg_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The same server on its own PostgreSQL database (migrated first, as in production)."""
     name = f"fencegate_security_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     try:
-        asyncio.run(asyncio.wait_for(_pg_admin(f'CREATE DATABASE "{name}"'), 10))
+        asyncio.run(asyncio.wait_for(pg_admin(f'CREATE DATABASE "{name}"'), 10))
     except Exception as error:  # any failure to reach the server
         message = f"PostgreSQL not reachable: {type(error).__name__}: {error}"
         if IN_CI:
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
-    url = sa.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    url = pg_url_of(name)
     srv = Stack(Path(tmp_path_factory.mktemp("security-pg")), database_url=url)
     try:
         migrate.upgrade(url)
@@ -553,7 +540,7 @@ def pg_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield srv
     finally:
         srv.stop()
-        asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 NUL_CASES = {

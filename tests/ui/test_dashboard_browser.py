@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 from playwright.async_api import Page, async_playwright, expect
 
-from tests.conftest import IN_CI
+from tests.support import IN_CI
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -1,0 +1,152 @@
+"""What the tests share besides fixtures: the PostgreSQL server's address and admin
+connection, a controllable clock, a recording upstream and a gateway replica's clients.
+Tests import these from here; ``conftest.py`` holds only fixtures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from aiohttp.test_utils import TestClient
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from lease_core.schema import metadata
+
+PG_URL = os.environ.get(
+    "FENCEGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+)
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+
+
+class FakeClock:
+    """A clock the test moves by hand (seconds since the epoch)."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def postgres_unavailable(message: str) -> None:
+    if IN_CI:
+        pytest.fail(f"PostgreSQL is required in CI: {message}", pytrace=False)
+    pytest.skip(f"PostgreSQL not reachable: {message}")
+
+
+async def pg_admin(sql: str) -> None:
+    """Run one statement on the PostgreSQL server outside a transaction
+    (``CREATE DATABASE``, ``DROP DATABASE``)."""
+    engine = create_async_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(sa.text(sql))
+    finally:
+        await engine.dispose()
+
+
+def pg_url_of(database: str) -> str:
+    """The test server's URL for another database on it."""
+    return sa.make_url(PG_URL).set(database=database).render_as_string(hide_password=False)
+
+
+async def truncate_all(url: str) -> None:
+    """Empty every table of a migrated PostgreSQL database."""
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            names = ", ".join(f'"{t.name}"' for t in metadata.sorted_tables)
+            await conn.execute(sa.text(f"TRUNCATE {names}"))
+    finally:
+        await engine.dispose()
+
+
+class Upstream:
+    """A real HTTP server standing in for a payment / storage API. It records every
+    request it receives; ``behaviour`` decides the answer."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        self.status = 201
+        self.delay = 0.0
+        self.body: bytes | None = None
+        self.headers: dict[str, str] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.url = ""
+
+    async def handler(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.read()
+        record = {
+            "method": request.method,
+            "path": request.path_qs,
+            "headers": dict(request.headers),
+            "body": body,
+            "generation": request.headers.get("Fencing-Generation"),
+            "key": request.headers.get("Idempotency-Key"),
+        }
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            self.received.append(record)
+        finally:
+            self.in_flight -= 1
+        answer = self.body if self.body is not None else (b'{"applied": %d}' % len(self.received))
+        return web.Response(
+            status=self.status,
+            body=answer,
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+class Stack:
+    """A control client and a proxy client on one store (one gateway replica)."""
+
+    def __init__(self, control: TestClient[Any, Any], proxy: TestClient[Any, Any]) -> None:
+        self.control = control
+        self.proxy = proxy
+
+    async def lease(self, job_id: str, owner: str = "worker-a", ttl: float = 30) -> dict[str, Any]:
+        resp = await self.control.put(
+            f"/v1/jobs/{job_id}/lease", json={"owner": owner, "ttl_seconds": ttl}
+        )
+        assert resp.status == 201, await resp.text()
+        lease: dict[str, Any] = await resp.json()
+        return lease
+
+    async def write(
+        self,
+        path: str,
+        lease: dict[str, Any] | None,
+        key: str | None = "k1",
+        body: Any = None,
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        h = dict(headers or {})
+        if lease is not None:
+            h["Fencing-Token"] = lease["lease_token"]
+        if key is not None:
+            h["Idempotency-Key"] = key
+        return await self.proxy.request(method, path, json=body or {"amount": 1}, headers=h)
+
+    async def audit(self, **query: str) -> list[dict[str, Any]]:
+        resp = await self.control.get("/admin/rejections", params=query)
+        assert resp.status == 200, await resp.text()
+        items: list[dict[str, Any]] = (await resp.json())["items"]
+        return items
+
+
+def upstream_config(up: Upstream, name: str = "pay", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "url": up.url, **extra}
