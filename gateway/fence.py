@@ -42,6 +42,7 @@ class ReasonInfo:
     status: int
     title: str
     detail: str
+    retry_after: bool = False  # answered with ``Retry-After: 1``: the same request may pass soon
 
 
 REASONS: dict[Reason, ReasonInfo] = {
@@ -77,7 +78,10 @@ REASONS: dict[Reason, ReasonInfo] = {
         "This key was used for this job with a different request.",
     ),
     Reason.REQUEST_IN_PROGRESS: ReasonInfo(
-        409, "Request in progress", "A request with this key is being forwarded right now."
+        409,
+        "Request in progress",
+        "A request with this key is being forwarded right now.",
+        retry_after=True,
     ),
     Reason.OUTCOME_UNKNOWN: ReasonInfo(
         409,
@@ -94,6 +98,7 @@ REASONS: dict[Reason, ReasonInfo] = {
         503,
         "Ordering timeout",
         "A write of an older generation of this job did not settle in time.",
+        retry_after=True,
     ),
     Reason.UPSTREAM_UNAVAILABLE: ReasonInfo(
         502, "Upstream unavailable", "The upstream refused the connection or failed to answer."
@@ -105,9 +110,13 @@ REASONS: dict[Reason, ReasonInfo] = {
         503,
         "Gateway overloaded",
         "The gateway is at max_concurrent_requests; try again shortly.",
+        retry_after=True,
     ),
     Reason.STORE_UNAVAILABLE: ReasonInfo(
-        503, "Store unavailable", "The gateway's database is not reachable; try again shortly."
+        503,
+        "Store unavailable",
+        "The gateway's database is not reachable; try again shortly.",
+        retry_after=True,
     ),
 }
 

@@ -31,6 +31,7 @@ from lease_core.store import LeaseStore
 from . import fence
 from .audit import Audit, AuditEntry
 from .config import Settings, UpstreamSettings
+from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
 from .fence import Action, Hasher, Reason, Record, RecordState
 from .logs import REQUEST_ID, request_id_middleware
 from .store import Admission, GatewayStore, WriteRequest
@@ -89,6 +90,12 @@ class Ctx:
     forwarded: bool = False
     body: io.BytesIO | None = None  # the request body, read once (the only copy)
     send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
+    rest: str = ""  # the path after the upstream's name
+    query: str = ""
+    token_hash: str | None = None
+    record: Record | None = None  # the key's record, when it answers for the request
+    attempt: str | None = None  # the key is ours (claimed or taken over) under this attempt
+    back_to: Record | None = None  # the record before we took it over
 
 
 class ForwardingMetrics(NamedTuple):
@@ -98,13 +105,6 @@ class ForwardingMetrics(NamedTuple):
     in_flight: Any
     forward_seconds: Any
     forwarded: Any
-
-
-class Target(NamedTuple):
-    upstream: UpstreamSettings
-    rest: str
-    query: str
-    token_hash: str | None  # None: not a fenced method, passes through
 
 
 class Gateway:
@@ -164,6 +164,8 @@ class Gateway:
         headers: dict[str, str] | None = None,
     ) -> web.Response:
         info = fence.REASONS[reason]
+        if info.retry_after:
+            headers = {"Retry-After": "1", **(headers or {})}
         extra = self._problem_extra(ctx)
         self._count(ctx, reason.value)
         log.info(
@@ -191,9 +193,8 @@ class Gateway:
         )
 
     async def replay(self, ctx: Ctx, record: Record) -> web.Response:
-        if record.body is None:  # applied, but the answer was too large to keep
-            ctx.extra["stored_status"] = record.status
-            return await self.reject(ctx, Reason.REPLAY_UNAVAILABLE)
+        """The key's stored answer (the table sent one kept too large to store to
+        ``replay-unavailable`` instead)."""
         self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
         await self._audit(
             ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0, self._problem_extra(ctx)
@@ -239,12 +240,15 @@ class Gateway:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ctx = Ctx(request)
         if self.active >= self.settings.gateway.max_concurrent_requests:
-            return await self.reject(ctx, Reason.OVERLOADED, headers={"Retry-After": "1"})
+            return await self._carry_out(ctx, decide(Facts(overloaded=True)))
         self.active += 1
         try:
-            return await self._handle(ctx)
+            facts = self._intake(ctx)
+            while (verdict := decide(facts)).need is not None:
+                await self._find_out(ctx, facts, verdict.need)
+            return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
+            return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
         finally:
             self.active -= 1
 
@@ -257,111 +261,113 @@ class Gateway:
                 ctx, Reason.INVALID_REQUEST, detail="Only Expect: 100-continue is supported."
             )
         try:
-            target = await self._preflight(ctx)
-            if isinstance(target, web.StreamResponse):
-                return target
-            if target.token_hash is not None:
-                ctx.admission = await self.store.check_lease(target.token_hash)
-                reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
-                if reason is not None:
-                    return await self.reject(ctx, reason)
-            limit = target.upstream.max_body_bytes
-            if request.content_length is not None and request.content_length > limit:
-                ctx.extra["max_body_bytes"] = limit
-                return await self.reject(ctx, Reason.BODY_TOO_LARGE)
+            facts = self._intake(ctx)
+            while (verdict := decide(facts)).need is Step.LEASE:
+                await self._check_lease(ctx, facts)
+            if verdict.outcome is Outcome.REFUSE:
+                return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
+            return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
         if request.version >= aiohttp.HttpVersion11:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
-    async def _preflight(self, ctx: Ctx) -> Target | web.StreamResponse:
-        """The checks that need neither the body nor the database, in the table's order."""
+    # -- the facts: from the request, then from the database ----------------------------
+
+    def _intake(self, ctx: Ctx) -> Facts:
+        """The facts the request line and headers carry (no I/O). A fact left at its
+        default passes its row; the walk stops at the first refusal anyway."""
         request = ctx.request
+        facts = Facts()
         target = self._target(request)
         if isinstance(target, str):
-            return await self._refuse_framing(ctx, target)
+            facts.bad_target = target
+            return facts
         framing = _framing_problem(request)
         if framing is not None:
-            return await self._refuse_framing(ctx, framing)
-        name, rest, query = target
+            facts.bad_target = framing
+            return facts
+        name, ctx.rest, ctx.query = target
         ctx.upstream = upstream = self.upstreams.get(name)
         if upstream is None:
-            return await self.reject(
-                ctx, Reason.UNKNOWN_UPSTREAM, detail=f"No upstream named {name[:100]!r}."
-            )
+            facts.unknown_upstream = name[:100]
+            return facts
+        limit = upstream.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            facts.over_limit = True  # declared: known without reading
         if request.method not in upstream.fenced_methods:
-            if _method_override(request.headers) is not None:
-                return await self.reject(
-                    ctx,
-                    Reason.INVALID_REQUEST,
-                    detail="A method-override header is not allowed on a method that is not "
-                    "fenced: send the method itself.",
-                )
-            return Target(upstream, rest, query, None)
+            facts.fenced = False
+            facts.override_on_unfenced = _method_override(request.headers) is not None
+            return facts
 
-        presented_tokens = request.headers.getall("Fencing-Token", [])
-        if not presented_tokens:
-            return await self.reject(ctx, Reason.MISSING_FENCING_TOKEN)
-        if len(presented_tokens) > 1:
-            return await self.reject(
-                ctx, Reason.INVALID_REQUEST, detail="Send exactly one Fencing-Token header."
-            )
-        token = presented_tokens[0].strip()
-        if not tokens.is_well_formed(token):
-            return await self.reject(ctx, Reason.INVALID_FENCING_TOKEN)
-        if connection_named(request.headers) & PROTECTED:
-            return await self.reject(
-                ctx,
-                Reason.INVALID_REQUEST,
-                detail="The Connection header must not name Fencing-Token or Idempotency-Key.",
-            )
+        presented = request.headers.getall("Fencing-Token", [])
+        facts.token_headers = len(presented)
+        if len(presented) != 1:
+            return facts
+        token = presented[0].strip()
+        facts.token_well_formed = tokens.is_well_formed(token)
+        facts.protected_hop_by_hop = bool(connection_named(request.headers) & PROTECTED)
         key_headers = request.headers.getall("Idempotency-Key", [])
         key = None
         if len(key_headers) == 1:
             key = fence.parse_key(key_headers[0], self.settings.gateway.max_idempotency_key_length)
-        if key is None and (key_headers or upstream.require_idempotency_key):
-            return await self.reject(ctx, Reason.MISSING_IDEMPOTENCY_KEY)
+        facts.key_acceptable = key is not None or not (
+            key_headers or upstream.require_idempotency_key
+        )
         ctx.key = key or fence.anonymous_key()
-        return Target(upstream, rest, query, tokens.hash_token(token))
+        ctx.token_hash = tokens.hash_token(token) if facts.token_well_formed else None
+        return facts
 
-    async def _settle_quietly(self, settling: Coroutine[Any, Any, None]) -> None:
-        """Store an answer whose response has already started: a failure here (the
-        database went away) must not turn into a second response on the same connection.
-        The record then stays in flight and turns unknown at its deadline."""
-        try:
-            await asyncio.shield(settling)
-        except Exception:
-            log.exception("could not store the answer; its key turns unknown at its deadline")
+    async def _find_out(self, ctx: Ctx, facts: Facts, step: Step) -> None:
+        if step is Step.LEASE:
+            # The lease row comes before the body's, but the admission (one statement)
+            # checks the lease too: read the body first and let the admission tell,
+            # unless the body is over the limit (then only the lease is asked for).
+            if facts.over_limit is UNKNOWN:
+                await self._read(ctx, facts)
+            if facts.over_limit is True:
+                await self._check_lease(ctx, facts)
+            else:
+                await self._admit(ctx, facts)
+        elif step is Step.BODY:
+            await self._read(ctx, facts)
+        elif step is Step.ADMISSION:
+            await self._admit(ctx, facts)
+        elif step is Step.ORDER:
+            await self._wait_in_order(ctx, facts)
+        else:
+            # Stalled (a paused process, a slow database) past the claim's deadline: a
+            # newer generation may have gone out meanwhile. Never send late.
+            assert ctx.send_by is not None
+            facts.sendable = ctx.send_by > time.monotonic()
 
-    async def _refuse_framing(self, ctx: Ctx, detail: str) -> web.StreamResponse:
-        """A malformed or ambiguous request: refused, and the connection closed so that
-        nothing sent after it on the connection is ever read as a request."""
-        response = await self.reject(ctx, Reason.INVALID_REQUEST, detail=detail)
-        response.force_close()
-        return response
+    async def _check_lease(self, ctx: Ctx, facts: Facts) -> None:
+        if ctx.token_hash is None:
+            facts.lease = Reason.INVALID_FENCING_TOKEN
+            return
+        ctx.admission = admission = await self.store.check_lease(ctx.token_hash)
+        facts.lease = fence.lease_reason(admission.presented, admission.now)
 
-    async def _handle(self, ctx: Ctx) -> web.StreamResponse:
-        request = ctx.request
-        target = await self._preflight(ctx)
-        if isinstance(target, web.StreamResponse):
-            return target
-        upstream, rest, query, token_hash = target
-        if token_hash is None:
-            return await self._pass_through(ctx, upstream, rest, query)
-        assert ctx.key is not None
+    async def _read(self, ctx: Ctx, facts: Facts) -> None:
+        """The body, hashed into the fingerprint as it arrives (fenced writes)."""
+        upstream, request = ctx.upstream, ctx.request
+        assert upstream is not None
+        digest = None
+        if facts.fenced:
+            override = _method_override(request.headers)
+            method = request.method if override is None else f"{request.method} as {override}"
+            digest = fence.fingerprint_hasher(method, upstream.name, ctx.rest, ctx.query)
+        ctx.body = await self._read_body(request, upstream, digest)
+        facts.over_limit = ctx.body is None
+        if digest is not None and ctx.body is not None:
+            ctx.fingerprint = digest.hexdigest()
 
-        override = _method_override(request.headers)
-        method = request.method if override is None else f"{request.method} as {override}"
-        digest = fence.fingerprint_hasher(method, upstream.name, rest, query)
-        ctx.body = body = await self._read_body(request, upstream, digest)
-        if body is None:  # over the limit: but a lease refusal comes first in the table
-            ctx.admission = await self.store.check_lease(token_hash)
-            reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
-            ctx.extra["max_body_bytes"] = upstream.max_body_bytes
-            return await self.reject(ctx, reason or Reason.BODY_TOO_LARGE)
-
-        ctx.fingerprint = digest.hexdigest()
+    async def _admit(self, ctx: Ctx, facts: Facts) -> None:
+        """In one transaction: the lease, the fence, the key (claimed, taken over, or
+        its record read) and whether an older generation's write is in flight."""
+        upstream, request = ctx.upstream, ctx.request
+        assert upstream is not None and ctx.token_hash is not None
+        assert ctx.key is not None and ctx.fingerprint is not None
         deadline_in = (
             self.settings.gateway.ordering_wait_seconds
             + upstream.timeout_seconds
@@ -373,62 +379,106 @@ class Gateway:
         ctx.send_by = time.monotonic() + deadline_in - DEADLINE_MARGIN
         ctx.admission = admission = await self.store.admit(
             WriteRequest(
-                token_hash=token_hash,
+                token_hash=ctx.token_hash,
                 key=ctx.key,
                 fingerprint=ctx.fingerprint,
                 upstream=upstream.name,
                 method=request.method,
-                path=rest,
+                path=ctx.rest,
                 deadline_in=deadline_in,
                 retry=upstream.unknown_outcome == "retry",
             )
         )
-        reason = fence.lease_reason(admission.presented, admission.now)
-        if reason is not None:
-            return await self.reject(ctx, reason)
-        assert admission.presented is not None
+        facts.lease = fence.lease_reason(admission.presented, admission.now)
+        if facts.lease is not None:
+            return
+        ctx.attempt, ctx.back_to = admission.attempt, admission.back_to
+        if ctx.attempt is not None:
+            facts.record = None
+            facts.in_order = UNKNOWN if admission.older_in_flight else True
+            return
+        # The key has a record that is not ours: what it answers.
+        ctx.record = record = admission.record
+        if record is None:  # its record vanished between our claim and our read
+            facts.record = Reason.REQUEST_IN_PROGRESS
+            return
+        verdict = fence.record_verdict(
+            record, ctx.fingerprint, admission.now, upstream.unknown_outcome
+        )
+        if verdict.action is Action.REPLAY and record.body is None:
+            # Applied, but the answer was too large to keep.
+            ctx.extra["stored_status"] = record.status
+            facts.record = Reason.REPLAY_UNAVAILABLE
+        elif verdict.action is Action.FORWARD:
+            # To be forwarded again, but the admission did not take the key over: another
+            # request took it over first.
+            facts.record = Reason.REQUEST_IN_PROGRESS
+        else:
+            facts.record = verdict.reason
+
+    async def _wait_in_order(self, ctx: Ctx, facts: Facts) -> None:
+        """Wait (bounded) for older generations' writes; then judge the lease again: a
+        newer generation may have been granted or admitted meanwhile."""
+        admission = ctx.admission
+        assert admission is not None and admission.presented is not None
+        assert ctx.token_hash is not None
         job_id, generation = admission.presented.job_id, admission.presented.generation
+        if not await self._wait_for_older(job_id, generation):
+            facts.in_order = False
+            return
+        ctx.admission = now_seen = await self.store.check_lease(ctx.token_hash)
+        reason = fence.lease_reason(now_seen.presented, now_seen.now)
+        if reason is None and (now_seen.highest or 0) > generation:
+            reason = Reason.STALE_GENERATION
+        facts.lease = reason
+        facts.in_order = True
 
-        attempt, back_to, older = admission.attempt, admission.back_to, admission.older_in_flight
-        if attempt is None:  # the key has a record that is not ours: explain why
-            record = admission.record
-            if record is None:  # its record vanished between our claim and our read
-                return await self.reject(
-                    ctx, Reason.REQUEST_IN_PROGRESS, headers={"Retry-After": "1"}
-                )
-            verdict = fence.record_verdict(
-                record, ctx.fingerprint, admission.now, upstream.unknown_outcome
-            )
-            if verdict.action is Action.REPLAY:
-                return await self.replay(ctx, record)
-            if verdict.action is Action.REJECT:
-                assert verdict.reason is not None
-                retry = (
-                    {"Retry-After": "1"} if verdict.reason is Reason.REQUEST_IN_PROGRESS else None
-                )
-                return await self.reject(ctx, verdict.reason, headers=retry)
-            # To be forwarded again, but the admission did not take the key over:
-            # another request took it over first.
-            return await self.reject(ctx, Reason.REQUEST_IN_PROGRESS, headers={"Retry-After": "1"})
+    # -- carrying out the verdict ---------------------------------------------------------
 
-        if older:
-            if not await self._wait_for_older(job_id, generation):
-                await self.store.release(job_id, ctx.key, attempt, back_to)
-                return await self.reject(ctx, Reason.ORDERING_TIMEOUT, headers={"Retry-After": "1"})
-            # While we waited, a newer generation may have been granted or admitted:
-            # then this write must not go out after all.
-            now_seen = await self.store.check_lease(token_hash)
-            reason = fence.lease_reason(now_seen.presented, now_seen.now)
-            if reason is None and (now_seen.highest or 0) > generation:
-                reason = Reason.STALE_GENERATION
-            if reason is not None:
-                await self.store.release(job_id, ctx.key, attempt, back_to)
-                ctx.admission = now_seen
-                return await self.reject(ctx, reason)
+    async def _carry_out(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
+        if verdict.outcome is Outcome.FORWARD:
+            admission = ctx.admission
+            assert admission is not None and admission.presented is not None
+            assert ctx.upstream is not None and ctx.body is not None
+            job_id, generation = admission.presented.job_id, admission.presented.generation
+            url = _upstream_url(ctx.upstream, ctx.rest, ctx.query)
+            headers = forward_headers(ctx.request, ctx.upstream, job_id, generation, ctx.key)
+            return await self._forward(ctx, ctx.upstream, url, headers, ctx.body)
+        if verdict.outcome is Outcome.PASS:
+            assert ctx.upstream is not None and ctx.body is not None
+            headers = forward_headers(ctx.request, ctx.upstream, None, None, None)
+            url = _upstream_url(ctx.upstream, ctx.rest, ctx.query)
+            return await self._forward(ctx, ctx.upstream, url, headers, ctx.body)
+        if verdict.outcome is Outcome.REPLAY:
+            assert ctx.record is not None
+            return await self.replay(ctx, ctx.record)
+        assert verdict.reason is not None
+        if ctx.attempt is not None:  # our claim on the key: it was not sent, undo it
+            await self._release(ctx)
+        if verdict.reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
+            ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
+        response = await self.reject(ctx, verdict.reason, detail=verdict.detail)
+        if verdict.close:
+            # Malformed or ambiguous framing: nothing sent after it on the connection may
+            # ever be read as a request.
+            response.force_close()
+        return response
 
-        url = _upstream_url(upstream, rest, query)
-        headers = forward_headers(request, upstream, job_id, generation, ctx.key)
-        return await self._forward(ctx, upstream, url, headers, body, attempt, back_to)
+    async def _release(self, ctx: Ctx) -> None:
+        assert ctx.attempt is not None and ctx.key is not None
+        admission = ctx.admission
+        assert admission is not None and admission.presented is not None
+        await self.store.release(admission.presented.job_id, ctx.key, ctx.attempt, ctx.back_to)
+        ctx.attempt = None
+
+    async def _settle_quietly(self, settling: Coroutine[Any, Any, None]) -> None:
+        """Store an answer whose response has already started: a failure here (the
+        database went away) must not turn into a second response on the same connection.
+        The record then stays in flight and turns unknown at its deadline."""
+        try:
+            await asyncio.shield(settling)
+        except Exception:
+            log.exception("could not store the answer; its key turns unknown at its deadline")
 
     def _target(self, request: web.Request) -> tuple[str, str, str] | str:
         """(upstream name, rest of the path, raw query), or why the target is refused."""
@@ -476,18 +526,6 @@ class Gateway:
                 return True
         return False
 
-    async def _pass_through(
-        self, ctx: Ctx, upstream: UpstreamSettings, rest: str, query: str
-    ) -> web.StreamResponse:
-        body = await self._read_body(ctx.request, upstream)
-        if body is None:
-            ctx.extra["max_body_bytes"] = upstream.max_body_bytes
-            return await self.reject(ctx, Reason.BODY_TOO_LARGE)
-        headers = forward_headers(ctx.request, upstream, None, None, None)
-        return await self._forward(
-            ctx, upstream, _upstream_url(upstream, rest, query), headers, body, None, None
-        )
-
     async def _forward(
         self,
         ctx: Ctx,
@@ -495,8 +533,6 @@ class Gateway:
         url: str,
         headers: CIMultiDict[str],
         body: io.BytesIO,
-        attempt: str | None,
-        back_to: Record | None,
     ) -> web.StreamResponse:
         metrics = self._forwarding_metrics(upstream.name)
         started = time.perf_counter()
@@ -504,7 +540,7 @@ class Gateway:
             metrics.decision_seconds.observe(started - ctx.started)
         metrics.in_flight.inc()
         try:
-            return await self._send(ctx, upstream, url, headers, body, attempt, back_to)
+            return await self._send(ctx, upstream, url, headers, body)
         finally:
             metrics.in_flight.dec()
             if ctx.forwarded:
@@ -532,8 +568,6 @@ class Gateway:
         url: str,
         headers: CIMultiDict[str],
         body: io.BytesIO,
-        attempt: str | None,
-        back_to: Record | None,
     ) -> web.StreamResponse:
         """Send to the upstream, stream the answer back, settle the key's record."""
         assert self.session is not None
@@ -541,21 +575,11 @@ class Gateway:
         presented = ctx.admission.presented if ctx.admission else None
         key = ctx.key or ""
         job_id = presented.job_id if presented else ""
+        attempt, back_to = ctx.attempt, ctx.back_to
         total = upstream.timeout_seconds
         if attempt is not None and ctx.send_by is not None:
-            remaining = ctx.send_by - time.monotonic()
-            if remaining <= 0:
-                # Stalled (a paused process, a slow database) past the claim's deadline:
-                # a newer generation may have gone out meanwhile. Never send late.
-                await self.store.release(job_id, key, attempt, back_to)
-                return await self.reject(
-                    ctx,
-                    Reason.ORDERING_TIMEOUT,
-                    detail="This write was held past its claim's deadline before it could be "
-                    "forwarded; it was not sent. Retry it.",
-                    headers={"Retry-After": "1"},
-                )
-            total = min(total, remaining)
+            # The table judged the deadline right before this (no await in between).
+            total = min(total, max(ctx.send_by - time.monotonic(), 0.001))
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
         try:
             upstream_response = await self.session.request(

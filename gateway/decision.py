@@ -1,0 +1,169 @@
+"""The gateway's decision: the spec's table as data, one row per answer, in its order.
+
+Each row names the answer it gives, the fact it tests and, for a fact that costs I/O to
+learn, the step that finds it out. ``decide`` walks the rows in order: the first row
+whose test holds is the answer; a row whose fact is not known yet stops the walk with
+"find this out first". The proxy gathers facts (the cheap ones from the request line and
+headers, then the lease, the body, the admission, the wait for older writes) and carries
+out the verdict. Nothing here does I/O.
+
+To add a refusal: a ``Reason`` with its status in ``fence.REASONS``, a fact in ``Facts``,
+and a row where the spec's table puts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from .fence import Reason
+
+
+class Step(StrEnum):
+    """What the proxy does to learn a fact that the request itself does not carry."""
+
+    LEASE = "lease"  # the lease behind the token, as the database sees it now
+    BODY = "body"  # the body, read up to the upstream's limit
+    ADMISSION = "admission"  # the key claimed (or its record read) under the lease check
+    ORDER = "order"  # older generations' writes to the job settled (a bounded wait)
+    SEND = "send"  # right before the first byte: still current, claim not past deadline
+
+
+class Outcome(StrEnum):
+    PASS = "pass"  # a method that is not fenced: forwarded without the fencing checks
+    REFUSE = "refuse"  # answered by the gateway with a problem document
+    REPLAY = "replay"  # answered with the key's stored answer
+    FORWARD = "forward"  # a fenced write, sent to the upstream
+    NEED = "need"  # a fact is not known yet: take ``Verdict.need`` first
+
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN: Final = _Unknown()
+
+
+@dataclass(slots=True)
+class Facts:
+    """What is known about one request; ``UNKNOWN`` until its step has run. The proxy
+    fills it in; ``decide`` only reads it."""
+
+    overloaded: bool = False
+    bad_target: str | None = None  # why the target or the framing is refused
+    unknown_upstream: str | None = None  # the name asked for, when no upstream has it
+    override_on_unfenced: bool = False  # a method-override header on an unfenced method
+    fenced: bool = True
+    token_headers: int = 1  # how many Fencing-Token headers
+    token_well_formed: bool = True
+    protected_hop_by_hop: bool = False  # Connection names Fencing-Token or Idempotency-Key
+    key_acceptable: bool = True  # a well-formed key, or none where none is required
+    # None: the lease may write now; else why not (invalid token, stale, ended, expired).
+    lease: Reason | _Unknown | None = UNKNOWN
+    over_limit: bool | _Unknown = UNKNOWN  # the body is over the upstream's limit
+    # None: the key is this request's to forward (claimed, or taken over); else what its
+    # record answers (a replay, a reused key, in progress, an unknown outcome).
+    record: Reason | _Unknown | None = UNKNOWN
+    in_order: bool | _Unknown = UNKNOWN  # no older generation's write still in flight
+    sendable: bool | _Unknown = UNKNOWN  # right before sending: the claim still holds
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: Outcome
+    reason: Reason | None = None
+    detail: str | None = None  # None: the reason's own detail
+    close: bool = False  # close the connection after answering
+    need: Step | None = None
+
+
+FORWARD: Final = Verdict(Outcome.FORWARD)
+FROM_FACT: Final = "the fact's own reason"
+
+
+def _true(value: Any) -> bool:
+    return value is True
+
+
+def _false(value: Any) -> bool:
+    return value is False
+
+
+def _given(value: Any) -> bool:
+    return value is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    answer: Reason | Outcome | str  # FROM_FACT: the fact is itself a Reason
+    fact: str  # the ``Facts`` field it tests
+    holds: Callable[[Any], bool]
+    step: Step | None = None  # how the fact is found out when it is UNKNOWN
+    detail: str | None = None  # ``{value}`` is the fact's value
+    close: bool = False
+    fenced_only: bool = True  # skipped for a method that is not fenced
+
+    def verdict(self, value: Any) -> Verdict:
+        answer = value if self.answer == FROM_FACT else self.answer
+        if answer is Reason.IDEMPOTENT_REPLAY:
+            return Verdict(Outcome.REPLAY, answer)
+        if isinstance(answer, Outcome):
+            return Verdict(answer)
+        detail = None if self.detail is None else self.detail.format(value=value)
+        return Verdict(Outcome.REFUSE, Reason(answer), detail, self.close)
+
+
+# fmt: off
+ROWS: Final[tuple[Row, ...]] = (
+    # answer                          fact                    holds when              step
+    Row(Reason.OVERLOADED,            "overloaded",           _true, fenced_only=False),
+    Row(Reason.INVALID_REQUEST,       "bad_target",           _given, fenced_only=False,
+        detail="{value}", close=True),
+    Row(Reason.UNKNOWN_UPSTREAM,      "unknown_upstream",     _given, fenced_only=False,
+        detail="No upstream named {value!r}."),
+    Row(Reason.INVALID_REQUEST,       "override_on_unfenced", _true, fenced_only=False,
+        detail="A method-override header is not allowed on a method that is not fenced: "
+               "send the method itself."),
+    # A method that is not fenced skips every row below but the body's limit.
+    Row(Reason.MISSING_FENCING_TOKEN, "token_headers",        lambda n: n == 0),
+    Row(Reason.INVALID_REQUEST,       "token_headers",        lambda n: n > 1,
+        detail="Send exactly one Fencing-Token header."),
+    Row(Reason.INVALID_FENCING_TOKEN, "token_well_formed",    _false),
+    Row(Reason.INVALID_REQUEST,       "protected_hop_by_hop", _true,
+        detail="The Connection header must not name Fencing-Token or Idempotency-Key."),
+    Row(Reason.MISSING_IDEMPOTENCY_KEY, "key_acceptable",     _false),
+    # invalid-fencing-token (unknown), stale-generation, lease-ended, lease-expired
+    Row(FROM_FACT,                    "lease",                _given,                 Step.LEASE),
+    Row(Reason.BODY_TOO_LARGE,        "over_limit",           _true,                  Step.BODY,
+        fenced_only=False),
+    # idempotent-replay, replay-unavailable, idempotency-key-reused, request-in-progress,
+    # outcome-unknown
+    Row(FROM_FACT,                    "record",               _given,             Step.ADMISSION),
+    Row(Reason.ORDERING_TIMEOUT,      "in_order",             _false,                 Step.ORDER),
+    Row(Reason.ORDERING_TIMEOUT,      "sendable",             _false,                 Step.SEND,
+        detail="This write was held past its claim's deadline before it could be "
+               "forwarded; it was not sent. Retry it."),
+)
+# fmt: on
+
+
+PASS: Final = Verdict(Outcome.PASS)
+
+
+def decide(facts: Facts) -> Verdict:
+    """The first row that holds; "find out" for the first fact not known yet; else
+    forward (pass, for a method that is not fenced)."""
+    fenced = facts.fenced
+    for row in ROWS:
+        if row.fenced_only and not fenced:
+            continue
+        value = getattr(facts, row.fact)
+        if value is UNKNOWN:
+            assert row.step is not None, f"{row.fact} has no step that finds it out"
+            return Verdict(Outcome.NEED, need=row.step)
+        if row.holds(value):
+            return row.verdict(value)
+    return FORWARD if fenced else PASS

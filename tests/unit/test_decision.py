@@ -1,0 +1,144 @@
+"""The decision table, row by row and pair by pair: the first row that holds answers,
+a fact not known yet is asked for only when no earlier row holds, and a method that is
+not fenced meets only the rows that apply to it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from gateway.decision import (
+    FROM_FACT,
+    ROWS,
+    UNKNOWN,
+    Facts,
+    Outcome,
+    Row,
+    Step,
+    Verdict,
+    decide,
+)
+from gateway.fence import REASONS, Reason
+
+# Every fact known, and none of them refusing: a fenced write that goes out.
+CLEAR = Facts(lease=None, over_limit=False, record=None, in_order=True, sendable=True)
+
+# A value of each row's fact that makes the row hold.
+HOLDING: dict[int, Any] = {}
+for index, row in enumerate(ROWS):
+    HOLDING[index] = {
+        "overloaded": True,
+        "bad_target": "Dot-segments are not allowed in the path.",
+        "unknown_upstream": "nope",
+        "override_on_unfenced": True,
+        "token_headers": 0 if row.answer is Reason.MISSING_FENCING_TOKEN else 2,
+        "token_well_formed": False,
+        "protected_hop_by_hop": True,
+        "key_acceptable": False,
+        "lease": Reason.STALE_GENERATION,
+        "over_limit": True,
+        "record": Reason.IDEMPOTENCY_KEY_REUSED,
+        "in_order": False,
+        "sendable": False,
+    }[row.fact]
+
+
+def holding(facts: Facts, index: int) -> Facts:
+    return replace(facts, **{ROWS[index].fact: HOLDING[index]})
+
+
+def expected(index: int) -> Verdict:
+    return ROWS[index].verdict(HOLDING[index])
+
+
+def test_every_fact_clear_forwards() -> None:
+    assert decide(CLEAR) == Verdict(Outcome.FORWARD)
+
+
+def test_the_defaults_pass_every_row_that_needs_no_step() -> None:
+    """What intake leaves unset passes its row: only the facts that take a step are
+    unknown at first, and the first of them is asked for."""
+    assert decide(Facts()) == Verdict(Outcome.NEED, need=Step.LEASE)
+
+
+@pytest.mark.parametrize("index", range(len(ROWS)), ids=lambda i: f"{i}-{ROWS[i].fact}")
+def test_each_row_answers_when_its_fact_holds(index: int) -> None:
+    verdict = decide(holding(CLEAR, index))
+    assert verdict == expected(index)
+    assert verdict.outcome is Outcome.REFUSE
+    assert verdict.reason is not None and verdict.reason in REASONS
+
+
+PAIRS = [
+    (i, j) for i, j in itertools.combinations(range(len(ROWS)), 2) if ROWS[i].fact != ROWS[j].fact
+]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{ROWS[p[0]].fact}-before-{ROWS[p[1]].fact}")
+def test_of_two_rows_that_hold_the_earlier_answers(pair: tuple[int, int]) -> None:
+    first, second = pair
+    assert decide(holding(holding(CLEAR, first), second)) == expected(first)
+
+
+STEPPED = [i for i, row in enumerate(ROWS) if row.step is not None]
+
+
+@pytest.mark.parametrize("index", STEPPED, ids=lambda i: ROWS[i].fact)
+def test_an_unknown_fact_is_asked_for_only_when_no_earlier_row_holds(index: int) -> None:
+    row = ROWS[index]
+    unknown = replace(CLEAR, **{row.fact: UNKNOWN})
+    assert decide(unknown) == Verdict(Outcome.NEED, need=row.step)
+    for earlier in range(index):
+        if ROWS[earlier].fact != row.fact:
+            assert decide(holding(unknown, earlier)) == expected(earlier)
+
+
+def test_the_lease_and_the_record_answer_with_their_own_reason() -> None:
+    for reason in (
+        Reason.INVALID_FENCING_TOKEN,
+        Reason.STALE_GENERATION,
+        Reason.LEASE_ENDED,
+        Reason.LEASE_EXPIRED,
+    ):
+        assert decide(replace(CLEAR, lease=reason)) == Verdict(Outcome.REFUSE, reason)
+    for reason in (
+        Reason.IDEMPOTENCY_KEY_REUSED,
+        Reason.REQUEST_IN_PROGRESS,
+        Reason.OUTCOME_UNKNOWN,
+        Reason.REPLAY_UNAVAILABLE,
+    ):
+        assert decide(replace(CLEAR, record=reason)) == Verdict(Outcome.REFUSE, reason)
+    assert decide(replace(CLEAR, record=Reason.IDEMPOTENT_REPLAY)) == Verdict(
+        Outcome.REPLAY, Reason.IDEMPOTENT_REPLAY
+    )
+
+
+def test_a_method_that_is_not_fenced_meets_only_its_rows() -> None:
+    unfenced = Facts(fenced=False)
+    assert decide(unfenced) == Verdict(Outcome.NEED, need=Step.BODY)
+    assert decide(replace(unfenced, over_limit=False)) == Verdict(Outcome.PASS)
+    assert decide(replace(unfenced, over_limit=True)).reason is Reason.BODY_TOO_LARGE
+    # The fencing rows do not apply: no token, no key, nothing asked of the database.
+    bare = replace(unfenced, token_headers=0, key_acceptable=False, over_limit=False)
+    assert decide(bare) == Verdict(Outcome.PASS)
+    overridden = replace(unfenced, override_on_unfenced=True)
+    assert decide(overridden).reason is Reason.INVALID_REQUEST
+
+
+def test_details_and_closing() -> None:
+    verdict = decide(replace(CLEAR, bad_target="Backslashes are not allowed in the path."))
+    assert (verdict.detail, verdict.close) == ("Backslashes are not allowed in the path.", True)
+    verdict = decide(replace(CLEAR, unknown_upstream="pay'"))
+    assert verdict.detail == 'No upstream named "pay\'".'
+    assert decide(replace(CLEAR, token_headers=2)).close is False
+
+
+def test_every_row_can_be_reached_and_every_step_is_used() -> None:
+    assert {row.step for row in ROWS} - {None} == set(Step)
+    refusals = {row.answer for row in ROWS if isinstance(row.answer, Reason)}
+    assert refusals <= set(REASONS)
+    assert all(isinstance(row, Row) for row in ROWS)
+    assert sum(row.answer == FROM_FACT for row in ROWS) == 2
