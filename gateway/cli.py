@@ -225,7 +225,7 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     )
     for upstream in settings.upstreams:
         print(
-            f"  upstream        {upstream.name} -> {upstream.url} "
+            f"  upstream        {upstream.name} -> {upstream.display_url} "
             f"(fenced: {', '.join(upstream.fenced_methods) or 'none'}; "
             f"unknown outcome: {upstream.unknown_outcome})"
         )

@@ -76,6 +76,17 @@ def is_loopback(host: str) -> bool:
 Listen = Annotated[str, AfterValidator(_listen)]
 
 
+def mask_url(value: str) -> str:
+    """``https://user:pw@host/x`` as ``https://user:***@host/x``; ``https://key@host`` as
+    ``https://***@host``."""
+    url = URL(value)
+    if url.password is not None:
+        return str(url.with_password("***"))
+    if url.user is not None:
+        return str(url.with_user("***"))
+    return value
+
+
 class AuthSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -112,7 +123,7 @@ class UpstreamSettings(BaseModel):
         """What operators may see of this upstream (header names, never their values)."""
         return {
             "name": self.name,
-            "url": self.url,
+            "url": self.display_url,
             "fenced_methods": self.fenced_methods,
             "require_idempotency_key": self.require_idempotency_key,
             "timeout_seconds": self.timeout_seconds,
@@ -120,6 +131,12 @@ class UpstreamSettings(BaseModel):
             "unknown_outcome": self.unknown_outcome,
             "set_headers": sorted(self.set_headers),
         }
+
+    @property
+    def display_url(self) -> str:
+        """The URL as it may be shown: a password (or a lone user name, which services
+        such as Stripe use as the key) becomes ``***``."""
+        return mask_url(self.url)
 
     @field_validator("url")
     @classmethod
@@ -230,6 +247,14 @@ class Settings(BaseSettings):
     @property
     def sqlite(self) -> bool:
         return sa.make_url(self.database_url).get_backend_name() == "sqlite"
+
+    def secret_values(self) -> list[str]:
+        """Every secret of this configuration: control tokens and upstream header values
+        (kept out of every log line, see ``gateway.logs.protect``)."""
+        values = [t.get_secret_value() for t in (*self.auth.worker_tokens, *self.auth.admin_tokens)]
+        for upstream in self.upstreams:
+            values.extend(v.get_secret_value() for v in upstream.set_headers.values())
+        return values
 
     def upstream(self, name: str) -> UpstreamSettings | None:
         for upstream in self.upstreams:

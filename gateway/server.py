@@ -22,7 +22,7 @@ from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
-from . import admin, dashboard, migrate, tasks
+from . import admin, dashboard, logs, migrate, tasks
 from .auth import auth_middleware
 from .config import ConfigError, Settings, parse_listen
 from .logs import request_id_middleware
@@ -64,6 +64,7 @@ def create_control_app(
 ) -> web.Application:
     """The control listener: lease API, admin API, health; and the background upkeep
     (expired last attempts, retention)."""
+    logs.protect(settings.secret_values())
     gateway = gateway or Gateway(settings, store)
     app = web.Application(
         middlewares=[request_id_middleware, problem_middleware, auth_middleware(settings.auth)],
