@@ -35,7 +35,7 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async() -> None:
-    engine = create_async_engine(_url(), poolclass=pool.NullPool)
+    engine = create_async_engine(_url(), poolclass=pool.NullPool, hide_parameters=True)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_run)

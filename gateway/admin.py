@@ -24,7 +24,8 @@ async def rejections(request: web.Request) -> web.Response:
     q = request.query
     since = parse_time(q["since"], "since") if "since" in q else None
     until = parse_time(q["until"], "until") if "until" in q else None
-    items, next_cursor = await request.app[GATEWAY_STATE].audit.query(
+    gateway = request.app[GATEWAY_STATE]
+    items, next_cursor = await gateway.audit.query(
         AuditQuery(
             job_id=q.get("job_id"),
             reason=q.get("reason"),
@@ -33,7 +34,8 @@ async def rejections(request: web.Request) -> web.Response:
             until=until,
             limit=min(query_limit(q.get("limit"), default=100), MAX_PAGE),
             cursor=q.get("cursor"),
-        )
+        ),
+        upstreams=gateway.upstreams,
     )
     return web.json_response({"items": items, "next_cursor": next_cursor})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -13,11 +14,13 @@ import sqlalchemy as sa
 from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore, rfc3339
 
+from .fence import Reason
 from .schema import audit
 
 log = logging.getLogger("fencegate.audit")
 
 MAX_PAGE = 500
+REASONS = tuple(sorted(r.value for r in Reason))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +73,16 @@ class Audit:
                 entry.path,
             )
 
-    async def query(self, q: AuditQuery) -> tuple[list[dict[str, Any]], str | None]:
-        """Newest first; ``next_cursor`` continues after the last item."""
+    async def query(
+        self, q: AuditQuery, *, upstreams: Collection[str] | None = None
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """Newest first; ``next_cursor`` continues after the last item. A filter that
+        can never match is refused (``InvalidRequest`` naming the valid values): a reason
+        that is not one, an upstream neither in ``upstreams`` (the configured ones) nor
+        in the audit (one removed since)."""
+        check_reason(q.reason)
+        if q.upstream is not None and upstreams is not None:
+            await self.check_upstream(q.upstream, upstreams)
         stmt = sa.select(audit).order_by(audit.c.id.desc()).limit(q.limit + 1)
         for column, value in (
             (audit.c.job_id, q.job_id),
@@ -92,6 +103,19 @@ class Audit:
         next_cursor = encode_cursor(rows[q.limit - 1]["id"]) if len(rows) > q.limit else None
         return items, next_cursor
 
+    async def check_upstream(self, name: str, configured: Collection[str]) -> None:
+        if name in configured:
+            return
+        stmt = sa.select(audit.c.id).where(audit.c.upstream == name).limit(1)
+        async with self.lease_store.transaction() as conn:
+            if (await conn.execute(stmt)).first() is not None:
+                return
+        raise lease_exc.InvalidRequest(
+            f"upstream: {name[:100]!r} is not a configured upstream and is not in the audit; "
+            f"configured: {', '.join(sorted(configured)) or 'none'}",
+            field="upstream",
+        )
+
     async def purge(self, older_than_seconds: float) -> int:
         now = self.lease_store.dialect.now()
         async with self.lease_store.transaction() as conn:
@@ -99,6 +123,14 @@ class Audit:
                 sa.delete(audit).where(audit.c.at < now - older_than_seconds)
             )
             return result.rowcount
+
+
+def check_reason(value: str | None) -> None:
+    if value is not None and value not in REASONS:
+        raise lease_exc.InvalidRequest(
+            f"reason: {value[:100]!r} is not a reason; one of: {', '.join(REASONS)}",
+            field="reason",
+        )
 
 
 def entry_json(row: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
@@ -17,9 +17,25 @@ from lease_core.db import create_engine
 from lease_core.store import LeaseStore, rfc3339
 
 from . import migrate
-from .config import DEFAULT_CONFIG_FILE, ConfigError, Settings, load_settings
+from .config import (
+    DEFAULT_CONFIG_FILE,
+    ConfigError,
+    Settings,
+    env_references,
+    load_settings,
+    resolve_secrets,
+    sqlite_folder_problem,
+)
 
 EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake answered in one line (what is wrong, the valid values,
+    where to read more) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _config_arg(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +49,7 @@ def _config_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fencegate",
         description="Lease service and fencing gateway for job workers.",
     )
@@ -155,13 +171,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"fencegate: {error}", file=sys.stderr)
         return EXIT_USAGE
+    problem = sqlite_folder_problem(settings)
+    if problem is not None and args.command != "upstreams":
+        print(f"fencegate: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return handler(args, settings)
+    except lease_exc.InvalidRequest as error:  # a bad option value: a usage error
+        print(f"fencegate: {error.detail}", file=sys.stderr)
+        return EXIT_USAGE
     except lease_exc.LeaseError as error:
         print(f"fencegate: {error.detail}", file=sys.stderr)
         return 1
     except sa.exc.SQLAlchemyError as error:
-        print(f"fencegate: database error: {error}".splitlines()[0], file=sys.stderr)
+        print(f"fencegate: {migrate.database_error(error, settings.database_url)}", file=sys.stderr)
         return 1
     except OSError as error:  # a listener's port taken, a file not writable, ...
         print(f"fencegate: {error}".splitlines()[0], file=sys.stderr)
@@ -199,18 +222,44 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from .logs import configure
     from .server import serve
 
+    try:
+        settings = resolve_secrets(settings)
+    except ConfigError as error:
+        print(f"fencegate: {error}", file=sys.stderr)
+        return EXIT_USAGE
     configure(args.log_level, args.log_format, access_log=args.access_log)
-    run_loop(serve(settings, reload_settings=lambda: load_settings(args.config), freeze_gc=True))
+    run_loop(
+        serve(
+            settings,
+            reload_settings=lambda: resolve_secrets(load_settings(args.config)),
+            freeze_gc=True,
+        )
+    )
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    migrate.upgrade(settings.database_url)
+    try:
+        migrate.upgrade(settings.database_url)
+    except OSError as error:  # the database's, not a file's: say so like the others
+        print(f"fencegate: {migrate.database_error(error, settings.database_url)}", file=sys.stderr)
+        return 1
     print(f"database at revision {migrate.head_revision()}")
     return 0
 
 
 def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
+    # What serve would run with: the ${NAME} of set_headers resolved here too (only serve
+    # and this command read them), named with whether this shell has them, never shown.
+    try:
+        resolve_secrets(settings)
+    except ConfigError as error:
+        problems = [
+            f"{p} (serve needs it; the other commands do not)" if p.endswith("is not set") else p
+            for p in error.problems
+        ]
+        print(f"fencegate: {ConfigError(problems)}", file=sys.stderr)
+        return EXIT_USAGE
     print("configuration is valid")
     print(f"  database        {_safe_url(settings.database_url)}")
     print(f"  proxy_listen    {settings.proxy_listen}")
@@ -225,10 +274,12 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     )
     for upstream in settings.upstreams:
         print(
-            f"  upstream        {upstream.name} -> {upstream.url} "
+            f"  upstream        {upstream.name} -> {upstream.display_url} "
             f"(fenced: {', '.join(upstream.fenced_methods) or 'none'}; "
             f"unknown outcome: {upstream.unknown_outcome})"
         )
+    for key, name, _ in env_references(settings):
+        print(f"  serve needs     {name} (set) for {key}")
     return 0
 
 
@@ -299,7 +350,7 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
-    from .audit import Audit, AuditQuery, parse_time
+    from .audit import Audit, AuditQuery, check_reason, parse_time
 
     if not 1 <= args.limit <= 500:
         print("fencegate: --limit must be from 1 to 500", file=sys.stderr)
@@ -314,9 +365,11 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         cursor=args.cursor,
     )
 
+    check_reason(args.reason)  # before the database is opened
+
     async def run() -> tuple[list[dict[str, Any]], str | None]:
         async with open_store(settings) as store:
-            return await Audit(store).query(query)
+            return await Audit(store).query(query, upstreams=[u.name for u in settings.upstreams])
 
     items, next_cursor = asyncio.run(run())
     if args.json:

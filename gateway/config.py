@@ -3,19 +3,22 @@
 Environment variables win over the file; nested keys use ``__``
 (``FENCEGATE_LEASE__MAX_TTL_SECONDS=900``), lists and tables are JSON
 (``FENCEGATE_AUTH__ADMIN_TOKENS='["s3cret"]'``). This module is the only reader of
-``os.environ``: ``${NAME}`` in an upstream's ``set_headers`` is expanded here.
+``os.environ``: ``${NAME}`` in an upstream's ``set_headers`` is expanded here, by
+``resolve_secrets``, for ``serve`` only.
 """
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
+import json
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 import sqlalchemy as sa
 from pydantic import (
@@ -77,6 +80,17 @@ def is_loopback(host: str) -> bool:
 Listen = Annotated[str, AfterValidator(_listen)]
 
 
+def mask_url(value: str) -> str:
+    """``https://user:pw@host/x`` as ``https://user:***@host/x``; ``https://key@host`` as
+    ``https://***@host``."""
+    url = URL(value)
+    if url.password is not None:
+        return str(url.with_password("***"))
+    if url.user is not None:
+        return str(url.with_user("***"))
+    return value
+
+
 class AuthSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -118,7 +132,7 @@ class UpstreamSettings(BaseModel):
         """What operators may see of this upstream (header names, never their values)."""
         return {
             "name": self.name,
-            "url": self.url,
+            "url": self.display_url,
             "fenced_methods": self.fenced_methods,
             "require_idempotency_key": self.require_idempotency_key,
             "timeout_seconds": self.timeout_seconds,
@@ -135,6 +149,12 @@ class UpstreamSettings(BaseModel):
     @cached_property
     def not_processed(self) -> frozenset[int]:
         return frozenset(self.not_processed_statuses)
+
+    @property
+    def display_url(self) -> str:
+        """The URL as it may be shown: a password (or a lone user name, which services
+        such as Stripe use as the key) becomes ``***``."""
+        return mask_url(self.url)
 
     @field_validator("url")
     @classmethod
@@ -231,6 +251,10 @@ class Settings(BaseSettings):
             raise ValueError("use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db")
         if url.get_backend_name() == "sqlite" and is_in_memory(url):
             raise ValueError(f"{IN_MEMORY} (sqlite+aiosqlite:///path.db)")
+        if url.drivername == "postgresql+asyncpg" and not _driver_installed("asyncpg"):
+            raise ValueError(
+                "the PostgreSQL driver asyncpg is not installed: pip install 'fencegate[postgres]'"
+            )
         return value
 
     @model_validator(mode="after")
@@ -253,6 +277,14 @@ class Settings(BaseSettings):
     def sqlite(self) -> bool:
         return sa.make_url(self.database_url).get_backend_name() == "sqlite"
 
+    def secret_values(self) -> list[str]:
+        """Every secret of this configuration: control tokens and upstream header values
+        (kept out of every log line, see ``gateway.logs.protect``)."""
+        values = [t.get_secret_value() for t in (*self.auth.worker_tokens, *self.auth.admin_tokens)]
+        for upstream in self.upstreams:
+            values.extend(v.get_secret_value() for v in upstream.set_headers.values())
+        return values
+
     def upstream(self, name: str) -> UpstreamSettings | None:
         for upstream in self.upstreams:
             if upstream.name == name:
@@ -264,8 +296,8 @@ def load_settings(
     path: str | Path | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
     """Read ``path`` (or ``./fencegate.toml`` when present), apply the environment,
-    validate, expand ``${ENV}`` in upstream headers and resolve a relative SQLite path
-    against the config file's folder."""
+    validate and resolve a relative SQLite path against the config file's folder.
+    ``${NAME}`` in upstream headers stays as written (``resolve_secrets`` expands it)."""
     environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
     base = Path.cwd()
@@ -282,6 +314,9 @@ def load_settings(
         except tomllib.TOMLDecodeError as error:
             raise ConfigError([f"{file}: not valid TOML ({error})"]) from error
         base = file.resolve().parent
+    problems = _json_variables(environ)
+    if problems:
+        raise ConfigError(problems)
     try:
         settings = Settings(**data)
     except ValidationError as error:
@@ -289,20 +324,39 @@ def load_settings(
     except SettingsError as error:  # e.g. malformed JSON in a FENCEGATE_* variable
         cause = f" ({error.__cause__})" if error.__cause__ else ""
         raise ConfigError([f"environment: {error}{cause}"]) from error
-    return _resolve_sqlite(_expand_env(settings, environ), base)
+    return _resolve_sqlite(settings, base)
 
 
-def _expand_env(settings: Settings, environ: Mapping[str, str]) -> Settings:
-    """``${NAME}`` in upstream headers, whether they came from the file or from
-    ``FENCEGATE_UPSTREAMS``."""
+def env_references(
+    settings: Settings, environ: Mapping[str, str] | None = None
+) -> list[tuple[str, str, bool]]:
+    """``(key, NAME, set now)`` for every ``${NAME}`` in the upstreams' headers: what
+    ``serve`` will read from its environment."""
+    environ = os.environ if environ is None else environ
+    return [
+        (f"upstreams.{index}.set_headers.{name}", ref, ref in environ)
+        for index, upstream in enumerate(settings.upstreams)
+        for name, value in upstream.set_headers.items()
+        for ref in ENV_REF.findall(value.get_secret_value())
+    ]
+
+
+def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None) -> Settings:
+    """Expand ``${NAME}`` in the upstreams' headers, whether they came from the file or
+    from ``FENCEGATE_UPSTREAMS``. Only ``serve`` needs the values (it forwards with
+    them): every other command works on the configuration as loaded, without them."""
+    environ = os.environ if environ is None else environ
+    missing = [
+        f"{key}: environment variable {name} is not set"
+        for key, name, is_set in env_references(settings, environ)
+        if not is_set
+    ]
+    if missing:
+        raise ConfigError(missing)
     upstreams = []
     for index, upstream in enumerate(settings.upstreams):
         headers = {
-            name: SecretStr(
-                _expand_one(
-                    value.get_secret_value(), environ, f"upstreams.{index}.set_headers.{name}"
-                )
-            )
+            name: SecretStr(ENV_REF.sub(lambda m: environ[m.group(1)], value.get_secret_value()))
             for name, value in upstream.set_headers.items()
         }
         for name, value in headers.items():
@@ -317,14 +371,61 @@ def _expand_env(settings: Settings, environ: Mapping[str, str]) -> Settings:
     return settings.model_copy(update={"upstreams": upstreams})
 
 
-def _expand_one(value: str, environ: Mapping[str, str], key: str) -> str:
-    def sub(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in environ:
-            raise ConfigError([f"{key}: environment variable {name} is not set"])
-        return environ[name]
+ENV_PREFIX = "FENCEGATE_"
+_EXAMPLES = {
+    ("auth", "worker_tokens"): '["a-worker-token-of-16-or-more-characters"]',
+    ("auth", "admin_tokens"): '["an-admin-token-of-16-or-more-characters"]',
+    ("upstreams",): '[{"name": "payments", "url": "https://api.example.com"}]',
+}
 
-    return ENV_REF.sub(sub, value)
+
+def _json_variables(environ: Mapping[str, str]) -> list[str]:
+    """A ``FENCEGATE_*`` variable for a list or a table must hold JSON of that shape;
+    name the variable and the expected form (never its value: it may be a token)."""
+    problems = []
+    for variable, raw in environ.items():
+        if not variable.upper().startswith(ENV_PREFIX):
+            continue
+        path = tuple(variable[len(ENV_PREFIX) :].lower().split("__"))
+        kind = _json_kind(Settings, path)
+        if kind is None:
+            continue
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, list if kind == "list" else dict):
+            example = _EXAMPLES.get(path, '["…"]' if kind == "list" else '{"key": "value"}')
+            problems.append(
+                f"{variable}: must be a JSON {kind}, for example {variable}='{example}'"
+            )
+    return problems
+
+
+def _json_kind(model: type[BaseModel], path: tuple[str, ...]) -> str | None:
+    """``list`` or ``object`` when ``path`` names a list or table setting of ``model``."""
+    field = model.model_fields.get(path[0])
+    if field is None:
+        return None
+    annotation = field.annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return _json_kind(annotation, path[1:]) if len(path) > 1 else "object"
+    if len(path) > 1:
+        return None
+    origin = get_origin(annotation)
+    if origin is list:
+        return "list"
+    if origin is dict:
+        return "object"
+    return None
+
+
+def _driver_installed(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _describe(error: ValidationError) -> list[str]:
@@ -343,9 +444,26 @@ def _resolve_sqlite(settings: Settings, base: Path) -> Settings:
     if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
         return settings
     db_path = Path(url.database)
-    if db_path.is_absolute():
-        return settings
-    resolved = url.set(database=str(base / db_path))
-    return settings.model_copy(
-        update={"database_url": resolved.render_as_string(hide_password=False)}
+    if not db_path.is_absolute():
+        db_path = base / db_path
+        settings = settings.model_copy(
+            update={
+                "database_url": url.set(database=str(db_path)).render_as_string(hide_password=False)
+            }
+        )
+    return settings
+
+
+def sqlite_folder_problem(settings: Settings) -> str | None:
+    """SQLite creates the database file, never its folder: a missing folder is named
+    before anything opens the database (instead of "unable to open database file")."""
+    url = sa.make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return None
+    path = Path(url.database)
+    if path.parent.is_dir():
+        return None
+    return (
+        f"database_url: the folder of the SQLite database {path} does not exist "
+        f"({path.parent}); create it or change database_url"
     )

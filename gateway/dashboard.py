@@ -87,6 +87,9 @@ async def refusals_over_time(request: web.Request) -> web.Response:
     seconds = _window_seconds(q, since)
     bucket = _whole(q.get("bucket_seconds"), "bucket_seconds", 1, queries.MAX_BUCKET_SECONDS, 0)
     upstream = q.get("upstream") or None
+    if upstream is not None:
+        gateway = request.app[DASHBOARD_GATEWAY]
+        await gateway.audit.check_upstream(upstream, gateway.upstreams)
     job_id = _optional_id(q, "job_id")
     if until is None:
         until = await queries.database_now(lease_store)

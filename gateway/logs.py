@@ -8,8 +8,11 @@ import random
 import re
 import sys
 import time
+import traceback
+from collections.abc import Iterable
 from contextvars import ContextVar
 from datetime import UTC, datetime
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -20,12 +23,105 @@ ACCESS_LOG = logging.getLogger("fencegate.access")
 
 
 _TOKEN = re.compile(r"fgl_[A-Za-z0-9_-]{4}[A-Za-z0-9_-]*")
+# A credential-carrying header as any text quotes it (an HTTP head, a parser error's
+# ``b'Authorization: …'``, a dict's repr): the value goes, up to the end of the line.
+_HEADER = re.compile(
+    r"(?i)\b(authorization|proxy-authorization|fencing-token|cookie|set-cookie|x-api-key)"
+    r"(['\"]?\s*[:=]\s*)[^\r\n]+"
+)
+_BEARER = re.compile(r"(?i)\b(bearer|basic)(\s+)[^\s'\",;]+")
+# ``scheme://user:password@host``: the password goes, the user stays.
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):[^/\s@]*@")
+REDACTED = "[redacted]"
+_SECRETS: set[str] = set()
+_MIN_SECRET = 6
 
 
 def redact(text: str) -> str:
-    """Lease tokens are credentials: only their first characters ever reach a log (even
-    when aiohttp quotes a refused request's head in its own error message)."""
-    return _TOKEN.sub(lambda m: m.group(0)[:8] + "…", text)
+    """Credentials never reach a log line: lease tokens keep only their first
+    characters (even when aiohttp quotes a refused request's head in its own error
+    message); bearer and basic credentials, credential headers' values, passwords in
+    URLs and every secret of the configuration (``protect``) are replaced."""
+    text = _TOKEN.sub(lambda m: m.group(0)[:8] + "…", text)
+    text = _HEADER.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+    text = _BEARER.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+    text = _URL_PASSWORD.sub(lambda m: m.group(1) + ":***@", text)
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def protect(secrets: Iterable[str]) -> None:
+    """Remember secret values (control tokens, upstream header values) so that no log
+    line carries them whatever the context; and make sure every record is redacted."""
+    for secret in secrets:
+        for value in (secret, secret.rsplit(None, 1)[-1] if secret.strip() else ""):
+            if len(value) >= _MIN_SECRET:
+                _SECRETS.add(value)
+    install()
+
+
+_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+_installed = False
+
+
+def install() -> None:
+    """Redact every log record as it is made, whoever logs it and wherever it goes
+    (our handlers, a test's capture, an embedding application's): its message, its
+    arguments, its traceback and its extra fields. Idempotent.
+
+    aiosqlite quotes each statement's parameters at DEBUG (``executing
+    functools.partial(…, params)``): bodies and tokens' hashes. Its logger stays at INFO
+    whatever the root level. SQLAlchemy's engines hide parameters (``hide_parameters``
+    in ``lease_core.db``) and its echo of fetched rows is replaced here."""
+    global _installed
+    logging.getLogger("aiosqlite").setLevel(logging.INFO)
+    if _installed:
+        return
+    _installed = True
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        _scrub(record)
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def _scrub(record: logging.LogRecord) -> None:
+    if record.name.startswith("sqlalchemy.engine") and record.msg == "Row %r":
+        # SQLAlchemy's DEBUG echo of fetched rows: stored answers, audited bodies.
+        record.msg, record.args = "Row [hidden]", None
+        return
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed call: keep what it said, redacted
+        message = f"{record.msg} {record.args!r}"
+    clean = redact(message)
+    if clean != message:
+        record.msg, record.args = clean, None
+    if record.exc_info and record.exc_info[1] is not None:
+        text = "".join(traceback.format_exception(*record.exc_info))
+        clean = redact(text).rstrip("\n")
+        if clean != text.rstrip("\n"):
+            record.exc_text, record.exc_info = clean, None
+    if record.stack_info:
+        record.stack_info = redact(record.stack_info)
+    for key, value in list(record.__dict__.items()):
+        if key not in _STANDARD:
+            record.__dict__[key] = _scrub_value(value)
+
+
+def _scrub_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _scrub_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scrub_value(v) for v in value)
+    return value
 
 
 class TextFormatter(logging.Formatter):
@@ -49,6 +145,8 @@ class JsonFormatter(logging.Formatter):
             doc.update(fields)
         if record.exc_info:
             doc["error"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            doc["error"] = record.exc_text
         return redact(json.dumps(doc, default=str))
 
 
@@ -62,6 +160,7 @@ def configure(level: str = "INFO", fmt: str = "auto", *, access_log: bool = Fals
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    install()
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -3,6 +3,8 @@ quickstart's migrate-on-start."""
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 from pathlib import Path
 
@@ -46,6 +48,35 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def database_error(error: BaseException, database_url: str) -> str:
+    """One line for any failure to use the database, as every command says it:
+    ``database error: cannot connect to PostgreSQL at host:port (connection refused)``,
+    else ``database error: <the driver's first line>``. Never the statement's parameters
+    (the engines hide them) nor a password."""
+    url = sa.make_url(database_url)
+    cause: BaseException | None = error
+    seen = 0
+    while cause is not None and seen < 10:
+        if isinstance(cause, OSError) and url.get_backend_name() != "sqlite":
+            where = f"{url.host or 'localhost'}:{url.port or 5432}"
+            reason = _os_reason(cause)
+            return f"database error: cannot connect to PostgreSQL at {where} ({reason})"
+        cause = getattr(cause, "orig", None) or cause.__cause__
+        seen += 1
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"database error: {text}"
+
+
+def _os_reason(error: OSError) -> str:
+    if isinstance(error, ConnectionRefusedError) or error.errno == errno.ECONNREFUSED:
+        return "connection refused"
+    if isinstance(error, socket.gaierror):
+        return "host name not found"
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    return error.strerror or str(error) or type(error).__name__
 
 
 async def current_revision(engine: AsyncEngine) -> str | None:

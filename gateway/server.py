@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -22,7 +24,7 @@ from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
-from . import admin, dashboard, migrate, tasks
+from . import admin, dashboard, logs, migrate, tasks
 from .auth import auth_middleware
 from .config import ConfigError, Settings, parse_listen
 from .logs import request_id_middleware
@@ -64,6 +66,7 @@ def create_control_app(
 ) -> web.Application:
     """The control listener: lease API, admin API, health; and the background upkeep
     (expired last attempts, retention)."""
+    logs.protect(settings.secret_values())
     gateway = gateway or Gateway(settings, store)
     app = web.Application(
         middlewares=[request_id_middleware, problem_middleware, auth_middleware(settings.auth)],
@@ -120,7 +123,8 @@ async def prepare_database(settings: Settings, store: LeaseStore) -> None:
     try:
         revision = await migrate.current_revision(store.engine)
     except Exception as error:
-        raise SystemExit(f"fencegate: cannot reach the database: {error}") from error
+        message = migrate.database_error(error, settings.database_url)
+        raise SystemExit(f"fencegate: {message}") from error
     if not migrate.is_compatible(revision):
         raise SystemExit(
             "fencegate: the database schema is not at the newest migration; "
@@ -141,11 +145,22 @@ async def serve(
     """Run both listeners until SIGTERM / SIGINT (or ``stop`` is set). SIGTERM stops
     accepting, lets requests in progress finish (``shutdown_timeout_seconds``) and
     records their answers. SIGHUP re-reads the upstreams with ``reload_settings``.
+    ``settings`` (and what ``reload_settings`` returns) carry the upstreams' headers
+    expanded (``config.resolve_secrets``).
 
     ``freeze_gc`` (``fencegate serve`` sets it): once listening, move every object that
     exists then (modules, the app, the engine) out of the garbage collector's sight.
     They live as long as the process anyway, and scanning them in every full collection
     stalled the event loop for tens of milliseconds (docs/performance.md: p99 halved)."""
+    # Both ports first: a taken one is named before anything else exists (no database
+    # file, no migration, no other listener left bound).
+    sockets = {"control": bind("control_listen", settings.control_listen)}
+    try:
+        sockets["proxy"] = bind("proxy_listen", settings.proxy_listen)
+    except BaseException:
+        for sock in sockets["control"]:
+            sock.close()
+        raise
     engine = create_engine(settings.database_url)
     store = LeaseStore(engine, clock=clock)
     stop = stop or asyncio.Event()
@@ -161,9 +176,9 @@ async def serve(
         if reload_settings is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(signal.SIGHUP, lambda: _reload(gateway, reload_settings))
-        for name, app, listen in (
-            ("control", create_control_app(settings, store, gateway), settings.control_listen),
-            ("proxy", create_proxy_app(gateway), settings.proxy_listen),
+        for name, app in (
+            ("control", create_control_app(settings, store, gateway)),
+            ("proxy", create_proxy_app(gateway)),
         ):
             limits = settings.gateway
             runner = web.AppRunner(
@@ -180,9 +195,8 @@ async def serve(
             )
             await runner.setup()
             runners.append(runner)
-            host, port = parse_listen(listen)
-            site = web.TCPSite(runner, host, port, backlog=1024)
-            await site.start()
+            for sock in sockets[name]:
+                await web.SockSite(runner, sock, backlog=1024).start()
             addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
         log.info("fencegate listening: %s", " ".join(addresses))
         if freeze_gc:
@@ -199,7 +213,42 @@ async def serve(
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+        for bound in sockets.values():
+            for sock in bound:
+                sock.close()
         await engine.dispose()
+
+
+def bind(setting: str, listen: str) -> list[socket.socket]:
+    """The listening sockets of ``listen`` (every address its host resolves to), or
+    ``SystemExit`` naming the setting that moves it."""
+    host, port = parse_listen(listen)
+    bound: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.setblocking(False)
+    except OSError as error:
+        for sock in bound:
+            sock.close()
+        reason = (
+            "address already in use"
+            if error.errno == errno.EADDRINUSE
+            else (error.strerror or str(error)).lower()
+        )
+        raise SystemExit(
+            f"fencegate: cannot listen on {listen} ({reason}): {setting} sets it; move it "
+            f"with FENCEGATE_{setting.upper()} or {setting} in the config file"
+        ) from error
+    return bound
 
 
 def _reload(gateway: Gateway, reload_settings: Callable[[], Settings]) -> None:
@@ -209,6 +258,7 @@ def _reload(gateway: Gateway, reload_settings: Callable[[], Settings]) -> None:
     except ConfigError as error:
         log.error("reload refused, keeping the running configuration: %s", error)
         return
+    logs.protect(new.secret_values())
     gateway.reload(new)
 
 

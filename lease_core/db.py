@@ -49,12 +49,16 @@ def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
     own connections (``lease_core.direct``).
     PostgreSQL: a pool with pre-ping so a restarted server is recovered from, beside
     the hot path's own asyncpg pool (``lease_core.direct``).
+    Both hide statement parameters from SQLAlchemy's logs and error messages: they
+    carry request bodies, stored answers and tokens' hashes.
     """
     url = sa.make_url(url)
     if is_sqlite(url):
         if is_in_memory(url):
             raise ValueError(IN_MEMORY)
-        engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=60)
+        engine = create_async_engine(
+            url, pool_size=1, max_overflow=0, pool_timeout=60, hide_parameters=True
+        )
         _sqlite_setup(engine)
         return Engine(engine.sync_engine)
     # The hot path's own pool gets ``pool_size`` connections; the rarer statements on
@@ -62,7 +66,12 @@ def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
     # 2 x pool_size in all.
     half = max(1, pool_size // 2)
     engine = create_async_engine(
-        url, pool_size=half, max_overflow=half, pool_pre_ping=True, pool_timeout=30
+        url,
+        pool_size=half,
+        max_overflow=half,
+        pool_pre_ping=True,
+        pool_timeout=30,
+        hide_parameters=True,
     )
     return Engine(engine.sync_engine, direct_pool_size=pool_size)
 

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import ConfigError, load_settings
+from gateway.config import ConfigError, load_settings, resolve_secrets
 
 from ._support import (
     COMPOSE,
@@ -342,7 +342,7 @@ def test_secret_placeholders_are_refused_until_replaced(
 
     monkeypatch.setenv("FENCEGATE_AUTH__WORKER_TOKENS", '["worker-token-0123456789abcdef"]')
     monkeypatch.setenv("FENCEGATE_AUTH__ADMIN_TOKENS", '["admin-token-0123456789abcdef"]')
-    settings = load_settings(config)
+    settings = resolve_secrets(load_settings(config))
     assert settings.database_url == placeholders["FENCEGATE_DATABASE_URL"]
     assert len(settings.auth.worker_tokens) == len(settings.auth.admin_tokens) == 1
     (payments,) = settings.upstreams

@@ -132,7 +132,11 @@ async def test_counts_per_bucket_match_the_audit_of_real_refusals(
     assert {"stale-generation", "outcome-unknown", "idempotent-replay"} <= set(doc["known_reasons"])
 
     # Filters: one upstream, one job.
-    assert (await over_time(stack, since=T0, until=T0 + 120, upstream="nope"))["totals"] == {}
+    # (An upstream neither configured nor audited is a typo: 400 naming the configured ones.)
+    resp = await stack.control.get(OVER_TIME, params={"upstream": "nope"})
+    assert resp.status == 400 and "configured: pay" in await resp.text()
+    empty = await over_time(stack, since=T0 + 1000, until=T0 + 1060, upstream="pay")
+    assert empty["totals"] == {}
     job = await over_time(stack, since=T0, until=T0 + 120, bucket_seconds=60, job_id="job-1")
     # (A missing key is refused before the token is looked at: no job in that entry.)
     assert job["totals"] == {

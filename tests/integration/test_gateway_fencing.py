@@ -20,7 +20,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
-from gateway.config import load_settings
+from gateway.config import load_settings, resolve_secrets
 from tests.gateway_helpers import PROBLEM, ok, problem
 from tests.support import FakeClock, Upstream, upstream_config
 
@@ -597,7 +597,9 @@ async def test_set_headers_from_the_environment(
         f'url = "{upstream.url}"\n'
         'set_headers = { Authorization = "Bearer ${PAY_API_KEY}", X-Tenant = "t-${TENANT}" }\n'
     )
-    settings = load_settings(config, environ={"PAY_API_KEY": "sk_live_123", "TENANT": "acme"})
+    settings = resolve_secrets(
+        load_settings(config, environ={}), environ={"PAY_API_KEY": "sk_live_123", "TENANT": "acme"}
+    )
     stack = await make_stack(upstreams=list(settings.upstreams))
     lease = await stack.lease("job-1")
     resp = await stack.write("/pay/x", lease, headers={"Authorization": "Bearer mine"})

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from gateway.config import ConfigError, Settings, load_settings
+from gateway.config import (
+    ConfigError,
+    Settings,
+    env_references,
+    load_settings,
+    resolve_secrets,
+)
 
 TOKEN = "w" * 16
 
@@ -321,7 +327,9 @@ set_headers = {{ Authorization = "Bearer ${{PAYMENTS_API_KEY}}", X-Team = "{team
 
 def test_env_references_in_set_headers_are_expanded(tmp_path: Path) -> None:
     path = write(tmp_path, UPSTREAM.format(team="core-${TEAM}"))
-    settings = load_settings(path, environ={"PAYMENTS_API_KEY": "sk_live_123", "TEAM": "7"})
+    settings = resolve_secrets(
+        load_settings(path, environ={}), environ={"PAYMENTS_API_KEY": "sk_live_123", "TEAM": "7"}
+    )
     upstream = settings.upstream("payments")
     assert upstream is not None
     headers = {k: v.get_secret_value() for k, v in upstream.set_headers.items()}
@@ -329,10 +337,24 @@ def test_env_references_in_set_headers_are_expanded(tmp_path: Path) -> None:
     assert "sk_live_123" not in repr(settings)
 
 
+def test_env_references_are_not_needed_to_load(tmp_path: Path) -> None:
+    """Read-only commands load the configuration without the upstreams' secrets; the
+    references stay as written and say what ``serve`` will need."""
+    path = write(tmp_path, UPSTREAM.format(team="core-${TEAM}"))
+    settings = load_settings(path, environ={})
+    upstream = settings.upstream("payments")
+    assert upstream is not None
+    assert upstream.set_headers["Authorization"].get_secret_value() == "Bearer ${PAYMENTS_API_KEY}"
+    assert env_references(settings, {"TEAM": "7"}) == [
+        ("upstreams.0.set_headers.Authorization", "PAYMENTS_API_KEY", False),
+        ("upstreams.0.set_headers.X-Team", "TEAM", True),
+    ]
+
+
 def test_missing_env_reference_is_named_in_the_error(tmp_path: Path) -> None:
     path = write(tmp_path, UPSTREAM.format(team="t"))
     with pytest.raises(ConfigError) as excinfo:
-        load_settings(path, environ={"OTHER": "x"})
+        resolve_secrets(load_settings(path, environ={}), environ={"OTHER": "x"})
     message = problems(excinfo)
     assert "PAYMENTS_API_KEY" in message
     assert "upstreams.0.set_headers.Authorization" in message
@@ -343,7 +365,7 @@ def test_env_reference_reads_the_process_environment_by_default(
 ) -> None:
     monkeypatch.setenv("PAYMENTS_API_KEY", "from-os")
     path = write(tmp_path, UPSTREAM.format(team="t"))
-    upstream = load_settings(path).upstream("payments")
+    upstream = resolve_secrets(load_settings(path)).upstream("payments")
     assert upstream is not None
     assert upstream.set_headers["Authorization"].get_secret_value() == "Bearer from-os"
 
@@ -351,6 +373,8 @@ def test_env_reference_reads_the_process_environment_by_default(
 def test_header_value_with_a_line_break_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path, UPSTREAM.format(team="t"))
     with pytest.raises(ConfigError) as excinfo:
-        load_settings(path, environ={"PAYMENTS_API_KEY": "x\r\nX-Evil: 1"})
+        resolve_secrets(
+            load_settings(path, environ={}), environ={"PAYMENTS_API_KEY": "x\r\nX-Evil: 1"}
+        )
     assert "upstreams.0.set_headers" in problems(excinfo)
     assert "x\r\nX-Evil" not in str(excinfo.value)
