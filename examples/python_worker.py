@@ -43,8 +43,7 @@ from typing import Any
 
 import aiohttp
 
-from lease_core.client import Lease, LeaseClient
-from lease_core.exceptions import LeaseError, LeaseLost
+from fencegate_client import Lease, LeaseClient, LeaseError, LeaseLost
 
 log = logging.getLogger("payment-worker")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from lease_core.client import LeaseClient
+from fencegate_client import LeaseClient
 
 from .config import Settings
 from .server import serve

@@ -565,7 +565,8 @@ def test_dockerfile_copies_only_what_the_context_has() -> None:
     buildkit_ignore = dockerignore_patterns(DEPLOY / "Dockerfile.dockerignore")
     assert root_ignore == buildkit_ignore
     sources = copy_sources(dockerfile())
-    assert {"pyproject.toml", "gateway/", "lease_core/", "alembic/"} <= set(sources)
+    needed = {"pyproject.toml", "gateway/", "lease_core/", "fencegate_client/", "alembic/"}
+    assert needed <= set(sources)
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not ignored(source, root_ignore), f"{source} is excluded by .dockerignore"

@@ -1,4 +1,5 @@
-"""``lease_core.client`` against a real ``fencegate serve`` process and a real upstream.
+"""The worker client (``fencegate_client``) against a real ``fencegate serve`` process and a
+real upstream.
 
 One server process (SQLite, worker token required) and one recording upstream serve
 the whole module; every test works on its own job ids and queues, so they do not see
@@ -26,14 +27,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from lease_core import exceptions as exc
-from lease_core.client import (
+from fencegate_client import (
     FencedResponse,
     LeaseClient,
     RemoteError,
     error_from_problem,
     step_key,
 )
+from fencegate_client import errors as exc
 
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
 WORKER_TOKEN = "e2e-worker-token-0123456789"
@@ -653,3 +654,67 @@ def test_fenced_response_problem_only_for_gateway_documents() -> None:
     assert upstream.problem is None
     not_json = FencedResponse(409, {"Content-Type": "application/problem+json"}, b"<", False)
     assert not_json.problem is None
+
+
+def test_fenced_response_reports_a_lost_lease_only_for_loss_reasons() -> None:
+    def answer(reason: str) -> FencedResponse:
+        doc = {"status": 409, "reason": reason, "detail": f"because {reason}"}
+        headers = {"Content-Type": "application/problem+json"}
+        return FencedResponse(409, headers, json.dumps(doc).encode(), False)
+
+    for reason, cls in (
+        ("stale-generation", exc.StaleGeneration),
+        ("lease-expired", exc.LeaseExpired),
+        ("lease-ended", exc.LeaseEnded),
+    ):
+        lost = answer(reason).lease_lost()
+        assert type(lost) is cls and lost.detail == f"because {reason}"
+    for reason in ("request-in-progress", "outcome-unknown", "idempotency-key-reused"):
+        assert answer(reason).lease_lost() is None
+    upstream = FencedResponse(
+        409, {"Content-Type": "application/json"}, b'{"reason": "stale-generation"}', False
+    )
+    assert upstream.lease_lost() is None
+
+
+# -- the client's borders -----------------------------------------------------------------
+
+
+def test_the_old_import_path_gives_the_same_objects() -> None:
+    """``lease_core.client`` and ``lease_core.exceptions`` name the client package's very
+    objects, so code written against them keeps working (and catches the client's errors)."""
+    import fencegate_client
+    import lease_core.client
+    import lease_core.exceptions
+
+    old_names = (
+        "LeaseClient",
+        "Lease",
+        "FencedSession",
+        "FencedResponse",
+        "RemoteError",
+        "error_from_problem",
+        "step_key",
+    )
+    assert set(old_names) <= set(lease_core.client.__all__)
+    for name in lease_core.client.__all__:
+        assert getattr(lease_core.client, name) is getattr(fencegate_client, name), name
+    for name in lease_core.exceptions.__all__:
+        assert getattr(lease_core.exceptions, name) is getattr(exc, name), name
+    assert issubclass(fencegate_client.StaleGeneration, lease_core.exceptions.LeaseLost)
+
+
+def test_the_client_imports_nothing_of_the_service() -> None:
+    """A worker needs the client package and aiohttp: importing it loads neither the lease
+    service nor the gateway, nor their database and configuration libraries."""
+    code = (
+        "import json, sys, fencegate_client, fencegate_client.aio, fencegate_client.errors, "
+        "fencegate_client.protocol; print(json.dumps(sorted(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded = json.loads(done.stdout)
+    assert "fencegate_client.aio" in loaded
+    for forbidden in ("lease_core", "gateway", "sqlalchemy", "alembic", "pydantic"):
+        assert not [m for m in loaded if m == forbidden or m.startswith(forbidden + ".")]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lease_core.client import step_key
+from fencegate_client import step_key
 from tests.e2e.test_client import (
     FENCEGATE,
     FencegateProcess,

@@ -28,9 +28,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from fencegate_client import FencedResponse, Lease, LeaseClient, RemoteError, step_key
+from fencegate_client import errors as exc
 from gateway.schema import requests
-from lease_core import exceptions as exc
-from lease_core.client import FencedResponse, Lease, LeaseClient, RemoteError, step_key
 from lease_core.schema import jobs
 
 from .cluster import free_port

@@ -1,0 +1,186 @@
+"""The errors of Fencegate's protocol: one class per problem ``reason``.
+
+Every class carries the HTTP ``status``, the stable ``reason`` and the ``title`` of the
+RFC 9457 problem document that stands for it; a class's docstring is its default
+message. The worker client raises them from the problems it receives
+(``error_from_problem``); the lease service raises the very same classes (as
+``lease_core.exceptions``) and its problem middleware writes them out. They live here,
+in the client package, because a worker needs them and must not need the service: this
+module imports nothing of Fencegate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+
+class LeaseError(Exception):
+    """The lease service refused the request."""
+
+    status: ClassVar[int] = 500
+    reason: ClassVar[str] = "internal-error"
+    title: ClassVar[str] = "Internal error"
+    headers: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, detail: str | None = None, **extra: Any) -> None:
+        self.detail = detail or (self.__doc__ or "").strip()
+        self.extra = {k: v for k, v in extra.items() if v is not None}
+        super().__init__(self.detail)
+
+
+class InvalidRequest(LeaseError):
+    """The request is not valid."""
+
+    status = 400
+    reason = "invalid-request"
+    title = "Invalid request"
+
+
+class Unauthorized(LeaseError):
+    """A valid bearer token is required."""
+
+    status = 401
+    reason = "unauthorized"
+    title = "Unauthorized"
+    headers = {"WWW-Authenticate": 'Bearer realm="fencegate"'}  # noqa: RUF012
+
+
+class Forbidden(LeaseError):
+    """This token may not use this path."""
+
+    status = 403
+    reason = "forbidden"
+    title = "Forbidden"
+
+
+class InvalidLeaseToken(LeaseError):
+    """The lease token is malformed or unknown."""
+
+    status = 403
+    reason = "invalid-lease-token"
+    title = "Invalid lease token"
+
+
+class JobNotFound(LeaseError):
+    """No job with this id."""
+
+    status = 404
+    reason = "job-not-found"
+    title = "Job not found"
+
+
+class NotFound(LeaseError):
+    """Nothing lives at this path."""
+
+    status = 404
+    reason = "not-found"
+    title = "Not found"
+
+
+class MethodNotAllowed(LeaseError):
+    """This method is not allowed on this path."""
+
+    status = 405
+    reason = "method-not-allowed"
+    title = "Method not allowed"
+
+
+class JobExists(LeaseError):
+    """A job with this id exists already."""
+
+    status = 409
+    reason = "job-exists"
+    title = "Job exists"
+
+
+class LeaseHeld(LeaseError):
+    """The job is held by another current lease."""
+
+    status = 409
+    reason = "lease-held"
+    title = "Lease held"
+
+
+class JobFinished(LeaseError):
+    """The job has completed or failed; it cannot be leased again."""
+
+    status = 409
+    reason = "job-finished"
+    title = "Job finished"
+
+
+class LeaseLost(LeaseError):
+    """The lease is no longer current."""
+
+    status = 409
+    title = "Lease lost"
+
+
+class LeaseExpired(LeaseLost):
+    """The lease has expired."""
+
+    reason = "lease-expired"
+    title = "Lease expired"
+
+
+class StaleGeneration(LeaseLost):
+    """A newer generation of this job exists."""
+
+    reason = "stale-generation"
+    title = "Stale generation"
+
+
+class LeaseEnded(LeaseLost):
+    """The lease was completed, failed or released."""
+
+    reason = "lease-ended"
+    title = "Lease ended"
+
+
+class StoreUnavailable(LeaseError):
+    """The database is not reachable; try again shortly."""
+
+    status = 503
+    reason = "store-unavailable"
+    title = "Store unavailable"
+
+
+LOST_BY_REASON: dict[str, type[LeaseLost]] = {
+    cls.reason: cls for cls in (LeaseExpired, StaleGeneration, LeaseEnded)
+}
+
+
+class RemoteError(LeaseError):
+    """The server refused the request."""
+
+    def __init__(self, status: int, reason: str, detail: str, doc: Mapping[str, Any]) -> None:
+        super().__init__(detail)
+        self.remote_status = status
+        self.remote_reason = reason
+        self.problem = dict(doc)
+
+
+def _by_reason(cls: type[LeaseError], out: dict[str, type[LeaseError]]) -> None:
+    for sub in cls.__subclasses__():
+        if "reason" in sub.__dict__:
+            out.setdefault(sub.reason, sub)
+        _by_reason(sub, out)
+
+
+_PROBLEMS: dict[str, type[LeaseError]] = {}
+_by_reason(LeaseError, _PROBLEMS)
+
+
+def error_from_problem(status: int, doc: Mapping[str, Any]) -> LeaseError:
+    """The exception that a problem document stands for: the class of its ``reason``,
+    else ``RemoteError``."""
+    reason = str(doc.get("reason", ""))
+    detail = str(doc.get("detail") or doc.get("title") or f"HTTP {status}")
+    cls = _PROBLEMS.get(reason)
+    if cls is not None:
+        extra = {
+            k: v for k, v in doc.items() if k not in ("type", "title", "status", "detail", "reason")
+        }
+        return cls(detail, **extra)
+    return RemoteError(status, reason, detail, doc)
