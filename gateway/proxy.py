@@ -13,7 +13,7 @@ import io
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
@@ -496,6 +496,44 @@ class Gateway:
             )
         return found
 
+    async def _judge_again(
+        self, ctx: Ctx, attempt: str, back_to: Record | None
+    ) -> web.StreamResponse | float:
+        """A claimed write, judged once more after its admission's commit is known and
+        right before its first byte goes out (the caller's next await is the send). A
+        replica that stalled since its admission (a paused process, a slow commit) must
+        not send once a newer generation has been admitted, nor once its claim is so
+        near its deadline that other replicas may stop waiting for it (by this process's
+        clock or the database's). Returns the seconds left to send in, or the refusal
+        (the claim released)."""
+        admission, key, send_by = ctx.admission, ctx.key, ctx.send_by
+        assert admission is not None and admission.presented is not None
+        assert key is not None and send_by is not None
+        job_id, generation = admission.presented.job_id, admission.presented.generation
+        claim = await self.store.claim(job_id, key, attempt)
+        on_database = -1.0 if claim.deadline is None else claim.deadline - claim.now
+        left = min(send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
+        reason = fence.send_verdict(generation, claim.fence, left)
+        if reason is None:
+            return left
+        await self.store.release(job_id, key, attempt, back_to)
+        if reason is Reason.STALE_GENERATION:
+            highest = max(claim.fence or 0, admission.highest or 0)
+            ctx.admission = replace(admission, highest=highest)
+            return await self.reject(
+                ctx,
+                reason,
+                detail="A newer generation of this job was admitted before this write could "
+                "be forwarded; it was not sent.",
+            )
+        return await self.reject(
+            ctx,
+            reason,
+            detail="This write was held past its claim's deadline before it could be "
+            "forwarded; it was not sent. Retry it.",
+            headers={"Retry-After": "1"},
+        )
+
     async def _send(
         self,
         ctx: Ctx,
@@ -513,20 +551,12 @@ class Gateway:
         key = ctx.key or ""
         job_id = presented.job_id if presented else ""
         total = upstream.timeout_seconds
-        if attempt is not None and ctx.send_by is not None:
-            remaining = ctx.send_by - time.monotonic()
-            if remaining <= 0:
-                # Stalled (a paused process, a slow database) past the claim's deadline:
-                # a newer generation may have gone out meanwhile. Never send late.
-                await self.store.release(job_id, key, attempt, back_to)
-                return await self.reject(
-                    ctx,
-                    Reason.ORDERING_TIMEOUT,
-                    detail="This write was held past its claim's deadline before it could be "
-                    "forwarded; it was not sent. Retry it.",
-                    headers={"Retry-After": "1"},
-                )
-            total = min(total, remaining)
+        if attempt is not None:
+            left = await self._judge_again(ctx, attempt, back_to)
+            if isinstance(left, web.StreamResponse):
+                return left
+            total = min(total, left)
+        # Nothing may be awaited between the judgement above and the send below.
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
         try:
             upstream_response = await self.session.request(
