@@ -90,11 +90,10 @@ class GatewayStore:
             "job_id": job_id,
             "key": key,
             "attempt": attempt,
-            "in_flight": _IN_FLIGHT,
             "now": self.dialect.injected_now(),
         }
         lease_store = self.lease_store
-        row = await lease_store.timed(lease_store.direct.fetchrow(_CLAIM, params))
+        row = await lease_store.timed(lease_store.direct.fetchrow_batched(_CLAIM_STATE, params))
         assert row is not None
         deadline = row["deadline"]
         return Claim(
@@ -449,15 +448,30 @@ LEFT JOIN fences AS f ON f.job_id = l.job_id
 )
 
 # A claimed write right before it is sent: the job's fence and, while the record is still
-# this attempt's and in flight, its deadline; always one row.
-_CLAIM = Statement(
-    """
+# this attempt's and in flight, its deadline; one row per write. Concurrent writes share
+# one statement on PostgreSQL (``Batched``, like the admission).
+_CLAIM_STATE = Batched(
+    single=Statement(
+        """
 SELECT clock.now, f.generation AS fence_generation, r.deadline
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN fences AS f ON f.job_id = :job_id
 LEFT JOIN idempotency_records AS r
     ON r.job_id = :job_id AND r.key = :key AND r.attempt = :attempt AND r.state = :in_flight
-"""
+""".replace(":in_flight", f"'{RecordState.IN_FLIGHT.value}'")
+    ),
+    many=Statement(
+        """
+SELECT i.n, clock.now, f.generation AS fence_generation, r.deadline
+FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]))
+     WITH ORDINALITY AS i(job_id, key, attempt, n)
+CROSS JOIN (SELECT {now} AS now) AS clock
+LEFT JOIN fences AS f ON f.job_id = i.job_id
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = i.job_id AND r.key = i.key AND r.attempt = i.attempt
+   AND r.state = :in_flight
+""".replace(":in_flight", f"'{RecordState.IN_FLIGHT.value}'")
+    ),
 )
 
 # SQLite: the admission's steps as statements of one IMMEDIATE transaction
