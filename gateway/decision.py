@@ -13,7 +13,7 @@ and a row where the spec's table puts it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
@@ -68,7 +68,9 @@ class Facts:
     # record answers (a replay, a reused key, in progress, an unknown outcome).
     record: Reason | _Unknown | None = UNKNOWN
     in_order: bool | _Unknown = UNKNOWN  # no older generation's write still in flight
-    sendable: bool | _Unknown = UNKNOWN  # right before sending: the claim still holds
+    # Right before the first byte goes out: None, or why the claim no longer allows it
+    # (a newer generation admitted meanwhile; the claim near or past its deadline).
+    at_send: Reason | _Unknown | None = UNKNOWN
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +104,7 @@ class Row:
     fact: str  # the ``Facts`` field it tests
     holds: Callable[[Any], bool]
     step: Step | None = None  # how the fact is found out when it is UNKNOWN
-    detail: str | None = None  # ``{value}`` is the fact's value
+    detail: str | Mapping[Reason, str] | None = None  # ``{value}``: the fact's value
     close: bool = False
     fenced_only: bool = True  # skipped for a method that is not fenced
 
@@ -112,8 +114,13 @@ class Row:
             return Verdict(Outcome.REPLAY, answer)
         if isinstance(answer, Outcome):
             return Verdict(answer)
-        detail = None if self.detail is None else self.detail.format(value=value)
-        return Verdict(Outcome.REFUSE, Reason(answer), detail, self.close)
+        reason = Reason(answer)
+        detail = self.detail
+        if isinstance(detail, Mapping):
+            detail = detail.get(reason)
+        elif detail is not None:
+            detail = detail.format(value=value)
+        return Verdict(Outcome.REFUSE, reason, detail, self.close)
 
 
 # fmt: off
@@ -143,9 +150,14 @@ ROWS: Final[tuple[Row, ...]] = (
     # outcome-unknown
     Row(FROM_FACT,                    "record",               _given,             Step.ADMISSION),
     Row(Reason.ORDERING_TIMEOUT,      "in_order",             _false,                 Step.ORDER),
-    Row(Reason.ORDERING_TIMEOUT,      "sendable",             _false,                 Step.SEND,
-        detail="This write was held past its claim's deadline before it could be "
-               "forwarded; it was not sent. Retry it."),
+    # stale-generation, ordering-timeout
+    Row(FROM_FACT,                    "at_send",              _given,                 Step.SEND,
+        detail={
+            Reason.STALE_GENERATION: "A newer generation of this job was admitted before "
+                                     "this write could be forwarded; it was not sent.",
+            Reason.ORDERING_TIMEOUT: "This write was held past its claim's deadline before "
+                                     "it could be forwarded; it was not sent. Retry it.",
+        }),
 )
 # fmt: on
 

@@ -268,6 +268,20 @@ def record_verdict(record: Record, fingerprint: str, now: float, policy: str) ->
     return Verdict.reject(Reason.OUTCOME_UNKNOWN)
 
 
+def send_verdict(generation: int, fence: int | None, seconds_left: float) -> Reason | None:
+    """Judged once more right before a claimed write's first byte goes out, after its
+    admission's commit is known: None when it may still be sent. A newer generation was
+    admitted meanwhile (the job's fence moved past ours): ``stale-generation``. The claim
+    is gone, or so near its deadline that other replicas may stop waiting for it
+    (``seconds_left``, the lesser of this process's clock and the database's): not sent,
+    ``ordering-timeout``."""
+    if fence is not None and fence > generation:
+        return Reason.STALE_GENERATION
+    if seconds_left <= 0:
+        return Reason.ORDERING_TIMEOUT
+    return None
+
+
 def problem_extra(presented: Presented | None, highest: int | None = None) -> dict[str, Any]:
     """The extension members of a problem document, where known."""
     if presented is None:

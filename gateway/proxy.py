@@ -13,7 +13,7 @@ import io
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
@@ -96,6 +96,7 @@ class Ctx:
     record: Record | None = None  # the key's record, when it answers for the request
     attempt: str | None = None  # the key is ours (claimed or taken over) under this attempt
     back_to: Record | None = None  # the record before we took it over
+    send_left: float | None = None  # seconds the claim still allows, judged at the send
 
 
 class ForwardingMetrics(NamedTuple):
@@ -336,10 +337,26 @@ class Gateway:
         elif step is Step.ORDER:
             await self._wait_in_order(ctx, facts)
         else:
-            # Stalled (a paused process, a slow database) past the claim's deadline: a
-            # newer generation may have gone out meanwhile. Never send late.
-            assert ctx.send_by is not None
-            facts.sendable = ctx.send_by > time.monotonic()
+            await self._judge_at_send(ctx, facts)
+
+    async def _judge_at_send(self, ctx: Ctx, facts: Facts) -> None:
+        """A claimed write, judged once more after its admission's commit is known and
+        right before its first byte goes out (nothing is awaited between this and the
+        send). A replica that stalled since its admission (a paused process, a slow
+        commit) must not send once a newer generation has been admitted, nor once its
+        claim is so near its deadline that other replicas may stop waiting for it (by
+        this process's clock or the database's)."""
+        admission, key, send_by = ctx.admission, ctx.key, ctx.send_by
+        assert admission is not None and admission.presented is not None
+        assert key is not None and send_by is not None and ctx.attempt is not None
+        job_id, generation = admission.presented.job_id, admission.presented.generation
+        claim = await self.store.claim(job_id, key, ctx.attempt)
+        on_database = -1.0 if claim.deadline is None else claim.deadline - claim.now
+        ctx.send_left = min(send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
+        facts.at_send = fence.send_verdict(generation, claim.fence, ctx.send_left)
+        if facts.at_send is Reason.STALE_GENERATION:
+            highest = max(claim.fence or 0, admission.highest or 0)
+            ctx.admission = replace(admission, highest=highest)
 
     async def _check_lease(self, ctx: Ctx, facts: Facts) -> None:
         if ctx.token_hash is None:
@@ -577,9 +594,9 @@ class Gateway:
         job_id = presented.job_id if presented else ""
         attempt, back_to = ctx.attempt, ctx.back_to
         total = upstream.timeout_seconds
-        if attempt is not None and ctx.send_by is not None:
-            # The table judged the deadline right before this (no await in between).
-            total = min(total, max(ctx.send_by - time.monotonic(), 0.001))
+        if attempt is not None and ctx.send_left is not None:
+            # Judged right before this (``_judge_at_send``), with nothing awaited since.
+            total = min(total, ctx.send_left)
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
         try:
             upstream_response = await self.session.request(

@@ -46,6 +46,15 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    """A claimed write, as the database sees it right before it is sent."""
+
+    now: float
+    fence: int | None  # the job's fence: the highest generation admitted
+    deadline: float | None  # None: the claim is no longer ours (released, taken over)
+
+
+@dataclass(frozen=True, slots=True)
 class WriteRequest:
     token_hash: str
     key: str
@@ -79,6 +88,25 @@ class GatewayStore:
         now = float(row["now"])
         presented, highest = _presented(row)
         return Admission(now=now, presented=presented, highest=highest)
+
+    async def claim(self, job_id: str, key: str, attempt: str) -> Claim:
+        """Read-only, right before a claimed write is sent: the job's fence, and the
+        claim's deadline while the record is still our attempt, in flight."""
+        params = {
+            "job_id": job_id,
+            "key": key,
+            "attempt": attempt,
+            "now": self.dialect.injected_now(),
+        }
+        lease_store = self.lease_store
+        row = await lease_store.timed(lease_store.direct.fetchrow_batched(_CLAIM_STATE, params))
+        assert row is not None
+        deadline = row["deadline"]
+        return Claim(
+            now=float(row["now"]),
+            fence=row["fence_generation"],
+            deadline=None if deadline is None else float(deadline),
+        )
 
     # -- admitting a write ----------------------------------------------------------
 
@@ -427,6 +455,33 @@ LEFT JOIN leases AS l ON l.token_hash = :token_hash
 LEFT JOIN jobs AS j ON j.job_id = l.job_id
 LEFT JOIN fences AS f ON f.job_id = l.job_id
 """
+)
+
+# A claimed write right before it is sent: the job's fence and, while the record is still
+# this attempt's and in flight, its deadline; one row per write. Concurrent writes share
+# one statement on PostgreSQL (``Batched``, like the admission).
+_CLAIM_STATE = Batched(
+    single=Statement(
+        """
+SELECT clock.now, f.generation AS fence_generation, r.deadline
+FROM (SELECT {now} AS now) AS clock
+LEFT JOIN fences AS f ON f.job_id = :job_id
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = :job_id AND r.key = :key AND r.attempt = :attempt AND r.state = :in_flight
+""".replace(":in_flight", f"'{RecordState.IN_FLIGHT.value}'")
+    ),
+    many=Statement(
+        """
+SELECT i.n, clock.now, f.generation AS fence_generation, r.deadline
+FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]))
+     WITH ORDINALITY AS i(job_id, key, attempt, n)
+CROSS JOIN (SELECT {now} AS now) AS clock
+LEFT JOIN fences AS f ON f.job_id = i.job_id
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = i.job_id AND r.key = i.key AND r.attempt = i.attempt
+   AND r.state = :in_flight
+""".replace(":in_flight", f"'{RecordState.IN_FLIGHT.value}'")
+    ),
 )
 
 # SQLite: the admission's steps as statements of one IMMEDIATE transaction

@@ -30,6 +30,7 @@ from .conftest import LONG
 from .harness import (
     ORDERING_WAIT,
     PAY,
+    SLOW,
     Attempt,
     ProcessGroup,
     Replica,
@@ -206,6 +207,68 @@ async def test_frozen_between_admission_and_forward(
             )
         with symptom():
             assert not problems, "\n".join(problems)
-            # What should happen: generation 1's write is never forwarded (its record
-            # stays unknown, or the late replica answers it itself without forwarding).
+            # Generation 1's write is never forwarded: on waking, A judges its claim again
+            # before the first byte and finds generation 2 admitted (and its claim past
+            # its deadline).
             assert [e["generation"] for e in events] == [2]
+            assert (attempts[-1].status, attempts[-1].reason) == (409, "stale-generation")
+
+
+@pytest.mark.timeout(90)
+async def test_woken_after_a_newer_generation_was_admitted(
+    group: ProcessGroup, fault_db: str, pg_cluster: PgCluster
+) -> None:
+    """A is frozen between its admission's commit and the forward, for less than the
+    claim's deadline; meanwhile generation 2 of the job is granted and admitted through B
+    (and held back: A's record is still in flight). On waking, A must not send
+    generation 1 (once g+1 is admitted, no write of g is forwarded): it judges the fence
+    again right before the first byte, answers ``stale-generation`` and frees the key;
+    generation 2 then goes out, alone."""
+    upstream, (a, b) = await start_stack(group, fault_db, [SLOW])
+    dbname = sa.make_url(fault_db).database
+    assert dbname is not None
+    job = "woken-after-g2"
+    attempts: list[Attempt] = []
+    async with aiohttp.ClientSession() as session:
+        first = await acquire(session, b, job, "worker-1", ttl=120)
+        try:
+            await pg_cluster.hold_commits()
+            late = asyncio.ensure_future(
+                raw_write(session, "worker-1", first, a, "slow", "s0", timeout=60)
+            )
+            deadline = time.monotonic() + 10
+            while await pg_cluster.held_commits(dbname) == 0:
+                assert time.monotonic() < deadline, "A's admission never reached its commit"
+                await asyncio.sleep(0.02)
+            a.freeze()
+        finally:
+            await pg_cluster.release_commits()
+        # The same owner acquiring again gets generation 2 at once (the lease is current).
+        second = await acquire(session, b, job, "worker-1", ttl=120)
+        assert second["generation"] == 2
+
+        def write(step: str) -> Any:
+            return raw_write(session, "worker-1", second, b, "slow", step)
+
+        held = await write("s1")  # admitted (the fence is 2 now), then held back by A's s0
+        attempts.append(held)
+        assert (held.status, held.reason) == (503, "ordering-timeout"), held
+        # A's claim is still in flight and (unless this machine is very slow) inside its
+        # deadline: judging the deadline alone, A would send on waking.
+        a.thaw()
+        woken = await late
+        attempts.append(woken)
+        assert (woken.status, woken.reason) == (409, "stale-generation"), woken
+        assert upstream.events() == []
+        for step in ("s1", "s0"):  # the key A held is free again
+            sent = await write(step)
+            attempts.append(sent)
+            assert sent.ok and not sent.replayed, sent
+        events = upstream.events()
+        assert [(e["job"], e["generation"]) for e in events] == [(job, 2), (job, 2)]
+        async with database(fault_db) as engine:
+            await wait_no_live_in_flight(engine)
+            problems = await checker.check_run(
+                engine, b, events=events, attempts=attempts, jobs={}, keys_of=lambda j: []
+            )
+        assert not problems, "\n".join(problems)

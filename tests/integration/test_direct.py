@@ -802,6 +802,50 @@ async def test_concurrent_settles_land_each_on_its_own_record(
     assert again.record.body == b"body-1"
 
 
+async def test_concurrent_claim_readings_each_see_their_own_claim(
+    store: LeaseStore,
+    gstore: GatewayStore,
+    statements: FetchAllCounter,
+    backend: str,
+    clock: FakeClock,
+) -> None:
+    """``GatewayStore.claim``, the last reading before a write is sent: the job's fence,
+    and the deadline only while the record is still this attempt's and in flight."""
+    first = {job: await lease(store, job) for job in ("j", "other")}
+    keys = [f"k{i}" for i in range(30)]
+
+    def job_of(i: int) -> str:
+        return "j" if i % 2 else "other"
+
+    admitted = [await gstore.admit(write(first[job_of(i)], key)) for i, key in enumerate(keys)]
+    assert all(a.claimed and a.attempt is not None for a in admitted)
+    await gstore.settle(
+        "j", "k1", str(admitted[1].attempt), state=RecordState.COMPLETED, status=200,
+        headers=[], body=b"",
+    )  # fmt: skip
+    # The same owner again: generation 2 of "other", admitted, so its fence moves to 2.
+    newer = await lease(store, "other")
+    assert (await gstore.admit(write(newer, "k-newer"))).claimed
+    statements.sizes.clear()
+
+    def attempt_of(i: int) -> str:
+        return uuid.uuid4().hex if i % 7 == 3 else str(admitted[i].attempt)
+
+    claims = await asyncio.gather(
+        *(gstore.claim(job_of(i), key, attempt_of(i)) for i, key in enumerate(keys))
+    )
+    for i, claim in enumerate(claims):
+        assert claim.now == clock.now
+        assert claim.fence == (1 if job_of(i) == "j" else 2), i
+        ours = i % 7 != 3 and i != 1  # not another attempt's, not settled
+        assert claim.deadline == (clock.now + 300.0 if ours else None), i
+    if backend == "postgres":
+        assert max(statements.sizes) > 1 and len(statements.sizes) < len(keys)
+        assert statements.failed == 0
+    # A job nobody ever wrote to: no fence, no claim.
+    assert (await gstore.claim("nobody", "k0", "a")).fence is None
+
+
 @ON_POSTGRES
 async def test_postgres_a_rejected_settle_fails_alone(
     store: LeaseStore, gstore: GatewayStore, statements: FetchAllCounter

@@ -24,7 +24,7 @@ from gateway.decision import (
 from gateway.fence import REASONS, Reason
 
 # Every fact known, and none of them refusing: a fenced write that goes out.
-CLEAR = Facts(lease=None, over_limit=False, record=None, in_order=True, sendable=True)
+CLEAR = Facts(lease=None, over_limit=False, record=None, in_order=True, at_send=None)
 
 # A value of each row's fact that makes the row hold.
 HOLDING: dict[int, Any] = {}
@@ -42,7 +42,7 @@ for index, row in enumerate(ROWS):
         "over_limit": True,
         "record": Reason.IDEMPOTENCY_KEY_REUSED,
         "in_order": False,
-        "sendable": False,
+        "at_send": Reason.ORDERING_TIMEOUT,
     }[row.fact]
 
 
@@ -141,4 +141,13 @@ def test_every_row_can_be_reached_and_every_step_is_used() -> None:
     refusals = {row.answer for row in ROWS if isinstance(row.answer, Reason)}
     assert refusals <= set(REASONS)
     assert all(isinstance(row, Row) for row in ROWS)
-    assert sum(row.answer == FROM_FACT for row in ROWS) == 2
+    assert sum(row.answer == FROM_FACT for row in ROWS) == 3
+
+
+def test_a_write_held_back_at_the_send_says_why() -> None:
+    stale = decide(replace(CLEAR, at_send=Reason.STALE_GENERATION))
+    assert stale.reason is Reason.STALE_GENERATION
+    assert stale.detail is not None and "not sent" in stale.detail
+    late = decide(replace(CLEAR, at_send=Reason.ORDERING_TIMEOUT))
+    assert late.reason is Reason.ORDERING_TIMEOUT
+    assert late.detail is not None and "deadline" in late.detail
