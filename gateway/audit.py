@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import unquote_plus
 
 import sqlalchemy as sa
 
@@ -99,6 +101,17 @@ class Audit:
                 sa.delete(audit).where(audit.c.at < now - older_than_seconds)
             )
             return result.rowcount
+
+
+def audit_path(raw_path: str, allowed: Collection[str] = ()) -> str:
+    """The request target as the audit keeps it: the path, and of the query only the
+    parameters named in ``allowed`` (as sent, in the order sent). A query can carry
+    credentials, so nothing else of it is kept."""
+    path, sep, query = raw_path.partition("?")
+    if not sep or not allowed:
+        return path
+    kept = [p for p in query.split("&") if unquote_plus(p.partition("=")[0]) in allowed]
+    return f"{path}?{'&'.join(kept)}" if kept else path
 
 
 def entry_json(row: Any) -> dict[str, Any]:

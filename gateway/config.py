@@ -107,6 +107,9 @@ class UpstreamSettings(BaseModel):
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=0, le=2**34)
     set_headers: dict[str, SecretStr] = Field(default_factory=dict)
     unknown_outcome: Literal["hold", "retry"] = "hold"
+    # Query parameters that may appear in this upstream's audit entries; every other one
+    # is left out (a query can carry credentials: ``?api_key=``).
+    audit_query_params: list[str] = Field(default_factory=list, max_length=100)
 
     def summary(self) -> dict[str, Any]:
         """What operators may see of this upstream (header names, never their values)."""
@@ -118,6 +121,7 @@ class UpstreamSettings(BaseModel):
             "timeout_seconds": self.timeout_seconds,
             "max_body_bytes": self.max_body_bytes,
             "unknown_outcome": self.unknown_outcome,
+            "audit_query_params": self.audit_query_params,
             "set_headers": sorted(self.set_headers),
         }
 
@@ -139,6 +143,14 @@ class UpstreamSettings(BaseModel):
             if not TOKEN_CHARS.fullmatch(method):
                 raise ValueError(f"{method!r} is not an HTTP method")
         return methods
+
+    @field_validator("audit_query_params")
+    @classmethod
+    def _param_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not 1 <= len(name) <= 200 or any(c in name for c in "&=#\r\n\0"):
+                raise ValueError(f"{name[:50]!r} is not a query parameter name")
+        return value
 
     @field_validator("set_headers")
     @classmethod

@@ -29,7 +29,7 @@ from lease_core.problems import problem_response
 from lease_core.store import LeaseStore
 
 from . import fence
-from .audit import Audit, AuditEntry
+from .audit import Audit, AuditEntry, audit_path
 from .config import Settings, UpstreamSettings
 from .fence import Action, Reason, Record, RecordState
 from .logs import REQUEST_ID, request_id_middleware
@@ -204,7 +204,9 @@ class Gateway:
                 reason=reason,
                 status=status,
                 method=request.method,
-                path=request.raw_path,
+                path=audit_path(
+                    request.raw_path, ctx.upstream.audit_query_params if ctx.upstream else ()
+                ),
                 job_id=presented.job_id if presented else None,
                 generation=presented.generation if presented else None,
                 highest_generation=extra.get("highest_generation"),

@@ -118,7 +118,7 @@ async def test_every_self_answered_request_is_audited_with_its_details(
     assert (stale["generation"], stale["highest_generation"]) == (1, 2)
     assert stale["owner"] == "worker-a"
     assert stale["upstream"] == "pay"
-    assert stale["path"] == "/pay/charges?x=1"
+    assert stale["path"] == "/pay/charges"  # the query is not kept (see below)
     assert stale["idempotency_key"] == "step-2"
     assert stale["fingerprint"] == fence.fingerprint("POST", "pay", "charges", "x=1", body)
 
@@ -372,3 +372,29 @@ async def test_retention_purges_old_entries(
     assert [e["idempotency_key"] for e in (await page(stack))["items"]] == ["fourth", "third"]
     assert await app[GATEWAY_STATE].audit.purge(0.8 * DAY) == 0
     assert new["generation"] == 2
+
+
+async def test_query_string_kept_out_of_the_audit_unless_allowed(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """The query can carry credentials (``?api_key=``): the audit keeps the path only,
+    plus the parameters an upstream names in ``audit_query_params``, in the order sent."""
+    stack = await make_stack(
+        upstreams=[
+            upstream_config(upstream),
+            upstream_config(upstream, name="mail", audit_query_params=["page", "to"]),
+        ]
+    )
+    secret = "sk_live_" + secrets.token_hex(8)
+    await stack.write(f"/pay/charges?api_key={secret}&page=2", None)
+    await stack.write(f"/mail/send?api_key={secret}&to=x&page=2&page=3", None)
+    await stack.write(f"/mail/send?api_key={secret}", None)
+    await stack.write(f"/nope/x?api_key={secret}", None)
+    items = await stack.audit()
+    assert [e["path"] for e in items] == [
+        "/nope/x",
+        "/mail/send",
+        "/mail/send?to=x&page=2&page=3",
+        "/pay/charges",
+    ]
+    assert secret not in json.dumps(items)
