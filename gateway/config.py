@@ -176,7 +176,15 @@ class GatewaySettings(BaseModel):
     max_request_line_bytes: int = Field(8190, ge=256, le=65536)
     max_header_field_bytes: int = Field(8190, ge=256, le=65536)
     max_headers: int = Field(128, ge=8, le=1024)
+    # Fenced writes whose lease was found current (or whose body had all arrived), and,
+    # separately, unfenced requests: neither kind can take the other's slots, and a
+    # request with an unknown token takes none while its body is still arriving.
     max_concurrent_requests: int = Field(1024, ge=1, le=100_000)
+    max_concurrent_unfenced_requests: int = Field(1024, ge=1, le=100_000)
+    # A proxied request's body must arrive within body_timeout_seconds of its head, and
+    # no read of it may wait longer than body_idle_timeout_seconds (408 body-timeout).
+    body_timeout_seconds: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
+    body_idle_timeout_seconds: float = Field(15.0, gt=0, le=3600, allow_inf_nan=False)
     upstream_connections_per_host: int = Field(256, ge=1, le=10_000)
     keepalive_timeout_seconds: float = Field(75.0, gt=0, le=3600, allow_inf_nan=False)
     shutdown_timeout_seconds: float = Field(15.0, ge=0, le=600, allow_inf_nan=False)

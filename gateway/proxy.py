@@ -9,6 +9,7 @@ problem document and audited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
@@ -101,6 +102,20 @@ class Target(NamedTuple):
     token_hash: str | None  # None: not a fenced method, passes through
 
 
+class BodyTimeouts(NamedTuple):
+    deadline: float  # loop time by which the whole body must have arrived
+    idle: float  # longest wait for the next part of it
+
+
+class BodyTimeout(Exception):
+    """The request body did not arrive in time."""
+
+
+BODY_TIMEOUTS = web.RequestKey("body_timeouts", BodyTimeouts)
+# The lease check ``expect`` made before the client sent the body.
+LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
+
+
 class Gateway:
     """The proxy's state: settings, stores and the one client session."""
 
@@ -112,7 +127,10 @@ class Gateway:
         self._by_upstream: dict[str, ForwardingMetrics] = {}
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None
-        self.active = 0  # requests being handled, against max_concurrent_requests
+        # Slots in use: fenced writes past the lease check (max_concurrent_requests) and
+        # unfenced requests (max_concurrent_unfenced_requests).
+        self.active = 0
+        self.active_unfenced = 0
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""
@@ -222,16 +240,71 @@ class Gateway:
     # -- the request path ---------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Checks that need no body first; then, for a fenced write whose body is still
+        arriving, the lease (read-only), so that a request without a current lease is
+        refused before its body is read and never holds a slot while a slow client
+        sends it. Only then is a slot taken: fenced and unfenced requests have separate
+        pools, and every body must arrive in time (``_chunks``)."""
         ctx = Ctx(request)
-        if self.active >= self.settings.gateway.max_concurrent_requests:
-            return await self.reject(ctx, Reason.OVERLOADED, headers={"Retry-After": "1"})
-        self.active += 1
+        limits = self.settings.gateway
+        request[BODY_TIMEOUTS] = BodyTimeouts(
+            asyncio.get_running_loop().time() + limits.body_timeout_seconds,
+            limits.body_idle_timeout_seconds,
+        )
         try:
-            return await self._handle(ctx)
+            target = await self._preflight(ctx)
+            if isinstance(target, web.StreamResponse):
+                return target
+            fenced_write = target.token_hash is not None
+            if fenced_write:
+                ctx.admission = request.get(LEASE_CHECKED)  # by ``expect``, before the body
+                if ctx.admission is None and not request.content.is_eof():
+                    refusal = await self._check_lease(ctx, target)
+                    if refusal is not None:
+                        return refusal
+            # A body that has all arrived cannot hold a slot for long: its lease is
+            # checked by ``store.admit``, the one statement that decides.
+            if fenced_write:
+                if self.active >= limits.max_concurrent_requests:
+                    return await self._overloaded(ctx)
+                self.active += 1
+            else:
+                if self.active_unfenced >= limits.max_concurrent_unfenced_requests:
+                    return await self._overloaded(ctx)
+                self.active_unfenced += 1
+            try:
+                return await self._handle(ctx, target)
+            finally:
+                if fenced_write:
+                    self.active -= 1
+                else:
+                    self.active_unfenced -= 1
         except lease_exc.StoreUnavailable:
             return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
-        finally:
-            self.active -= 1
+        except BodyTimeout:
+            return await self._body_timeout(ctx)
+
+    async def _body_timeout(self, ctx: Ctx) -> web.StreamResponse:
+        """Nothing was claimed yet (the body is read before ``admit``). The answer is sent
+        and the connection closed at once: aiohttp would otherwise keep reading the rest
+        of the slow body (its lingering close) before closing."""
+        response = await self.reject(ctx, Reason.BODY_TIMEOUT)
+        response.force_close()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.prepare(ctx.request)
+            await response.write_eof()
+        ctx.request.protocol.force_close()
+        return response
+
+    async def _overloaded(self, ctx: Ctx) -> web.Response:
+        return await self.reject(ctx, Reason.OVERLOADED, headers={"Retry-After": "1"})
+
+    async def _check_lease(self, ctx: Ctx, target: Target) -> web.Response | None:
+        """Read-only: a refusal when the token has no current lease, else None."""
+        assert target.token_hash is not None
+        ctx.admission = await self.store.check_lease(target.token_hash)
+        reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
+        return None if reason is None else await self.reject(ctx, reason)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: every refusal that needs no body (a stale token, a
@@ -246,16 +319,17 @@ class Gateway:
             if isinstance(target, web.StreamResponse):
                 return target
             if target.token_hash is not None:
-                ctx.admission = await self.store.check_lease(target.token_hash)
-                reason = fence.lease_reason(ctx.admission.presented, ctx.admission.now)
-                if reason is not None:
-                    return await self.reject(ctx, reason)
+                refusal = await self._check_lease(ctx, target)
+                if refusal is not None:
+                    return refusal
             limit = target.upstream.max_body_bytes
             if request.content_length is not None and request.content_length > limit:
                 ctx.extra["max_body_bytes"] = limit
                 return await self.reject(ctx, Reason.BODY_TOO_LARGE)
         except lease_exc.StoreUnavailable:
             return await self.reject(ctx, Reason.STORE_UNAVAILABLE, headers={"Retry-After": "1"})
+        if ctx.admission is not None:
+            request[LEASE_CHECKED] = ctx.admission
         if request.version >= aiohttp.HttpVersion11:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
@@ -319,11 +393,8 @@ class Gateway:
         response.force_close()
         return response
 
-    async def _handle(self, ctx: Ctx) -> web.StreamResponse:
+    async def _handle(self, ctx: Ctx, target: Target) -> web.StreamResponse:
         request = ctx.request
-        target = await self._preflight(ctx)
-        if isinstance(target, web.StreamResponse):
-            return target
         upstream, rest, query, token_hash = target
         if token_hash is None:
             return await self._pass_through(ctx, upstream, rest, query)
@@ -671,8 +742,21 @@ def _framing_problem(request: web.Request) -> str | None:
 
 
 async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
+    """The body as it arrives, within the request's ``BodyTimeouts`` (``BodyTimeout``)."""
+    content = request.content
+    timeouts = request.get(BODY_TIMEOUTS)
     while True:
-        chunk = await request.content.readany()
+        if timeouts is None or content.is_eof():  # all here: no read can wait
+            chunk = await content.readany()
+        else:
+            wait = min(timeouts.idle, timeouts.deadline - asyncio.get_running_loop().time())
+            try:
+                if wait <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(wait):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise BodyTimeout from None
         if not chunk:
             return
         yield chunk
