@@ -170,6 +170,12 @@ class GatewaySettings(BaseModel):
     idempotency_retention_seconds: float = Field(86400.0, gt=0, allow_inf_nan=False)
     audit_retention_days: float = Field(30.0, gt=0, allow_inf_nan=False)
     audit_bodies: bool = False
+    # Requests refused without a lease behind them (no token, a made-up one, an unknown
+    # upstream, ...) are counted in grouped rows: per bucket, at most ``groups`` rows
+    # per replica (then one overflow row per reason), kept a shorter time.
+    audit_unauthenticated_retention_days: float = Field(1.0, gt=0, allow_inf_nan=False)
+    audit_unauthenticated_bucket_seconds: float = Field(60.0, gt=0, le=86400, allow_inf_nan=False)
+    audit_unauthenticated_groups: int = Field(100, ge=1, le=100_000)
     purge_interval_seconds: float = Field(60.0, gt=0, allow_inf_nan=False)
     max_idempotency_key_length: int = Field(255, ge=1, le=255)
     # Limits of the HTTP servers (both listeners) and of the gateway's own resources.

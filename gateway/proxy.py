@@ -122,7 +122,7 @@ class Gateway:
     def __init__(self, settings: Settings, lease_store: LeaseStore) -> None:
         self.settings = settings
         self.store = GatewayStore(lease_store)
-        self.audit = Audit(lease_store)
+        self.audit = Audit(lease_store, settings.gateway)
         self.metrics = lease_store.metrics
         self._by_upstream: dict[str, ForwardingMetrics] = {}
         self.upstreams = {u.name: u for u in settings.upstreams}
