@@ -40,8 +40,8 @@ from ._support import (
     request,
 )
 
-BODY_TIMEOUT = 2.0
-BODY_IDLE_TIMEOUT = 1.0
+BODY_TIMEOUT = 3.0
+BODY_IDLE_TIMEOUT = 0.5  # the trickles send a byte every 0.2 s: under it
 HOSTILE = 2 * MAX_CONCURRENT  # per kind: more than all the slots there are
 DECLARED = MAX_BODY - 10  # under the limit: only its slowness is hostile
 
@@ -138,9 +138,9 @@ async def trickle(port: int, head: bytes, stop: asyncio.Event, answers: Counter[
             response = answer.result()
         if response is not None:
             answers[(response.status, response.problem_reason)] += 1
-            answers[("seconds", response.problem_reason)] = max(
-                answers[("seconds", response.problem_reason)],
-                round(time.monotonic() - started, 1),
+            answers[("ms", response.problem_reason)] = max(
+                answers[("ms", response.problem_reason)],
+                int((time.monotonic() - started) * 1000),
             )
         elif not stop.is_set():
             answers[("closed", None)] += 1
@@ -152,15 +152,17 @@ async def test_trickling_bodies_do_not_starve_lease_holders(stack: Stack) -> Non
     bodies the whole time; four workers with valid leases write 10 times each meanwhile,
     and every one of their writes is forwarded and answered by the upstream."""
     stop = asyncio.Event()
-    answers: Counter[Any] = Counter()
-    heads = [
-        slow_head("POST", "/pay/forged", fenced(WELL_FORMED_UNKNOWN_TOKEN, "hostile")),
-        slow_head("POST", "/pay/no-token", [("Idempotency-Key", "hostile")]),
-        slow_head("GET", "/pay/unfenced", []),  # unfenced: passes through, body and all
+    forged: Counter[Any] = Counter()
+    tokenless: Counter[Any] = Counter()
+    unfenced: Counter[Any] = Counter()
+    kinds = [
+        (slow_head("POST", "/pay/forged", fenced(WELL_FORMED_UNKNOWN_TOKEN, "hostile")), forged),
+        (slow_head("POST", "/pay/no-token", [("Idempotency-Key", "hostile")]), tokenless),
+        (slow_head("GET", "/pay/unfenced", []), unfenced),  # passes through, body and all
     ]
     hostile = [
         asyncio.create_task(trickle(stack.proxy_port, head, stop, answers))
-        for head in heads
+        for head, answers in kinds
         for _ in range(HOSTILE)
     ]
     leases = [await stack.lease(f"starve-{uuid.uuid4().hex[:8]}-{i}") for i in range(4)]
@@ -183,12 +185,12 @@ async def test_trickling_bodies_do_not_starve_lease_holders(stack: Stack) -> Non
     try:
         await asyncio.sleep(0.5)  # the hostile sockets are all in place
         results = await asyncio.wait_for(asyncio.gather(*(worker(lease) for lease in leases)), 30)
-        assert results == [[201] * 10] * 4, (results, answers)
+        assert results == [[201] * 10] * 4, (results, forged, tokenless, unfenced)
         # Long enough for the unfenced ones to run into the body timeout.
-        deadline = time.monotonic() + BODY_TIMEOUT + 10
-        while answers[(408, "body-timeout")] < HOSTILE:
+        deadline = time.monotonic() + BODY_TIMEOUT + 20
+        while unfenced[(408, "body-timeout")] < HOSTILE:
             await asyncio.sleep(0.1)
-            assert time.monotonic() < deadline, answers
+            assert time.monotonic() < deadline, unfenced
             assert not any(task.done() for task in hostile), [t.exception() for t in hostile]
     finally:
         stop.set()
@@ -197,20 +199,21 @@ async def test_trickling_bodies_do_not_starve_lease_holders(stack: Stack) -> Non
     forwarded = [e["target"] for e in stack.since(mark)]
     assert sorted(forwarded) == sorted(
         f"/{lease['job_id']}/{n}" for lease in leases for n in range(10)
-    ), answers
-    # The forged token and the missing one were refused before their bodies arrived.
-    assert answers[(403, "invalid-fencing-token")] >= HOSTILE, answers
-    assert answers[("seconds", "invalid-fencing-token")] < BODY_TIMEOUT, answers
-    assert answers[(428, "missing-fencing-token")] >= HOSTILE, answers
-    # The unfenced ones were cut off at the body timeout; none was forwarded.
-    assert BODY_TIMEOUT <= answers[("seconds", "body-timeout")] < BODY_TIMEOUT + 3, answers
-    # Unfenced ones beyond their own pool got 503 (the workers got none); nothing else.
-    assert {k for k in answers if isinstance(k[0], int)} <= {
-        (403, "invalid-fencing-token"),
-        (428, "missing-fencing-token"),
-        (408, "body-timeout"),
-        (503, "gateway-overloaded"),
-    }, answers
+    )
+
+    def answered(answers: Counter[Any]) -> set[tuple[int, str | None]]:
+        return {k for k in answers if isinstance(k[0], int)}
+
+    # The forged token and the missing one were refused without their bodies being
+    # read (a body read would have ended in 408 body-timeout: it never completes).
+    assert answered(forged) == {(403, "invalid-fencing-token")}, forged
+    assert forged[(403, "invalid-fencing-token")] >= HOSTILE, forged
+    assert answered(tokenless) == {(428, "missing-fencing-token")}, tokenless
+    assert tokenless[(428, "missing-fencing-token")] >= HOSTILE, tokenless
+    # The unfenced ones were cut off at the body timeout (those beyond their own pool
+    # got 503 at once; the workers got none); none was forwarded.
+    assert answered(unfenced) <= {(408, "body-timeout"), (503, "gateway-overloaded")}, unfenced
+    assert unfenced[("ms", "body-timeout")] >= BODY_TIMEOUT * 1000, unfenced
 
 
 async def test_a_lease_holder_that_trickles_is_cut_off(stack: Stack) -> None:
@@ -231,7 +234,7 @@ async def test_a_lease_holder_that_trickles_is_cut_off(stack: Stack) -> None:
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
-    assert BODY_TIMEOUT <= answers[("seconds", "body-timeout")] < BODY_TIMEOUT + 3, answers
+    assert answers[("ms", "body-timeout")] >= BODY_TIMEOUT * 1000, answers
     assert stack.since(mark) == []
     # The same key, sent whole, is forwarded: the cut-off write left no claim behind.
     resp = await request(
@@ -257,7 +260,7 @@ async def test_a_stalled_body_is_cut_off_after_the_idle_timeout(stack: Stack) ->
         assert response is not None and response.status == 408, response
         assert response.problem_reason == "body-timeout"
         assert response.header("Connection") == "close", response
-        assert BODY_IDLE_TIMEOUT <= elapsed < BODY_TIMEOUT, elapsed
+        assert BODY_IDLE_TIMEOUT <= elapsed < BODY_TIMEOUT, elapsed  # idle, not total
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
     finally:
         writer.close()
@@ -290,7 +293,7 @@ async def test_a_trickled_head_is_closed_after_keepalive_timeout(stack: Stack) -
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
     assert closed_after is not None, "the server kept a trickled head open"
-    assert KEEPALIVE * 0.9 <= closed_after < KEEPALIVE + 3, closed_after
+    assert KEEPALIVE * 0.9 <= closed_after < KEEPALIVE + 8, closed_after
 
 
 async def test_the_two_pools_are_separate(stack: Stack) -> None:
