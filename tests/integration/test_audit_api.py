@@ -404,6 +404,7 @@ async def test_query_string_kept_out_of_the_audit_unless_allowed(
     assert secret not in json.dumps(items)
 
 
+@pytest.mark.timeout(600)  # 5,000 requests through the test client, slow on a busy machine
 async def test_requests_without_a_lease_are_audited_in_bounded_rows(
     make_stack: Any, upstream: Upstream, clock: FakeClock
 ) -> None:
