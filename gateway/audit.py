@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
+import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import unquote_plus
 
 import sqlalchemy as sa
 
 from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore, rfc3339
 
+from .config import GatewaySettings
 from .fence import Reason
 from .schema import audit
 
@@ -21,6 +25,9 @@ log = logging.getLogger("fencegate.audit")
 
 MAX_PAGE = 500
 REASONS = tuple(sorted(r.value for r in Reason))
+MAX_PATH = 2000  # characters of an entry's path
+MAX_GROUP_PATH = 200  # characters of a grouped entry's path: the group's path prefix
+OVERFLOW = "*"  # method and path of a bucket's overflow row
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,26 +59,78 @@ class AuditQuery:
 
 
 class Audit:
-    def __init__(self, lease_store: LeaseStore) -> None:
+    """Writes and reads the audit.
+
+    An entry with a job behind it (a real lease's refusal or replay) is one row. An entry
+    without (no token, a made-up one, an unknown upstream: anything anyone can send) is
+    counted in a grouped row instead, one per (reason, status, upstream, method, path
+    prefix, client) and time bucket, so what unauthenticated traffic makes the database
+    hold is bounded: per bucket and replica at most ``audit_unauthenticated_groups`` rows,
+    and then one overflow row per reason and status, kept for
+    ``audit_unauthenticated_retention_days``. The row keeps the first request's details.
+    """
+
+    def __init__(self, lease_store: LeaseStore, settings: GatewaySettings | None = None) -> None:
         self.lease_store = lease_store
+        self.settings = settings or GatewaySettings()
+        self._bucket: int | None = None
+        self._groups: set[str] = set()  # this bucket's group keys, as many as allowed
 
     async def record(self, entry: AuditEntry) -> None:
         """Write one entry. A database outage is logged, never raised: the client still
         gets its answer."""
         values = asdict(entry)
-        values["path"] = values["path"][:2000]
+        values["path"] = values["path"][:MAX_PATH]
+        dialect = self.lease_store.dialect
+        now = dialect.now()
+        if entry.job_id is None:
+            values["body"] = None
+            values["group_key"] = self._group(values)
+            stmt = dialect.insert(audit).values(at=now, last_at=now, count=1, **values)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=[audit.c.group_key],
+                set_={"count": audit.c.count + 1, "last_at": stmt.excluded.last_at},
+            )
+        else:
+            stmt = sa.insert(audit).values(at=now, **values)
         try:
             async with self.lease_store.transaction() as conn:
-                await conn.execute(
-                    sa.insert(audit).values(at=self.lease_store.dialect.now(), **values)
-                )
+                await conn.execute(stmt)
         except lease_exc.StoreUnavailable:
             log.warning(
                 "audit entry lost (database unavailable): %s %s %s",
                 entry.reason,
                 entry.method,
-                entry.path,
+                values["path"],
             )
+
+    def _group(self, values: dict[str, Any]) -> str:
+        """The key of the row this entry is counted in (``values`` becomes that row's).
+        Past this bucket's allowance of groups, the reason's overflow row."""
+        now = self.lease_store.dialect.injected_now()
+        bucket = int(
+            (time.time() if now is None else now)
+            // self.settings.audit_unauthenticated_bucket_seconds
+        )
+        if bucket != self._bucket:
+            self._bucket, self._groups = bucket, set()
+        values["path"] = values["path"][:MAX_GROUP_PATH]
+        fields = ("reason", "status", "upstream", "method", "path", "client")
+        key = _digest(bucket, *(values[f] for f in fields))
+        if key in self._groups:
+            return key
+        if len(self._groups) < self.settings.audit_unauthenticated_groups:
+            self._groups.add(key)
+            return key
+        values.update(
+            method=OVERFLOW,
+            path=OVERFLOW,
+            upstream=None,
+            client=None,
+            idempotency_key=None,
+            fingerprint=None,
+        )
+        return _digest(bucket, values["reason"], values["status"], OVERFLOW)
 
     async def query(
         self, q: AuditQuery, *, upstreams: Collection[str] | None = None
@@ -116,13 +175,38 @@ class Audit:
             field="upstream",
         )
 
-    async def purge(self, older_than_seconds: float) -> int:
+    async def purge(
+        self, older_than_seconds: float, grouped_older_than_seconds: float | None = None
+    ) -> int:
+        """Entries older than ``older_than_seconds``, grouped ones (requests without a
+        lease) older than ``grouped_older_than_seconds``; how many rows went."""
         now = self.lease_store.dialect.now()
         async with self.lease_store.transaction() as conn:
             result = await conn.execute(
                 sa.delete(audit).where(audit.c.at < now - older_than_seconds)
             )
-            return result.rowcount
+            purged = result.rowcount
+            if grouped_older_than_seconds is not None:
+                result = await conn.execute(
+                    sa.delete(audit).where(
+                        audit.c.group_key.is_not(None),
+                        sa.func.coalesce(audit.c.last_at, audit.c.at)
+                        < now - grouped_older_than_seconds,
+                    )
+                )
+                purged += result.rowcount
+            return purged
+
+
+def audit_path(raw_path: str, allowed: Collection[str] = ()) -> str:
+    """The request target as the audit keeps it: the path, and of the query only the
+    parameters named in ``allowed`` (as sent, in the order sent). A query can carry
+    credentials, so nothing else of it is kept."""
+    path, sep, query = raw_path.partition("?")
+    if not sep or not allowed:
+        return path
+    kept = [p for p in query.split("&") if unquote_plus(p.partition("=")[0]) in allowed]
+    return f"{path}?{'&'.join(kept)}" if kept else path
 
 
 def check_reason(value: str | None) -> None:
@@ -150,8 +234,14 @@ def entry_json(row: Any) -> dict[str, Any]:
         "idempotency_key": row["idempotency_key"],
         "client": row["client"],
         "fingerprint": row["fingerprint"],
+        "count": row["count"],
+        "last_at": rfc3339(row["last_at"] if row["last_at"] is not None else row["at"]),
         **({"body": base64.b64encode(body).decode()} if body is not None else {}),
     }
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 def encode_cursor(entry_id: int) -> str:

@@ -380,6 +380,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
             e["at"],
             e["reason"],
             str(e["status"]),
+            str(e["count"]),
             e["job_id"] or "-",
             _gen(e["generation"], e["highest_generation"]),
             e["upstream"] or "-",
@@ -389,7 +390,8 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         for e in items
     ]
     print_table(
-        ["AT", "REASON", "STATUS", "JOB", "GEN/HIGHEST", "UPSTREAM", "REQUEST", "KEY"], rows
+        ["AT", "REASON", "STATUS", "COUNT", "JOB", "GEN/HIGHEST", "UPSTREAM", "REQUEST", "KEY"],
+        rows,
     )
     if next_cursor:
         print(f"\nmore: --cursor {next_cursor}")

@@ -127,6 +127,9 @@ class UpstreamSettings(BaseModel):
     not_processed_statuses: list[Annotated[int, Field(ge=100, le=599)]] = Field(
         default_factory=lambda: [429, 503]
     )
+    # Query parameters that may appear in this upstream's audit entries; every other one
+    # is left out (a query can carry credentials: ``?api_key=``).
+    audit_query_params: list[str] = Field(default_factory=list, max_length=100)
 
     def summary(self) -> dict[str, Any]:
         """What operators may see of this upstream (header names, never their values)."""
@@ -139,6 +142,7 @@ class UpstreamSettings(BaseModel):
             "max_body_bytes": self.max_body_bytes,
             "unknown_outcome": self.unknown_outcome,
             "not_processed_statuses": self.not_processed_statuses,
+            "audit_query_params": self.audit_query_params,
             "set_headers": sorted(self.set_headers),
         }
 
@@ -178,6 +182,14 @@ class UpstreamSettings(BaseModel):
             methods.append("HEAD")
         return methods
 
+    @field_validator("audit_query_params")
+    @classmethod
+    def _param_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not 1 <= len(name) <= 200 or any(c in name for c in "&=#\r\n\0"):
+                raise ValueError(f"{name[:50]!r} is not a query parameter name")
+        return value
+
     @field_validator("set_headers")
     @classmethod
     def _header_names(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
@@ -196,13 +208,27 @@ class GatewaySettings(BaseModel):
     idempotency_retention_seconds: float = Field(86400.0, gt=0, allow_inf_nan=False)
     audit_retention_days: float = Field(30.0, gt=0, allow_inf_nan=False)
     audit_bodies: bool = False
+    # Requests refused without a lease behind them (no token, a made-up one, an unknown
+    # upstream, ...) are counted in grouped rows: per bucket, at most ``groups`` rows
+    # per replica (then one overflow row per reason), kept a shorter time.
+    audit_unauthenticated_retention_days: float = Field(1.0, gt=0, allow_inf_nan=False)
+    audit_unauthenticated_bucket_seconds: float = Field(60.0, gt=0, le=86400, allow_inf_nan=False)
+    audit_unauthenticated_groups: int = Field(100, ge=1, le=100_000)
     purge_interval_seconds: float = Field(60.0, gt=0, allow_inf_nan=False)
     max_idempotency_key_length: int = Field(255, ge=1, le=255)
     # Limits of the HTTP servers (both listeners) and of the gateway's own resources.
     max_request_line_bytes: int = Field(8190, ge=256, le=65536)
     max_header_field_bytes: int = Field(8190, ge=256, le=65536)
     max_headers: int = Field(128, ge=8, le=1024)
+    # Fenced writes whose lease was found current (or whose body had all arrived), and,
+    # separately, unfenced requests: neither kind can take the other's slots, and a
+    # request with an unknown token takes none while its body is still arriving.
     max_concurrent_requests: int = Field(1024, ge=1, le=100_000)
+    max_concurrent_unfenced_requests: int = Field(1024, ge=1, le=100_000)
+    # A proxied request's body must arrive within body_timeout_seconds of its head, and
+    # no read of it may wait longer than body_idle_timeout_seconds (408 body-timeout).
+    body_timeout_seconds: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
+    body_idle_timeout_seconds: float = Field(15.0, gt=0, le=3600, allow_inf_nan=False)
     upstream_connections_per_host: int = Field(256, ge=1, le=10_000)
     keepalive_timeout_seconds: float = Field(75.0, gt=0, le=3600, allow_inf_nan=False)
     # How long an idle connection to an upstream is kept for reuse. Keep it below the

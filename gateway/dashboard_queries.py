@@ -96,7 +96,8 @@ async def refusals_over_time(
     (empty ones with no counts) so a chart can draw them as they come."""
     bucket = _bucket_number(lease_store, window.bucket_seconds).label("bucket")
     stmt = (
-        sa.select(bucket, audit.c.reason, sa.func.count().label("n"))
+        # A grouped entry stands for ``count`` requests.
+        sa.select(bucket, audit.c.reason, sa.func.sum(audit.c.count).label("n"))
         .where(audit.c.at >= window.since, audit.c.at < window.until)
         .group_by(bucket, audit.c.reason)
     )

@@ -25,7 +25,8 @@ class Step(StrEnum):
     """What the proxy does to learn a fact that the request itself does not carry."""
 
     LEASE = "lease"  # the lease behind the token, as the database sees it now
-    BODY = "body"  # the body, read up to the upstream's limit
+    SLOT = "slot"  # one of the pool's concurrency slots, if one is free
+    BODY = "body"  # the body, read up to the upstream's limit and within its time
     ADMISSION = "admission"  # the key claimed (or its record read) under the lease check
     ORDER = "order"  # older generations' writes to the job settled (a bounded wait)
     SEND = "send"  # right before the first byte: still current, claim not past deadline
@@ -52,7 +53,6 @@ class Facts:
     """What is known about one request; ``UNKNOWN`` until its step has run. The proxy
     fills it in; ``decide`` only reads it."""
 
-    overloaded: bool = False
     bad_target: str | None = None  # why the target or the framing is refused
     unknown_upstream: str | None = None  # the name asked for, when no upstream has it
     override_on_unfenced: bool = False  # a method-override header on an unfenced method
@@ -63,7 +63,9 @@ class Facts:
     key_acceptable: bool = True  # a well-formed key, or none where none is required
     # None: the lease may write now; else why not (invalid token, stale, ended, expired).
     lease: Reason | _Unknown | None = UNKNOWN
+    slot_free: bool | _Unknown = UNKNOWN  # a slot of the request's pool was free (taken)
     over_limit: bool | _Unknown = UNKNOWN  # the body is over the upstream's limit
+    body_in_time: bool | _Unknown = UNKNOWN  # it arrived within the body timeouts
     # None: the key is this request's to forward (claimed, or taken over); else what its
     # record answers (a replay, a reused key, in progress, an unknown outcome).
     record: Reason | _Unknown | None = UNKNOWN
@@ -126,7 +128,6 @@ class Row:
 # fmt: off
 ROWS: Final[tuple[Row, ...]] = (
     # answer                          fact                    holds when              step
-    Row(Reason.OVERLOADED,            "overloaded",           _true, fenced_only=False),
     Row(Reason.INVALID_REQUEST,       "bad_target",           _given, fenced_only=False,
         detail="{value}", close=True),
     Row(Reason.UNKNOWN_UPSTREAM,      "unknown_upstream",     _given, fenced_only=False,
@@ -134,7 +135,7 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(Reason.INVALID_REQUEST,       "override_on_unfenced", _true, fenced_only=False,
         detail="A method-override header is not allowed on a method that is not fenced: "
                "send the method itself."),
-    # A method that is not fenced skips every row below but the body's limit.
+    # A method that is not fenced skips every row below but the slot's and the body's.
     Row(Reason.MISSING_FENCING_TOKEN, "token_headers",        lambda n: n == 0),
     Row(Reason.INVALID_REQUEST,       "token_headers",        lambda n: n > 1,
         detail="Send exactly one Fencing-Token header."),
@@ -144,8 +145,12 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(Reason.MISSING_IDEMPOTENCY_KEY, "key_acceptable",     _false),
     # invalid-fencing-token (unknown), stale-generation, lease-ended, lease-expired
     Row(FROM_FACT,                    "lease",                _given,                 Step.LEASE),
+    Row(Reason.OVERLOADED,            "slot_free",            _false,                 Step.SLOT,
+        fenced_only=False),
     Row(Reason.BODY_TOO_LARGE,        "over_limit",           _true,                  Step.BODY,
         fenced_only=False),
+    Row(Reason.BODY_TIMEOUT,          "body_in_time",         _false,                 Step.BODY,
+        fenced_only=False, close=True),
     # idempotent-replay, replay-unavailable, idempotency-key-reused, request-in-progress,
     # outcome-unknown
     Row(FROM_FACT,                    "record",               _given,             Step.ADMISSION),

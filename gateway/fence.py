@@ -25,6 +25,7 @@ class Reason(StrEnum):
     LEASE_ENDED = "lease-ended"
     LEASE_EXPIRED = "lease-expired"
     BODY_TOO_LARGE = "body-too-large"
+    BODY_TIMEOUT = "body-timeout"
     IDEMPOTENCY_KEY_REUSED = "idempotency-key-reused"
     REQUEST_IN_PROGRESS = "request-in-progress"
     OUTCOME_UNKNOWN = "outcome-unknown"
@@ -71,6 +72,12 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.LEASE_EXPIRED: ReasonInfo(409, "Lease expired", "The lease behind this token expired."),
     Reason.BODY_TOO_LARGE: ReasonInfo(
         413, "Body too large", "The body is over this upstream's limit."
+    ),
+    Reason.BODY_TIMEOUT: ReasonInfo(
+        408,
+        "Body timeout",
+        "The request body did not arrive in time (body_timeout_seconds, "
+        "body_idle_timeout_seconds); the connection is closed.",
     ),
     Reason.IDEMPOTENCY_KEY_REUSED: ReasonInfo(
         422,

@@ -9,6 +9,7 @@ problem document and audited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
@@ -29,7 +30,7 @@ from lease_core.problems import problem_response
 from lease_core.store import LeaseStore
 
 from . import fence
-from .audit import Audit, AuditEntry
+from .audit import Audit, AuditEntry, audit_path
 from .config import Settings, UpstreamSettings
 from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
 from .fence import Action, Hasher, Reason, Record, RecordState
@@ -97,6 +98,7 @@ class Ctx:
     attempt: str | None = None  # the key is ours (claimed or taken over) under this attempt
     back_to: Record | None = None  # the record before we took it over
     send_left: float | None = None  # seconds the claim still allows, judged at the send
+    slot: str | None = None  # the pool whose slot this request holds
 
 
 class ForwardingMetrics(NamedTuple):
@@ -108,18 +110,36 @@ class ForwardingMetrics(NamedTuple):
     forwarded: Any
 
 
+class BodyTimeouts(NamedTuple):
+    deadline: float  # loop time by which the whole body must have arrived
+    idle: float  # longest wait for the next part of it
+
+
+class BodyTimeout(Exception):
+    """The request body did not arrive in time."""
+
+
+BODY_TIMEOUTS = web.RequestKey("body_timeouts", BodyTimeouts)
+# The lease check ``expect`` made before the client sent the body.
+LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
+
+
 class Gateway:
     """The proxy's state: settings, stores and the one client session."""
 
     def __init__(self, settings: Settings, lease_store: LeaseStore) -> None:
         self.settings = settings
         self.store = GatewayStore(lease_store)
-        self.audit = Audit(lease_store)
+        self.audit = Audit(lease_store, settings.gateway)
         self.metrics = lease_store.metrics
         self._by_upstream: dict[str, ForwardingMetrics] = {}
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None
-        self.active = 0  # requests being handled, against max_concurrent_requests
+        # Slots in use: fenced writes past the lease check (max_concurrent_requests) and
+        # unfenced requests (max_concurrent_unfenced_requests).
+        # Slots in use per pool: fenced writes past the lease check (up to
+        # max_concurrent_requests) and unfenced requests (max_concurrent_unfenced_requests).
+        self.slots = {"fenced": 0, "unfenced": 0}
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""
@@ -221,7 +241,9 @@ class Gateway:
                 reason=reason,
                 status=status,
                 method=request.method,
-                path=request.raw_path,
+                path=audit_path(
+                    request.raw_path, ctx.upstream.audit_query_params if ctx.upstream else ()
+                ),
                 job_id=presented.job_id if presented else None,
                 generation=presented.generation if presented else None,
                 highest_generation=extra.get("highest_generation"),
@@ -239,19 +261,31 @@ class Gateway:
     # -- the request path ---------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Gather facts until the decision table answers, then carry out its verdict.
+        The table asks for the lease before a slot and a slot before the body: a
+        request without a current lease is refused before its body is read and never
+        holds a slot while a slow client sends it. Fenced and unfenced requests have
+        separate pools, and every body must arrive in time (``_chunks``)."""
         ctx = Ctx(request)
-        if self.active >= self.settings.gateway.max_concurrent_requests:
-            return await self._carry_out(ctx, decide(Facts(overloaded=True)))
-        self.active += 1
+        limits = self.settings.gateway
+        request[BODY_TIMEOUTS] = BodyTimeouts(
+            asyncio.get_running_loop().time() + limits.body_timeout_seconds,
+            limits.body_idle_timeout_seconds,
+        )
         try:
             facts = self._intake(ctx)
+            checked = request.get(LEASE_CHECKED)  # by ``expect``, before the body came
+            if checked is not None:
+                ctx.admission = checked
+                facts.lease = fence.lease_reason(checked.presented, checked.now)
             while (verdict := decide(facts)).need is not None:
                 await self._find_out(ctx, facts, verdict.need)
             return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
             return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
         finally:
-            self.active -= 1
+            if ctx.slot is not None:
+                self.slots[ctx.slot] -= 1
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: every refusal that needs no body (a stale token, a
@@ -263,12 +297,15 @@ class Gateway:
             )
         try:
             facts = self._intake(ctx)
+            facts.slot_free = True  # judged as if: the handler takes its slot for the body
             while (verdict := decide(facts)).need is Step.LEASE:
                 await self._check_lease(ctx, facts)
             if verdict.outcome is Outcome.REFUSE:
                 return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
             return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
+        if ctx.admission is not None:
+            request[LEASE_CHECKED] = ctx.admission
         if request.version >= aiohttp.HttpVersion11:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
@@ -321,15 +358,23 @@ class Gateway:
 
     async def _find_out(self, ctx: Ctx, facts: Facts, step: Step) -> None:
         if step is Step.LEASE:
-            # The lease row comes before the body's, but the admission (one statement)
-            # checks the lease too: read the body first and let the admission tell,
-            # unless the body is over the limit (then only the lease is asked for).
-            if facts.over_limit is UNKNOWN:
-                await self._read(ctx, facts)
-            if facts.over_limit is True:
+            if facts.over_limit is True or not ctx.request.content.is_eof():
+                # Over the limit, or its body still on the way: ask the database (a
+                # read) before a slot is taken and the body read.
                 await self._check_lease(ctx, facts)
-            else:
+                return
+            # The body has all arrived, so it cannot hold a slot for long: take one,
+            # read it and let the admission (the one statement that decides) tell
+            # about the lease, instead of asking twice.
+            self._take_slot(ctx, facts)
+            if facts.slot_free:
+                await self._read(ctx, facts)
+            if facts.slot_free and facts.over_limit is False and facts.body_in_time:
                 await self._admit(ctx, facts)
+            else:
+                await self._check_lease(ctx, facts)
+        elif step is Step.SLOT:
+            self._take_slot(ctx, facts)
         elif step is Step.BODY:
             await self._read(ctx, facts)
         elif step is Step.ADMISSION:
@@ -365,6 +410,20 @@ class Gateway:
         ctx.admission = admission = await self.store.check_lease(ctx.token_hash)
         facts.lease = fence.lease_reason(admission.presented, admission.now)
 
+    def _take_slot(self, ctx: Ctx, facts: Facts) -> None:
+        """One of the pool's slots (fenced writes, unfenced requests), if one is free."""
+        pool = "fenced" if facts.fenced else "unfenced"
+        limits = self.settings.gateway
+        limit = (
+            limits.max_concurrent_requests
+            if facts.fenced
+            else limits.max_concurrent_unfenced_requests
+        )
+        facts.slot_free = self.slots[pool] < limit
+        if facts.slot_free:
+            self.slots[pool] += 1
+            ctx.slot = pool
+
     async def _read(self, ctx: Ctx, facts: Facts) -> None:
         """The body, hashed into the fingerprint as it arrives (fenced writes)."""
         upstream, request = ctx.upstream, ctx.request
@@ -374,8 +433,12 @@ class Gateway:
             override = _method_override(request.headers)
             method = request.method if override is None else f"{request.method} as {override}"
             digest = fence.fingerprint_hasher(method, upstream.name, ctx.rest, ctx.query)
-        ctx.body = await self._read_body(request, upstream, digest)
-        facts.over_limit = ctx.body is None
+        try:
+            ctx.body = await self._read_body(request, upstream, digest)
+        except BodyTimeout:
+            facts.over_limit, facts.body_in_time = False, False
+            return
+        facts.over_limit, facts.body_in_time = ctx.body is None, True
         if digest is not None and ctx.body is not None:
             ctx.fingerprint = digest.hexdigest()
 
@@ -474,11 +537,25 @@ class Gateway:
             await self._release(ctx)
         if verdict.reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
             ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
+        if verdict.reason is Reason.BODY_TIMEOUT:
+            return await self._body_timeout(ctx)
         response = await self.reject(ctx, verdict.reason, detail=verdict.detail)
         if verdict.close:
             # Malformed or ambiguous framing: nothing sent after it on the connection may
             # ever be read as a request.
             response.force_close()
+        return response
+
+    async def _body_timeout(self, ctx: Ctx) -> web.StreamResponse:
+        """Nothing was claimed yet (the body is read before ``admit``). The answer is sent
+        and the connection closed at once: aiohttp would otherwise keep reading the rest
+        of the slow body (its lingering close) before closing."""
+        response = await self.reject(ctx, Reason.BODY_TIMEOUT)
+        response.force_close()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.prepare(ctx.request)
+            await response.write_eof()
+        ctx.request.protocol.force_close()
         return response
 
     async def _release(self, ctx: Ctx) -> None:
@@ -744,8 +821,21 @@ def _framing_problem(request: web.Request) -> str | None:
 
 
 async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
+    """The body as it arrives, within the request's ``BodyTimeouts`` (``BodyTimeout``)."""
+    content = request.content
+    timeouts = request.get(BODY_TIMEOUTS)
     while True:
-        chunk = await request.content.readany()
+        if timeouts is None or content.is_eof():  # all here: no read can wait
+            chunk = await content.readany()
+        else:
+            wait = min(timeouts.idle, timeouts.deadline - asyncio.get_running_loop().time())
+            try:
+                if wait <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(wait):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise BodyTimeout from None
         if not chunk:
             return
         yield chunk

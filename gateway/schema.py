@@ -67,8 +67,15 @@ audit = sa.Table(
     sa.Column("client", sa.String(64)),
     sa.Column("fingerprint", sa.String(64)),
     sa.Column("body", sa.LargeBinary),
+    # Requests without a lease behind them are counted, not stored one by one: one row
+    # per group (reason, status, upstream, method, path prefix, client) and time bucket,
+    # its ``group_key``; ``count`` requests from ``at`` to ``last_at``. NULL otherwise.
+    sa.Column("count", sa.Integer, nullable=False, server_default=sa.text("1")),
+    sa.Column("last_at", sa.Float),
+    sa.Column("group_key", sa.String(64)),
     sa.Index("ix_audit_log_at", "at"),
     sa.Index("ix_audit_log_job_id_at", "job_id", "at"),
+    sa.Index("ux_audit_log_group_key", "group_key", unique=True),
 )
 
 __all__ = ["audit", "fences", "metadata", "requests"]

@@ -95,7 +95,9 @@ async def upkeep(settings: Settings, store: LeaseStore, gateway: Gateway) -> Non
     failed = await store.fail_exhausted()
     records = await gateway.store.purge_records(settings.gateway.idempotency_retention_seconds)
     audit_seconds = settings.gateway.audit_retention_days * 86400
-    entries = await gateway.audit.purge(audit_seconds)
+    entries = await gateway.audit.purge(
+        audit_seconds, settings.gateway.audit_unauthenticated_retention_days * 86400
+    )
     grants = await store.purge_grants(audit_seconds)
     for what, count in (
         ("idempotency_records", records),

@@ -349,6 +349,12 @@
           { dataset: { reason: item.reason, id: String(item.id) } },
           el("td", { className: "time" }, fmtTime(item.at)),
           el("td", { className: "reason" }, swatch(item.reason), " ", item.reason),
+          // Requests without a lease are counted in one row per group and minute.
+          el(
+            "td",
+            { title: item.count > 1 ? `${item.count} requests until ${fmtTime(item.last_at)}` : "" },
+            String(item.count),
+          ),
           el("td", {}, item.status),
           el("td", { className: "mono" }, jobButton(item.job_id)),
           el("td", {}, generationText(item.generation, item.highest_generation)),
@@ -362,7 +368,7 @@
     state.rows += page.items.length;
     state.cursor = page.next_cursor;
     if (state.rows === 0) {
-      body.append(el("tr", {}, el("td", { colSpan: 9, className: "empty" }, "No entries match.")));
+      body.append(el("tr", {}, el("td", { colSpan: 10, className: "empty" }, "No entries match.")));
     }
     $("refusals-count").textContent = `${state.rows} shown, newest first`;
     $("refusals-more").hidden = !state.cursor;

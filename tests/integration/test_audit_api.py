@@ -5,6 +5,7 @@ that the fencing token never appears whole, and retention.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -35,6 +36,8 @@ ENTRY_KEYS = {
     "idempotency_key",
     "client",
     "fingerprint",
+    "count",
+    "last_at",
 }
 DAY = 86400.0
 
@@ -118,7 +121,7 @@ async def test_every_self_answered_request_is_audited_with_its_details(
     assert (stale["generation"], stale["highest_generation"]) == (1, 2)
     assert stale["owner"] == "worker-a"
     assert stale["upstream"] == "pay"
-    assert stale["path"] == "/pay/charges?x=1"
+    assert stale["path"] == "/pay/charges"  # the query is not kept (see below)
     assert stale["idempotency_key"] == "step-2"
     assert stale["fingerprint"] == fence.fingerprint("POST", "pay", "charges", "x=1", body)
 
@@ -319,7 +322,8 @@ async def test_the_fencing_token_never_appears_whole(
         assert resp.status != 201 or resp.headers["Idempotent-Replayed"] == "true"
         answers.append(await resp.text())
     items = (await page(stack))["items"]
-    assert len(items) == 8
+    # The unknown and the malformed token are one group (same reason, path and client).
+    assert len(items) == 7 and sum(e["count"] for e in items) == 8
     dumped = json.dumps(items) + "".join(answers)
     for token in tokens:
         assert token not in dumped
@@ -372,3 +376,107 @@ async def test_retention_purges_old_entries(
     assert [e["idempotency_key"] for e in (await page(stack))["items"]] == ["fourth", "third"]
     assert await app[GATEWAY_STATE].audit.purge(0.8 * DAY) == 0
     assert new["generation"] == 2
+
+
+async def test_query_string_kept_out_of_the_audit_unless_allowed(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """The query can carry credentials (``?api_key=``): the audit keeps the path only,
+    plus the parameters an upstream names in ``audit_query_params``, in the order sent."""
+    stack = await make_stack(
+        upstreams=[
+            upstream_config(upstream),
+            upstream_config(upstream, name="mail", audit_query_params=["page", "to"]),
+        ]
+    )
+    secret = "sk_live_" + secrets.token_hex(8)
+    await stack.write(f"/pay/charges?api_key={secret}&page=2", None)
+    await stack.write(f"/mail/send?api_key={secret}&to=x&page=2&page=3", None)
+    await stack.write(f"/mail/send?api_key={secret}", None)
+    await stack.write(f"/nope/x?api_key={secret}", None)
+    items = await stack.audit()
+    assert [e["path"] for e in items] == [
+        "/nope/x",
+        "/mail/send",
+        "/mail/send?to=x&page=2&page=3",
+        "/pay/charges",
+    ]
+    assert secret not in json.dumps(items)
+
+
+@pytest.mark.timeout(600)  # 5,000 requests through the test client, slow on a busy machine
+async def test_requests_without_a_lease_are_audited_in_bounded_rows(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    """5,000 requests without a valid lease (made-up tokens, none, varying paths): the
+    audit holds at most ``audit_unauthenticated_groups`` rows per bucket plus one
+    overflow row per reason, their counts add up to every request, and they are purged
+    after ``audit_unauthenticated_retention_days`` while entries of real leases stay."""
+    groups = 20
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)],
+        gateway={
+            "audit_unauthenticated_groups": groups,
+            "audit_unauthenticated_bucket_seconds": 60,
+            "audit_unauthenticated_retention_days": 1,
+            "audit_retention_days": 30,
+        },
+    )
+    old = await stack.lease("job-1", owner="a", ttl=600)
+    await stack.lease("job-1", owner="a", ttl=600)  # `old` is now stale
+    await stack.write("/pay/real", old, key="stale-1")  # a real lease's refusal: its own row
+
+    def made_up() -> dict[str, str]:
+        return {"lease_token": "fgl_" + secrets.token_urlsafe(24)}
+
+    async def hostile(i: int) -> None:
+        kind = i % 5
+        if kind in (0, 1):
+            resp = await stack.write("/pay/charges", made_up(), key=f"k{i}")
+        elif kind == 2:
+            resp = await stack.write("/pay/charges", None, key=f"k{i}")
+        else:
+            resp = await stack.write(f"/pay/p/{i}" + "x" * 3000, made_up(), key=f"k{i}")
+        assert resp.status in (403, 428), await resp.text()
+        await resp.read()
+
+    total = 5000
+    first = (0, 2)  # one of each /pay/charges kind first: they open their own groups
+    for i in first:
+        await hostile(i)
+    for start in range(0, total, 100):
+        batch = [i for i in range(start, start + 100) if i not in first]
+        await asyncio.gather(*(hostile(i) for i in batch))
+
+    items = await stack.audit(limit="500")
+    grouped = [e for e in items if e["job_id"] is None]
+    reasons = {e["reason"] for e in grouped}
+    assert reasons == {"invalid-fencing-token", "missing-fencing-token"}
+    assert len(grouped) <= groups + len(reasons), len(grouped)
+    assert sum(e["count"] for e in grouped) == total
+    assert all(len(e["path"]) <= 200 for e in grouped)
+    by_path = {(e["reason"], e["path"]): e for e in grouped}
+    assert by_path[("invalid-fencing-token", "/pay/charges")]["count"] == 2000
+    assert by_path[("missing-fencing-token", "/pay/charges")]["count"] == 1000
+    overflow = by_path[("invalid-fencing-token", "*")]
+    assert overflow["method"] == "*" and overflow["count"] > 1000
+    [real] = [e for e in items if e["job_id"] is not None]
+    assert (real["reason"], real["count"], real["idempotency_key"]) == (
+        "stale-generation",
+        1,
+        "stale-1",
+    )
+
+    # The next bucket starts new rows; the old ones keep their counts.
+    clock.advance(60)
+    await stack.write("/pay/charges", None)
+    newest = (await stack.audit(limit="1"))[0]
+    assert (newest["reason"], newest["count"]) == ("missing-fencing-token", 1)
+
+    # Past the shorter retention they go; the real lease's entry stays.
+    clock.advance(1.1 * DAY)
+    app = stack.control.app
+    await upkeep(app[SETTINGS], app[STORE], app[GATEWAY_STATE])
+    assert [(e["reason"], e["job_id"]) for e in await stack.audit()] == [
+        ("stale-generation", "job-1")
+    ]

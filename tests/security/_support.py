@@ -238,6 +238,7 @@ max_request_line_bytes = {MAX_LINE}
 max_header_field_bytes = {MAX_FIELD}
 max_headers = {MAX_HEADERS}
 max_concurrent_requests = {MAX_CONCURRENT}
+max_concurrent_unfenced_requests = {MAX_CONCURRENT}
 keepalive_timeout_seconds = {KEEPALIVE}
 shutdown_timeout_seconds = 1
 

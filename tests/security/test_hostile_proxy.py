@@ -606,8 +606,8 @@ async def test_slow_clients_do_not_starve_others(stack: Stack) -> None:
 
 
 async def test_concurrency_limit_and_upstream_timeout(stack: Stack) -> None:
-    """max_concurrent_requests in flight: the next one gets 503 at once without reaching
-    the upstream; the ones in flight get 504 after the upstream's timeout_seconds."""
+    """max_concurrent_unfenced_requests in flight: the next one gets 503 at once without
+    reaching the upstream; the ones in flight get 504 after the upstream's timeout_seconds."""
     mark = stack.mark()
     started = time.monotonic()
     slow = [

@@ -24,13 +24,20 @@ from gateway.decision import (
 from gateway.fence import REASONS, Reason
 
 # Every fact known, and none of them refusing: a fenced write that goes out.
-CLEAR = Facts(lease=None, over_limit=False, record=None, in_order=True, at_send=None)
+CLEAR = Facts(
+    lease=None,
+    slot_free=True,
+    over_limit=False,
+    body_in_time=True,
+    record=None,
+    in_order=True,
+    at_send=None,
+)
 
 # A value of each row's fact that makes the row hold.
 HOLDING: dict[int, Any] = {}
 for index, row in enumerate(ROWS):
     HOLDING[index] = {
-        "overloaded": True,
         "bad_target": "Dot-segments are not allowed in the path.",
         "unknown_upstream": "nope",
         "override_on_unfenced": True,
@@ -39,7 +46,9 @@ for index, row in enumerate(ROWS):
         "protected_hop_by_hop": True,
         "key_acceptable": False,
         "lease": Reason.STALE_GENERATION,
+        "slot_free": False,
         "over_limit": True,
+        "body_in_time": False,
         "record": Reason.IDEMPOTENCY_KEY_REUSED,
         "in_order": False,
         "at_send": Reason.ORDERING_TIMEOUT,
@@ -118,11 +127,16 @@ def test_the_lease_and_the_record_answer_with_their_own_reason() -> None:
 
 def test_a_method_that_is_not_fenced_meets_only_its_rows() -> None:
     unfenced = Facts(fenced=False)
+    assert decide(unfenced) == Verdict(Outcome.NEED, need=Step.SLOT)
+    unfenced = replace(unfenced, slot_free=True)
     assert decide(unfenced) == Verdict(Outcome.NEED, need=Step.BODY)
-    assert decide(replace(unfenced, over_limit=False)) == Verdict(Outcome.PASS)
-    assert decide(replace(unfenced, over_limit=True)).reason is Reason.BODY_TOO_LARGE
+    read = replace(unfenced, over_limit=False, body_in_time=True)
+    assert decide(read) == Verdict(Outcome.PASS)
+    assert decide(replace(read, over_limit=True)).reason is Reason.BODY_TOO_LARGE
+    assert decide(replace(read, body_in_time=False)).reason is Reason.BODY_TIMEOUT
+    assert decide(replace(read, slot_free=False)).reason is Reason.OVERLOADED
     # The fencing rows do not apply: no token, no key, nothing asked of the database.
-    bare = replace(unfenced, token_headers=0, key_acceptable=False, over_limit=False)
+    bare = replace(read, token_headers=0, key_acceptable=False)
     assert decide(bare) == Verdict(Outcome.PASS)
     overridden = replace(unfenced, override_on_unfenced=True)
     assert decide(overridden).reason is Reason.INVALID_REQUEST
@@ -151,3 +165,12 @@ def test_a_write_held_back_at_the_send_says_why() -> None:
     late = decide(replace(CLEAR, at_send=Reason.ORDERING_TIMEOUT))
     assert late.reason is Reason.ORDERING_TIMEOUT
     assert late.detail is not None and "deadline" in late.detail
+
+
+def test_a_request_without_a_current_lease_is_refused_before_it_takes_a_slot() -> None:
+    """The lease row comes before the slot's: a made-up token never holds a slot while
+    its body trickles in, and a full pool does not hide a lease refusal."""
+    facts = Facts(lease=Reason.INVALID_FENCING_TOKEN)
+    assert decide(facts) == Verdict(Outcome.REFUSE, Reason.INVALID_FENCING_TOKEN)
+    assert decide(Facts(lease=None)) == Verdict(Outcome.NEED, need=Step.SLOT)
+    assert decide(Facts(lease=None, slot_free=True)) == Verdict(Outcome.NEED, need=Step.BODY)
