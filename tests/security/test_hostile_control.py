@@ -185,13 +185,16 @@ async def test_sql_in_admin_calls(stack: Stack) -> None:
         stack, "GET", "/admin/rejections?since=1%27%20OR%201%3D1--", token=ADMIN_TOKEN
     )
     assert_problem(since, 400, "invalid-request", "since")
-    # A filter is a value: it matches nothing, and does not widen the query.
-    for param in ("job_id", "reason", "upstream"):
+    # A filter is a value: it matches nothing, and does not widen the query. A reason or
+    # an upstream that is not one is refused, naming the field (issue 13).
+    resp = await api(stack, "GET", "/admin/rejections?job_id=%27%20OR%201%3D1--", token=ADMIN_TOKEN)
+    assert resp.status == 200, resp
+    assert resp.json()["items"] == []
+    for param in ("reason", "upstream"):
         resp = await api(
             stack, "GET", f"/admin/rejections?{param}=%27%20OR%201%3D1--", token=ADMIN_TOKEN
         )
-        assert resp.status == 200, resp
-        assert resp.json()["items"] == []
+        assert_problem(resp, 400, "invalid-request", param)
 
 
 async def test_tables_survive_and_strings_are_stored_verbatim(stack: Stack) -> None:
