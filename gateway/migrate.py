@@ -87,10 +87,6 @@ async def current_revision(engine: AsyncEngine) -> str | None:
         return await conn.run_sync(read)
 
 
-async def is_at_head(engine: AsyncEngine) -> bool:
-    return await current_revision(engine) == head_revision()
-
-
 def is_compatible(revision: str | None) -> bool:
     """This code can serve a database at ``revision``: our head, or a newer revision we
     do not know (a rolling upgrade migrated the database ahead of this replica;

@@ -912,9 +912,6 @@ def forward_headers(
     return out
 
 
-GATEWAY = web.AppKey("gateway", Gateway)
-
-
 def create_proxy_app(gateway: Gateway) -> web.Application:
     """The proxy listener's app; it owns the gateway's client session."""
 
@@ -927,7 +924,6 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
         return await handler(request)
 
     app = web.Application(middlewares=[request_id_middleware, unrouted])
-    app[GATEWAY] = gateway
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         await gateway.start()

@@ -376,7 +376,6 @@ raised AS (
     ON CONFLICT (job_id) DO UPDATE
         SET generation = excluded.generation, updated_at = excluded.updated_at
         WHERE fences.generation < excluded.generation
-    RETURNING fences.generation
 ),
 claim AS (
     INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,

@@ -556,10 +556,6 @@ class LeaseStore:
         async with self.transaction() as conn:
             return (await conn.execute(stmt)).rowcount
 
-    async def ping(self) -> None:
-        async with self.transaction() as conn:
-            await conn.execute(sa.text("SELECT 1"))
-
 
 def _token_hash(token: str) -> str:
     return tokens.hash_token(token) if tokens.is_well_formed(token) else ""

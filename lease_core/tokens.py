@@ -28,11 +28,6 @@ def is_well_formed(token: str) -> bool:
     return TOKEN_PATTERN.fullmatch(token) is not None
 
 
-def redact(token: str) -> str:
-    """What may appear in logs and the audit: the prefix and four characters."""
-    return token[:8] + "…" if len(token) > 8 else "…"
-
-
 class _Serial:
     """Identifiers unique across processes without a system call each: 64 random bits
     drawn once per process (again in a forked child) and a counter. For internal ids
