@@ -35,6 +35,7 @@ from .config import Settings, UpstreamSettings
 from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
 from .fence import Action, Hasher, Reason, Record, RecordState
 from .logs import REQUEST_ID, request_id_middleware
+from .metrics import GatewayMetrics
 from .store import Admission, GatewayStore, WriteRequest
 
 log = logging.getLogger("fencegate.proxy")
@@ -131,7 +132,7 @@ class Gateway:
         self.settings = settings
         self.store = GatewayStore(lease_store)
         self.audit = Audit(lease_store, settings.gateway)
-        self.metrics = lease_store.metrics
+        self.metrics = GatewayMetrics.of(lease_store.metrics.registry)
         self._by_upstream: dict[str, ForwardingMetrics] = {}
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None

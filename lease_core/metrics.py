@@ -1,9 +1,10 @@
-"""Prometheus metrics, every series prefixed ``fencegate_``. One registry per process
-(per store in tests), exposed at ``/metrics`` on the control listener."""
+"""The lease service's Prometheus metrics, every series prefixed ``fencegate_``. One
+registry per process (per store in tests), exposed at ``/metrics`` on the control
+listener; the gateway adds its own series to it (``gateway.metrics``)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -12,32 +13,6 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.decisions = Counter(
-            "fencegate_gateway_decisions",
-            "Gateway decisions by upstream and reason (reason 'forwarded' for forwards).",
-            ["upstream", "reason"],
-            registry=r,
-        )
-        self.forward_seconds = Histogram(
-            "fencegate_gateway_forward_seconds",
-            "Time from forwarding a request to the end of the upstream's answer.",
-            ["upstream"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.decision_seconds = Histogram(
-            "fencegate_gateway_decision_seconds",
-            "Time spent deciding a fenced write before forwarding it (database included).",
-            ["upstream"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "fencegate_gateway_in_flight_writes",
-            "Fenced writes being forwarded right now.",
-            ["upstream"],
-            registry=r,
-        )
         self.grants = Counter("fencegate_lease_grants", "Leases granted.", ["kind"], registry=r)
         self.renewals = Counter("fencegate_lease_renewals", "Leases renewed.", registry=r)
         self.losses = Counter(
