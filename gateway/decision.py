@@ -4,8 +4,8 @@ Each row names the answer it gives, the fact it tests and, for a fact that costs
 learn, the step that finds it out. ``decide`` walks the rows in order: the first row
 whose test holds is the answer; a row whose fact is not known yet stops the walk with
 "find this out first". The proxy gathers facts (the cheap ones from the request line and
-headers, then the lease, the body, the admission, the wait for older writes) and carries
-out the verdict. Nothing here does I/O.
+headers, then the lease, a slot, the body, the admission, the wait for older writes, the
+last judgement before the send) and carries out the verdict. Nothing here does I/O.
 
 To add a refusal: a ``Reason`` with its status in ``fence.REASONS``, a fact in ``Facts``,
 and a row where the spec's table puts it.
