@@ -125,12 +125,12 @@ def _scrub_value(value: Any) -> Any:
 
 
 class TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
+    """Plain lines; the record was redacted when it was made (``install``)."""
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"ts", "level", "logger", "msg", "request_id", ...fields}`` per line."""
+    """``{"ts", "level", "logger", "msg", "request_id", ...fields}`` per line. Its
+    records were redacted as they were made (``install``, which ``configure`` runs)."""
 
     def format(self, record: logging.LogRecord) -> str:
         doc = {
@@ -147,7 +147,7 @@ class JsonFormatter(logging.Formatter):
             doc["error"] = self.formatException(record.exc_info)
         elif record.exc_text:
             doc["error"] = record.exc_text
-        return redact(json.dumps(doc, default=str))
+        return json.dumps(doc, default=str)  # redacted when the record was made
 
 
 def configure(level: str = "INFO", fmt: str = "auto", *, access_log: bool = False) -> None:

@@ -100,6 +100,7 @@ class Ctx:
     back_to: Record | None = None  # the record before we took it over
     send_left: float | None = None  # seconds the claim still allows, judged at the send
     slot: str | None = None  # the pool whose slot this request holds
+    method: str = ""  # the method as the fingerprint names it (with an override, if any)
 
 
 class ForwardingMetrics(NamedTuple):
@@ -136,8 +137,6 @@ class Gateway:
         self._by_upstream: dict[str, ForwardingMetrics] = {}
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None
-        # Slots in use: fenced writes past the lease check (max_concurrent_requests) and
-        # unfenced requests (max_concurrent_unfenced_requests).
         # Slots in use per pool: fenced writes past the lease check (up to
         # max_concurrent_requests) and unfenced requests (max_concurrent_unfenced_requests).
         self.slots = {"fenced": 0, "unfenced": 0}
@@ -334,10 +333,12 @@ class Gateway:
         limit = upstream.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             facts.over_limit = True  # declared: known without reading
+        override = _method_override(request.headers)
         if request.method not in upstream.fenced_methods:
             facts.fenced = False
-            facts.override_on_unfenced = _method_override(request.headers) is not None
+            facts.override_on_unfenced = override is not None
             return facts
+        ctx.method = request.method if override is None else f"{request.method} as {override}"
 
         presented = request.headers.getall("Fencing-Token", [])
         facts.token_headers = len(presented)
@@ -431,9 +432,7 @@ class Gateway:
         assert upstream is not None
         digest = None
         if facts.fenced:
-            override = _method_override(request.headers)
-            method = request.method if override is None else f"{request.method} as {override}"
-            digest = fence.fingerprint_hasher(method, upstream.name, ctx.rest, ctx.query)
+            digest = fence.fingerprint_hasher(ctx.method, upstream.name, ctx.rest, ctx.query)
         try:
             ctx.body = await self._read_body(request, upstream, digest)
         except BodyTimeout:
@@ -517,19 +516,19 @@ class Gateway:
     # -- carrying out the verdict ---------------------------------------------------------
 
     async def _carry_out(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
-        if verdict.outcome is Outcome.FORWARD:
-            admission = ctx.admission
-            assert admission is not None and admission.presented is not None
-            assert ctx.upstream is not None and ctx.body is not None
-            job_id, generation = admission.presented.job_id, admission.presented.generation
-            url = _upstream_url(ctx.upstream, ctx.rest, ctx.query)
-            headers = forward_headers(ctx.request, ctx.upstream, job_id, generation, ctx.key)
-            return await self._forward(ctx, ctx.upstream, url, headers, ctx.body)
-        if verdict.outcome is Outcome.PASS:
-            assert ctx.upstream is not None and ctx.body is not None
-            headers = forward_headers(ctx.request, ctx.upstream, None, None, None)
-            url = _upstream_url(ctx.upstream, ctx.rest, ctx.query)
-            return await self._forward(ctx, ctx.upstream, url, headers, ctx.body)
+        if verdict.outcome in (Outcome.FORWARD, Outcome.PASS):
+            upstream = ctx.upstream
+            assert upstream is not None and ctx.body is not None
+            if verdict.outcome is Outcome.FORWARD:
+                presented = ctx.admission.presented if ctx.admission else None
+                assert presented is not None
+                headers = forward_headers(
+                    ctx.request, upstream, presented.job_id, presented.generation, ctx.key
+                )
+            else:
+                headers = forward_headers(ctx.request, upstream, None, None, None)
+            url = _upstream_url(upstream, ctx.rest, ctx.query)
+            return await self._forward(ctx, upstream, url, headers, ctx.body)
         if verdict.outcome is Outcome.REPLAY:
             assert ctx.record is not None
             return await self.replay(ctx, ctx.record)
@@ -670,7 +669,7 @@ class Gateway:
         presented = ctx.admission.presented if ctx.admission else None
         key = ctx.key or ""
         job_id = presented.job_id if presented else ""
-        attempt, back_to = ctx.attempt, ctx.back_to
+        attempt = ctx.attempt
         total = upstream.timeout_seconds
         if attempt is not None and ctx.send_left is not None:
             # Judged right before this (``_judge_at_send``), with nothing awaited since.
@@ -688,7 +687,7 @@ class Gateway:
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
             # Not sent: the key is free again (or back to its earlier unknown state).
             if attempt is not None:
-                await self.store.release(job_id, key, attempt, back_to)
+                await self._release(ctx)
             reason = (
                 Reason.UPSTREAM_TIMEOUT
                 if isinstance(error, aiohttp.ConnectionTimeoutError)
@@ -768,7 +767,7 @@ class Gateway:
                 if attempt is not None and complete and status in upstream.not_processed:
                     # "Not processed, try later": not the key's answer. The key is free
                     # again (or back to its earlier unknown outcome), as if not sent.
-                    await self._settle_quietly(self.store.release(job_id, key, attempt, back_to))
+                    await self._settle_quietly(self._release(ctx))
                 elif attempt is not None:
                     known = complete and status not in UNKNOWN_STATUSES
                     await self._settle_quietly(

@@ -23,11 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway import migrate
-from tests.support import IN_CI, PG_URL
+from tests.support import pg_admin, pg_url_of, postgres_unavailable
 
 from ._support import (
     KEEPALIVE,
@@ -60,15 +58,6 @@ class SlowStack(Stack):
         )
 
 
-async def _pg_admin(sql: str) -> None:
-    engine = create_async_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(sa.text(sql))
-    finally:
-        await engine.dispose()
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -86,13 +75,10 @@ def stack(
         return
     name = f"fencegate_starve_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     try:
-        asyncio.run(asyncio.wait_for(_pg_admin(f'CREATE DATABASE "{name}"'), 10))
+        asyncio.run(asyncio.wait_for(pg_admin(f'CREATE DATABASE "{name}"'), 10))
     except Exception as error:  # any failure to reach the server
-        message = f"PostgreSQL not reachable: {type(error).__name__}: {error}"
-        if IN_CI:
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    url = sa.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+        postgres_unavailable(f"{type(error).__name__}: {error}")
+    url = pg_url_of(name)
     srv = SlowStack(home, database_url=url)
     try:
         migrate.upgrade(url)
@@ -100,7 +86,7 @@ def stack(
         yield srv
     finally:
         srv.stop()
-        asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def fenced(token: str, key: str) -> list[tuple[str, str]]:
