@@ -81,21 +81,13 @@ class Audit:
         gets its answer."""
         values = asdict(entry)
         values["path"] = values["path"][:MAX_PATH]
-        dialect = self.lease_store.dialect
-        now = dialect.now()
+        operation = "audit"
         if entry.job_id is None:
+            operation = "audit_grouped"
             values["body"] = None
             values["group_key"] = self._group(values)
-            stmt = dialect.insert(audit).values(at=now, last_at=now, count=1, **values)
-            stmt = stmt.on_conflict_do_update(
-                index_elements=[audit.c.group_key],
-                set_={"count": audit.c.count + 1, "last_at": stmt.excluded.last_at},
-            )
-        else:
-            stmt = sa.insert(audit).values(at=now, **values)
         try:
-            async with self.lease_store.transaction() as conn:
-                await conn.execute(stmt)
+            await self.lease_store.backend.run(operation, **values)
         except lease_exc.StoreUnavailable:
             log.warning(
                 "audit entry lost (database unavailable): %s %s %s",
@@ -180,22 +172,15 @@ class Audit:
     ) -> int:
         """Entries older than ``older_than_seconds``, grouped ones (requests without a
         lease) older than ``grouped_older_than_seconds``; how many rows went."""
-        now = self.lease_store.dialect.now()
-        async with self.lease_store.transaction() as conn:
-            result = await conn.execute(
-                sa.delete(audit).where(audit.c.at < now - older_than_seconds)
-            )
-            purged = result.rowcount
-            if grouped_older_than_seconds is not None:
-                result = await conn.execute(
-                    sa.delete(audit).where(
-                        audit.c.group_key.is_not(None),
-                        sa.func.coalesce(audit.c.last_at, audit.c.at)
-                        < now - grouped_older_than_seconds,
-                    )
-                )
-                purged += result.rowcount
-            return purged
+        row = await self.lease_store.backend.run(
+            "purge_audit",
+            older_than=float(older_than_seconds),
+            grouped_older_than=(
+                None if grouped_older_than_seconds is None else float(grouped_older_than_seconds)
+            ),
+        )
+        assert row is not None
+        return int(row["changed"])
 
 
 def audit_path(raw_path: str, allowed: Collection[str] = ()) -> str:

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any
 
 from lease_core import rules, tokens
+from lease_core.rules import RecordState as RecordState  # re-exported: the gateway names it
 
 
 class Reason(StrEnum):
@@ -191,12 +192,6 @@ def fingerprint(method: str, upstream: str, path: str, query: str, body: bytes) 
 
 
 # -- records and verdicts -----------------------------------------------------------
-
-
-class RecordState(StrEnum):
-    IN_FLIGHT = "in_flight"
-    COMPLETED = "completed"
-    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from .direct import IN_MEMORY, Direct, create_direct, is_in_memory
@@ -43,10 +42,10 @@ def direct_of(engine: AsyncEngine) -> Direct:
 def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
     """An engine tuned for the backend.
 
-    SQLite: one SQLAlchemy connection (SQLite has one writer anyway, and a queue in the
-    pool is cheaper than the file lock's busy-wait), WAL, and every transaction begins
-    IMMEDIATE so another process's writer makes us wait, not fail. The hot path has its
-    own connections (``lease_core.direct``).
+    SQLite: one SQLAlchemy connection, WAL, transactions begun DEFERRED: this engine
+    only reads (every write is an operation of ``lease_core.backend``, on the driver's
+    own connections, ``lease_core.direct``), and a reader in WAL never holds the write
+    lock, so it never makes an operation wait.
     PostgreSQL: a pool with pre-ping so a restarted server is recovered from, beside
     the hot path's own asyncpg pool (``lease_core.direct``).
     Both hide statement parameters from SQLAlchemy's logs and error messages: they
@@ -89,7 +88,7 @@ def _sqlite_setup(engine: AsyncEngine) -> None:
 
     @event.listens_for(engine.sync_engine, "begin")
     def _begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN")  # one snapshot for the reads of one transaction
 
 
 class Dialect:
@@ -112,9 +111,3 @@ class Dialect:
     def injected_now(self) -> float | None:
         """The injected clock's reading, or None when the database's clock decides."""
         return self._clock() if self._clock is not None else None
-
-    def insert(self, table: sa.Table) -> Any:
-        """An INSERT that supports ``on_conflict_do_nothing`` / ``_do_update``."""
-        if self.sqlite:
-            return sqlite.insert(table)
-        return postgresql.insert(table)

@@ -36,11 +36,14 @@ import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import cached_property, partial
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import sqlalchemy as sa
 
 from . import exceptions as exc
+
+if TYPE_CHECKING:
+    from .catalogue import Operation
 
 T = TypeVar("T")
 Row = Mapping[str, Any]
@@ -115,6 +118,24 @@ class Direct:
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """SQLite only: ``work`` in a write transaction; its result once committed; its
         writes rolled back when it raises."""
+        raise NotImplementedError
+
+    async def execute(self, operation: Operation, params: Mapping[str, Any]) -> Row | None:
+        """Run a catalogue operation (``lease_core.catalogue``) as one transaction: its
+        answer, or None when none of its statements returned a row."""
+        batched = operation.batched
+        if batched is not None and not self.sqlite:
+            return await self.fetchrow_batched(batched, params)
+        statements = operation.statements
+        if not statements:
+            raise TypeError(f"{operation.name}: no form for one caller")
+        if len(statements) == 1:
+            return await self.fetchrow(statements[0], params)
+        return await self._chain(statements, params)
+
+    async def _chain(
+        self, statements: Sequence[Statement], params: Mapping[str, Any]
+    ) -> Row | None:
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -251,6 +272,26 @@ class PostgresDirect(Direct):
                 raise exc.StoreUnavailable() from error
             raise
 
+    async def _chain(
+        self, statements: Sequence[Statement], params: Mapping[str, Any]
+    ) -> Row | None:
+        injected = params.get("now") is not None
+        try:
+            pool = await self._get_pool()
+            async with pool.acquire() as conn, conn.transaction():
+                chain = Chain(params)
+                for statement in statements:
+                    text, names = statement.postgres(injected)
+                    prepared = await conn.prepare(text)
+                    rows = await prepared.fetch(*(chain.params[name] for name in names))
+                    columns = [attribute.name for attribute in prepared.get_attributes()]
+                    chain.add(columns, rows[0] if rows else None)
+                return chain.answer()
+        except Exception as error:
+            if is_unavailable(error):
+                raise exc.StoreUnavailable() from error
+            raise
+
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         raise TypeError("run() is for SQLite; on PostgreSQL an operation is one statement")
 
@@ -258,6 +299,28 @@ class PostgresDirect(Direct):
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
+
+
+class Chain:
+    """The statements of one operation, run in order: each one's columns (NULL when it
+    returned no row) become parameters of the statements after it, though never in place
+    of one the caller gave; the answer is all of them, or None when no statement returned
+    a row."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self.given = params
+        self.params: dict[str, Any] = dict(params)
+        self._columns: dict[str, Any] = {}
+        self._answered = False
+
+    def add(self, columns: Sequence[str], row: Any) -> None:
+        values = dict.fromkeys(columns) if row is None else dict(zip(columns, row, strict=True))
+        self._columns.update(values)
+        self._answered = self._answered or row is not None
+        self.params = {**self._columns, **self.given}
+
+    def answer(self) -> Row | None:
+        return self._columns if self._answered else None
 
 
 def _arrays(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -414,6 +477,11 @@ class SqliteDirect(Direct):
 
         # One statement needs no savepoint: SQLite undoes a failed statement itself.
         return await self._run(one, savepoint=False)
+
+    async def _chain(
+        self, statements: Sequence[Statement], params: Mapping[str, Any]
+    ) -> Row | None:
+        return await self.run(partial(_chain_sqlite, statements, params))
 
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """``work`` runs at once, on this thread, under its own savepoint of the group
@@ -610,6 +678,18 @@ class SqliteDirect(Direct):
                 self._stopped_loop.call_soon_threadsafe(_set_done, self._stopped)
             except RuntimeError:
                 pass
+
+
+def _chain_sqlite(
+    statements: Sequence[Statement], params: Mapping[str, Any], conn: sqlite3.Connection
+) -> Row | None:
+    chain = Chain(params)
+    for statement in statements:
+        cursor = conn.execute(statement.sqlite, chain.params)
+        rows = cursor.fetchall()  # to the end: a statement's changes are done only then
+        columns = [d[0] for d in cursor.description] if cursor.description else []
+        chain.add(columns, tuple(rows[0]) if rows else None)
+    return chain.answer()
 
 
 class _Group:

@@ -28,6 +28,16 @@ class State(StrEnum):
 FINISHED = frozenset({State.COMPLETED, State.FAILED})
 
 
+class RecordState(StrEnum):
+    """The gateway's record of one (job, idempotency key): in_flight -> completed |
+    unknown; unknown -> in_flight (retry policy) | completed (an operator: applied) |
+    gone (an operator: not applied). In flight past its deadline counts as unknown."""
+
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    UNKNOWN = "unknown"
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """The part of a job the rules look at."""

@@ -38,6 +38,7 @@ from gateway.store import Admission, GatewayStore, WriteRequest
 from lease_core import direct as direct_module
 from lease_core import exceptions as exc
 from lease_core import tokens
+from lease_core.catalogue import parse
 from lease_core.db import Engine, create_engine, direct_of
 from lease_core.direct import (
     BATCH_LANES,
@@ -203,6 +204,43 @@ async def test_fetchrow_gives_the_first_row_or_none(engine: AsyncEngine) -> None
     assert row is not None and row["generation"] == 5
     total = await direct.fetchrow(Statement("SELECT sum(generation) AS s FROM fences"), {})
     assert total is not None and total["s"] == 15
+
+
+_CHAIN = parse(
+    """
+-- name: chain
+-- Raise one fence; the second statement sees the first's column; a third matches no row.
+UPDATE fences SET generation = generation + CAST(:step AS INTEGER) WHERE job_id = :job_id
+RETURNING generation AS raised;
+SELECT CAST(:raised AS INTEGER) * 10 AS tenfold, CAST(:job_id AS TEXT) AS job_id;
+SELECT job_id AS missing FROM fences WHERE job_id = 'nope';
+-- name: doomed
+-- The second statement fails: the first one's change is undone with it.
+UPDATE fences SET generation = 99 WHERE job_id = :job_id;
+INSERT INTO fences (job_id, generation, updated_at) VALUES (:job_id, 1, 0);
+"""
+)
+
+
+async def test_an_operation_of_several_statements_is_one_transaction(
+    engine: AsyncEngine,
+) -> None:
+    """A catalogue operation's statements run in order in one transaction: each one's
+    columns are parameters of the next (never in place of the caller's), NULL when it
+    returned no row; the answer is all of them; a failing statement undoes them all."""
+    direct = direct_of(engine)
+    await direct.fetchrow(
+        Statement("INSERT INTO fences (job_id, generation, updated_at) VALUES ('c', 1, 0)"), {}
+    )
+    row = await direct.execute(_CHAIN["chain"], {"job_id": "c", "step": 2, "now": None})
+    assert row is not None
+    assert dict(row) == {"raised": 3, "tenfold": 30, "job_id": "c", "missing": None}
+    with pytest.raises(Exception, match=r"(?i)unique|duplicate"):
+        await direct.execute(_CHAIN["doomed"], {"job_id": "c", "now": None})
+    left = await direct.fetchrow(Statement("SELECT generation FROM fences WHERE job_id = 'c'"), {})
+    assert left is not None and left["generation"] == 3
+    nothing = await direct.execute(_CHAIN["chain"], {"job_id": "none", "step": 1, "now": None})
+    assert nothing is not None and nothing["raised"] is None and nothing["tenfold"] is None
 
 
 @ON_POSTGRES
@@ -1122,19 +1160,41 @@ async def test_sqlite_operations_queue_behind_one_waiting_on_the_thread(
 
 @ON_SQLITE
 async def test_sqlite_hand_off_of_a_gateway_admission(
-    engine: AsyncEngine, store: LeaseStore, gstore: GatewayStore
+    engine: AsyncEngine, store: LeaseStore, gstore: GatewayStore, sqlite_path: Path
 ) -> None:
+    """Another process's writer holds the lock: admissions wait on the database thread
+    while the event loop goes on, and all of them land once it commits."""
     direct = sqlite_direct(engine)
     token = await lease(store, "j")
-    async with store.transaction() as conn:
-        await conn.execute(sa.text("SELECT 1"))
+    with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
         pending = [asyncio.ensure_future(gstore.admit(write(token, f"k{i}"))) for i in range(4)]
         await asyncio.sleep(0.1)
         assert not any(task.done() for task in pending)
+        other.execute("COMMIT")
     results = await asyncio.wait_for(asyncio.gather(*pending), 10)
     assert all(a.claimed for a in results)
     assert direct.handed_off >= 4
     assert set(await record_rows(store)) == {("j", f"k{i}") for i in range(4)}
+
+
+@ON_SQLITE
+async def test_sqlite_reads_never_hold_up_an_operation(
+    engine: AsyncEngine, store: LeaseStore, gstore: GatewayStore
+) -> None:
+    """The SQLAlchemy engine only reads, in DEFERRED transactions: an open read (the
+    dashboard, the audit, a listing) never takes the write lock, so operations run
+    inline meanwhile, and the read keeps its snapshot."""
+    direct = sqlite_direct(engine)
+    token = await lease(store, "j")
+    before = direct.handed_off
+    async with store.transaction() as conn:
+        assert (await conn.execute(sa.select(sa.func.count()).select_from(requests))).scalar() == 0
+        admitted = await asyncio.wait_for(gstore.admit(write(token, "k")), 5)
+        assert admitted.claimed
+        assert (await conn.execute(sa.select(sa.func.count()).select_from(requests))).scalar() == 0
+    assert direct.handed_off == before
+    assert set(await record_rows(store)) == {("j", "k")}
 
 
 def main_file(path: Path) -> bytes:

@@ -1,0 +1,483 @@
+-- Every state change of Fencegate on PostgreSQL, by name (lease_core/catalogue.py).
+--
+-- Format: "-- name: <operation>" starts an operation, the comment lines after it say
+-- what it does; then its statements, each ending with ";" at the end of a line. The
+-- statements of one operation run in order in one transaction; each one's first row is
+-- merged into the operation's answer, and its columns become parameters of the
+-- statements after it (NULL when it returned no row). "-- name: <operation> (many)" is
+-- the form that concurrent callers share (lease_core.direct.Batched): each ":name" is
+-- then the array of every caller's value, and the column "n" says which caller a row
+-- answers. "{now}" is the authoritative time (PostgreSQL's clock, or an injected one);
+-- "{State.X}" and "{RecordState.X}" are the states of lease_core.rules, as literals.
+-- lease_core/sql/sqlite.sql defines the same operations for SQLite.
+
+
+-- ---------------------------------------------------------------------------------------
+-- Jobs and leases
+-- ---------------------------------------------------------------------------------------
+
+-- name: enqueue
+-- A new pending job; a job created again after a purge continues above its last
+-- generation (job_tombstones). No row: the id is taken.
+INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
+                  claimable_at, created_at, updated_at)
+VALUES (CAST(:job_id AS text), :queue, {State.PENDING},
+        COALESCE((SELECT t.generation FROM job_tombstones AS t WHERE t.job_id = :job_id), 0),
+        0, :max_attempts, CAST(:payload AS jsonb), {now}, {now}, {now})
+ON CONFLICT (job_id) DO NOTHING
+RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
+          max_attempts, payload, result, error, created_at;
+
+-- name: acquire
+-- A named job, created pending if absent, is leased when it is pending, its lease
+-- expired, or the same owner holds it (a restarted process under the same name fences
+-- its predecessor off); the grant is recorded in leases. granted NULL: refused, and
+-- found_state / found_expires_at say why.
+INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
+                  claimable_at, created_at, updated_at)
+VALUES (CAST(:job_id AS text), :queue, {State.PENDING},
+        COALESCE((SELECT t.generation FROM job_tombstones AS t WHERE t.job_id = :job_id), 0),
+        0, :max_attempts, CAST(:payload AS jsonb), {now}, {now}, {now})
+ON CONFLICT (job_id) DO NOTHING;
+WITH found AS (
+    SELECT j.state, j.lease_expires_at FROM jobs AS j WHERE j.job_id = :job_id
+),
+granted AS (
+    UPDATE jobs SET
+        state = {State.LEASED}, generation = jobs.generation + 1, owner = :owner,
+        lease_token_hash = :token_hash, lease_ttl_seconds = :ttl,
+        lease_expires_at = {now} + :ttl, claimable_at = {now} + :ttl,
+        attempts = jobs.attempts + 1, updated_at = {now}
+    WHERE job_id = :job_id
+      AND (state = {State.PENDING}
+           OR (state = {State.LEASED} AND (lease_expires_at <= {now} OR owner = :owner)))
+    RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload
+),
+recorded AS (
+    INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
+    SELECT :token_hash, job_id, generation, owner, {now}, lease_expires_at FROM granted
+)
+SELECT granted.*, granted.job_id IS NOT NULL AS granted,
+       found.state AS found_state, found.lease_expires_at AS found_expires_at
+FROM found LEFT JOIN granted ON true;
+
+-- name: claim (many)
+-- Lease the next claimable job of a queue (pending and due, or leased with an expired
+-- lease, with attempts left), and record the grant. For each queue asked for, as many
+-- candidates as callers (skipping rows other claims hold), in claimable order; the k-th
+-- caller of a queue gets its k-th candidate, or nothing when the queue had fewer.
+WITH input AS (
+    SELECT i.*, row_number() OVER (PARTITION BY i.queue ORDER BY i.n) AS k
+    FROM unnest(CAST(:queue AS text[]), CAST(:owner AS text[]), CAST(:token_hash AS text[]),
+                CAST(:ttl AS double precision[]))
+         WITH ORDINALITY AS i(queue, owner, token_hash, ttl, n)
+),
+candidate AS (
+    SELECT c.job_id, q.queue,
+           row_number() OVER (PARTITION BY q.queue ORDER BY c.claimable_at, c.job_id) AS k
+    FROM (SELECT queue, count(*) AS wanted FROM input GROUP BY queue) AS q
+    CROSS JOIN LATERAL (
+        SELECT j.job_id, j.claimable_at FROM jobs AS j
+        WHERE j.queue = q.queue AND j.claimable_at IS NOT NULL
+          AND j.claimable_at <= {now} AND j.attempts < j.max_attempts
+        ORDER BY j.claimable_at LIMIT q.wanted
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+),
+granted AS (
+    UPDATE jobs SET
+        state = {State.LEASED}, generation = jobs.generation + 1, owner = i.owner,
+        lease_token_hash = i.token_hash, lease_ttl_seconds = i.ttl,
+        lease_expires_at = {now} + i.ttl, claimable_at = {now} + i.ttl,
+        attempts = jobs.attempts + 1, updated_at = {now}
+    FROM candidate JOIN input AS i ON i.queue = candidate.queue AND i.k = candidate.k
+    WHERE jobs.job_id = candidate.job_id
+    RETURNING i.n, i.token_hash, jobs.job_id, jobs.generation, jobs.owner,
+              jobs.lease_expires_at, jobs.lease_ttl_seconds, jobs.payload
+),
+recorded AS (
+    INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
+    SELECT token_hash, job_id, generation, owner, {now}, lease_expires_at FROM granted
+)
+SELECT * FROM granted;
+
+-- name: renew
+-- Extend the current lease (by its ttl, or a new one). No row: the lease is not current.
+UPDATE jobs SET
+    lease_ttl_seconds = COALESCE(:ttl, lease_ttl_seconds),
+    lease_expires_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
+    claimable_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
+    updated_at = {now}
+WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
+
+-- name: renew (many)
+-- Concurrent renewals in one statement. A token asked for twice in one batch is renewed
+-- once, with its last caller's ttl, and every caller of it gets the renewed lease (as if
+-- the renewals ran one after the other at the same instant). Rows are locked in job_id
+-- order, so two batches never wait on each other in a cycle.
+WITH input AS (
+    SELECT * FROM unnest(CAST(:token_hash AS text[]), CAST(:ttl AS double precision[]))
+         WITH ORDINALITY AS i(token_hash, ttl, n)
+),
+wanted AS (
+    SELECT DISTINCT ON (token_hash) token_hash, ttl FROM input ORDER BY token_hash, n DESC
+),
+locked AS (
+    SELECT j.job_id FROM jobs AS j
+    WHERE j.lease_token_hash IN (SELECT token_hash FROM wanted)
+    ORDER BY j.job_id
+    FOR UPDATE OF j
+),
+renewed AS (
+    UPDATE jobs SET
+        lease_ttl_seconds = COALESCE(w.ttl, jobs.lease_ttl_seconds),
+        lease_expires_at = {now} + COALESCE(w.ttl, jobs.lease_ttl_seconds),
+        claimable_at = {now} + COALESCE(w.ttl, jobs.lease_ttl_seconds),
+        updated_at = {now}
+    FROM locked, wanted AS w
+    WHERE jobs.job_id = locked.job_id AND jobs.lease_token_hash = w.token_hash
+      AND jobs.state = {State.LEASED} AND jobs.lease_expires_at > {now}
+    RETURNING jobs.lease_token_hash, jobs.job_id, jobs.generation, jobs.owner,
+              jobs.lease_expires_at, jobs.lease_ttl_seconds, jobs.payload
+)
+SELECT i.n, renewed.* FROM input AS i JOIN renewed ON renewed.lease_token_hash = i.token_hash;
+
+-- name: complete
+-- The current lease completes its job. No row: the lease is not current.
+UPDATE jobs SET
+    state = {State.COMPLETED}, result = CAST(:result AS jsonb), lease_token_hash = NULL,
+    lease_expires_at = NULL, claimable_at = NULL, updated_at = {now}
+WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
+          max_attempts, payload, result, error, created_at;
+
+-- name: fail
+-- The current lease fails its job: back to pending after :retry_in seconds, or failed
+-- when it has no attempts left. No row: the lease is not current.
+UPDATE jobs SET
+    state = CASE WHEN attempts >= max_attempts THEN {State.FAILED} ELSE {State.PENDING} END,
+    claimable_at = CASE WHEN attempts >= max_attempts THEN NULL ELSE {now} + :retry_in END,
+    error = :error, lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
+WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
+          max_attempts, payload, result, error, created_at;
+
+-- name: release
+-- The current lease gives its job back at once, without using up an attempt. No row:
+-- the lease is not current.
+UPDATE jobs SET
+    state = {State.PENDING}, claimable_at = {now}, attempts = GREATEST(attempts - 1, 0),
+    lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
+WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
+          max_attempts, payload, result, error, created_at;
+
+-- name: lease_refusal
+-- Read only: the grant behind a token and its job now, to say why the token's lease is
+-- not current (lease_core.rules.refusal_reason). No row: no such token.
+SELECT l.job_id, l.generation AS lease_generation, j.state, j.generation,
+       j.lease_expires_at, {now} AS now
+FROM leases AS l LEFT JOIN jobs AS j ON j.job_id = l.job_id
+WHERE l.token_hash = :token_hash;
+
+-- name: purge_job
+-- Delete a job that no current lease holds and none of whose writes is in flight,
+-- remember its last generation (job_tombstones), and drop the gateway's records of its
+-- writes. The job row is locked first: an admission holds it (FOR SHARE) until it
+-- commits, so the statements after see every write admitted before. found NULL: no
+-- such job; purged_generation NULL: refused (writing says whether a write is in flight).
+SELECT job_id AS found FROM jobs WHERE job_id = :job_id FOR UPDATE;
+SELECT EXISTS (
+    SELECT 1 FROM idempotency_records
+    WHERE job_id = :job_id AND state = {RecordState.IN_FLIGHT} AND deadline > {now}
+) AS writing;
+DELETE FROM jobs
+WHERE job_id = :job_id AND NOT CAST(:writing AS boolean)
+  AND NOT (state = {State.LEASED} AND lease_expires_at > {now})
+RETURNING generation AS purged_generation;
+DELETE FROM idempotency_records
+WHERE job_id = :job_id AND CAST(:purged_generation AS bigint) IS NOT NULL;
+INSERT INTO job_tombstones (job_id, generation, purged_at)
+SELECT CAST(:job_id AS text), CAST(:purged_generation AS bigint), {now}
+WHERE CAST(:purged_generation AS bigint) IS NOT NULL
+ON CONFLICT (job_id) DO UPDATE
+    SET generation = excluded.generation, purged_at = excluded.purged_at;
+
+-- name: fail_exhausted
+-- Expired leases on their last attempt become failed (a worker that keeps crashing on a
+-- job must not get it forever); how many.
+WITH failed AS (
+    UPDATE jobs SET
+        state = {State.FAILED}, error = 'the lease expired on the last attempt',
+        lease_token_hash = NULL, claimable_at = NULL, lease_expires_at = NULL,
+        updated_at = {now}
+    WHERE state = {State.LEASED} AND lease_expires_at <= {now} AND attempts >= max_attempts
+    RETURNING 1
+)
+SELECT count(*) AS changed FROM failed;
+
+-- name: purge_grants
+-- Forget grants older than :older_than seconds (their tokens then answer "invalid"
+-- instead of "stale"); a job's current grant is always kept. How many.
+WITH purged AS (
+    DELETE FROM leases AS l
+    WHERE l.expires_at < {now} - :older_than
+      AND NOT EXISTS (
+          SELECT 1 FROM jobs AS j WHERE j.job_id = l.job_id AND j.generation = l.generation
+      )
+    RETURNING 1
+)
+SELECT count(*) AS changed FROM purged;
+
+
+-- ---------------------------------------------------------------------------------------
+-- The gateway's writes
+-- ---------------------------------------------------------------------------------------
+
+-- name: lease_of_token
+-- Read only: the lease behind a token, its job, the job's fence and whether an older
+-- generation's write to the job is still in flight; always one row (job_id NULL: no
+-- such token; state NULL: the job has been purged since).
+SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
+       j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
+       f.generation AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = l.job_id AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < l.generation AND o.deadline > clock.now
+       ) AS older_in_flight
+FROM (SELECT {now} AS now) AS clock
+LEFT JOIN leases AS l ON l.token_hash = :token_hash
+LEFT JOIN jobs AS j ON j.job_id = l.job_id
+LEFT JOIN fences AS f ON f.job_id = l.job_id;
+
+-- name: admit (many)
+-- A fenced write is admitted: the lease is current (its job row locked FOR SHARE so no
+-- reclaim slips in), the job's fence is raised to this generation, the key is claimed
+-- for this attempt, or its record is read; a record of the same request whose outcome is
+-- unknown (or in flight past its deadline) is taken over when the upstream's policy is
+-- retry (:retry); and whether an older generation's write is still in flight. The
+-- outer SELECT reads the snapshot from before the CTEs ran: a key claimed here shows as
+-- claimed with r.* NULL, a record taken over as it was before. Two writes of one job in
+-- one batch hold the same lease, so the fence is raised once per job (DISTINCT ON);
+-- rows are locked in job_id (and key) order, so two batches cannot deadlock on them.
+WITH clock AS (SELECT {now} AS now),
+input AS (
+    SELECT * FROM unnest(
+        CAST(:token_hash AS text[]), CAST(:key AS text[]), CAST(:fingerprint AS text[]),
+        CAST(:attempt AS text[]), CAST(:upstream AS text[]), CAST(:method AS text[]),
+        CAST(:path AS text[]), CAST(:deadline_in AS double precision[]),
+        CAST(:retry AS boolean[])
+    ) WITH ORDINALITY AS i(token_hash, key, fingerprint, attempt, upstream, method, path,
+                           deadline_in, retry, n)
+),
+lease AS (
+    SELECT i.n, l.job_id, l.generation, l.owner
+    FROM input AS i JOIN leases AS l ON l.token_hash = i.token_hash
+),
+job AS (
+    SELECT j.job_id, j.state, j.generation, j.owner, j.lease_expires_at, j.attempts,
+           j.max_attempts
+    FROM jobs AS j WHERE j.job_id IN (SELECT lease.job_id FROM lease)
+    ORDER BY j.job_id
+    FOR SHARE OF j
+),
+current_lease AS (
+    SELECT lease.n, lease.job_id, lease.generation
+    FROM lease
+    JOIN job ON job.job_id = lease.job_id AND job.generation = lease.generation
+            AND job.owner = lease.owner
+    CROSS JOIN clock
+    WHERE job.state = {State.LEASED} AND job.lease_expires_at > clock.now
+),
+raised AS (
+    INSERT INTO fences (job_id, generation, updated_at)
+    SELECT DISTINCT ON (c.job_id) c.job_id, c.generation, clock.now
+    FROM current_lease AS c CROSS JOIN clock
+    ORDER BY c.job_id, c.generation DESC
+    ON CONFLICT (job_id) DO UPDATE
+        SET generation = excluded.generation, updated_at = excluded.updated_at
+        WHERE fences.generation < excluded.generation
+),
+claim AS (
+    INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
+                                     upstream, method, path, deadline, created_at, updated_at)
+    SELECT c.job_id, i.key, i.fingerprint, {RecordState.IN_FLIGHT}, c.generation, i.attempt,
+           i.upstream, i.method, i.path, clock.now + i.deadline_in, clock.now, clock.now
+    FROM current_lease AS c JOIN input AS i ON i.n = c.n CROSS JOIN clock
+    ORDER BY c.job_id, i.key
+    ON CONFLICT (job_id, key) DO NOTHING
+    RETURNING attempt
+),
+held AS (
+    SELECT r.job_id, r.key, r.attempt AS taken_from, i.attempt, c.generation, i.deadline_in
+    FROM current_lease AS c
+    JOIN input AS i ON i.n = c.n
+    JOIN idempotency_records AS r ON r.job_id = c.job_id AND r.key = i.key
+    CROSS JOIN clock
+    WHERE i.retry AND r.fingerprint = i.fingerprint
+      AND (r.state = {RecordState.UNKNOWN}
+           OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= clock.now))
+    ORDER BY r.job_id, r.key
+    FOR UPDATE OF r
+),
+taken AS (
+    UPDATE idempotency_records AS r
+    SET state = {RecordState.IN_FLIGHT}, generation = h.generation, attempt = h.attempt,
+        deadline = clock.now + h.deadline_in, updated_at = clock.now
+    FROM held AS h CROSS JOIN clock
+    WHERE r.job_id = h.job_id AND r.key = h.key AND r.attempt = h.taken_from
+    RETURNING r.attempt
+)
+SELECT i.n, clock.now,
+       lease.job_id, lease.generation AS lease_generation, lease.owner AS lease_owner,
+       job.state, job.generation, job.owner, job.lease_expires_at, job.attempts,
+       job.max_attempts,
+       (SELECT f.generation FROM fences AS f WHERE f.job_id = lease.job_id) AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = lease.job_id AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < lease.generation AND o.deadline > clock.now
+       ) AS older_in_flight,
+       r.fingerprint, r.state AS r_state, r.generation AS r_generation,
+       r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body,
+       EXISTS (SELECT 1 FROM claim WHERE claim.attempt = i.attempt) AS claimed,
+       EXISTS (SELECT 1 FROM taken WHERE taken.attempt = i.attempt) AS taken
+FROM input AS i
+CROSS JOIN clock
+LEFT JOIN lease ON lease.n = i.n
+LEFT JOIN job ON job.job_id = lease.job_id
+LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = i.key;
+
+-- name: record
+-- Read only: a key's record (an admission that found it claimed by a concurrent one
+-- after its snapshot was taken reads it here).
+SELECT fingerprint, state, generation, attempt, deadline, status, headers, body
+FROM idempotency_records WHERE job_id = :job_id AND key = :key;
+
+-- name: claim_state
+-- Read only, right before a claimed write is sent: the job's fence and, while the record
+-- is still this attempt's and in flight, its deadline; always one row.
+SELECT clock.now, f.generation AS fence_generation, r.deadline
+FROM (SELECT {now} AS now) AS clock
+LEFT JOIN fences AS f ON f.job_id = :job_id
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = :job_id AND r.key = :key AND r.attempt = :attempt
+   AND r.state = {RecordState.IN_FLIGHT};
+
+-- name: claim_state (many)
+SELECT i.n, clock.now, f.generation AS fence_generation, r.deadline
+FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]))
+     WITH ORDINALITY AS i(job_id, key, attempt, n)
+CROSS JOIN (SELECT {now} AS now) AS clock
+LEFT JOIN fences AS f ON f.job_id = i.job_id
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = i.job_id AND r.key = i.key AND r.attempt = i.attempt
+   AND r.state = {RecordState.IN_FLIGHT};
+
+-- name: older_in_flight
+-- Read only: whether a write of an older generation of the job is still in flight.
+SELECT EXISTS (
+    SELECT 1 FROM idempotency_records
+    WHERE job_id = :job_id AND state = {RecordState.IN_FLIGHT}
+      AND generation < :generation AND deadline > {now}
+) AS older_in_flight;
+
+-- name: settle
+-- Store the answer of our attempt (completed, or unknown outcome); a record another
+-- attempt has taken over meanwhile is left alone.
+UPDATE idempotency_records
+SET state = :state, status = :status, headers = CAST(:headers AS json), body = :body,
+    note = :note, updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: settle (many)
+UPDATE idempotency_records AS r
+SET state = v.state, status = v.status, headers = CAST(v.headers AS json), body = v.body,
+    note = v.note, updated_at = {now}
+FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]),
+            CAST(:state AS text[]), CAST(:status AS integer[]), CAST(:headers AS text[]),
+            CAST(:body AS bytea[]), CAST(:note AS text[]))
+     WITH ORDINALITY AS v(job_id, key, attempt, state, status, headers, body, note, n)
+WHERE r.job_id = v.job_id AND r.key = v.key AND r.attempt = v.attempt
+RETURNING v.n;
+
+-- name: forget
+-- A write without a key completed: its record (kept only for ordering) goes.
+DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: release_claim
+-- Our attempt never reached the upstream: undo its claim.
+DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: return_claim
+-- Our attempt at a record taken over never reached the upstream: the record goes back
+-- to unknown, as the attempt it was taken from.
+UPDATE idempotency_records
+SET state = {RecordState.UNKNOWN}, attempt = :back_attempt, generation = :back_generation,
+    updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: resolve_applied
+-- An operator says an unknown outcome was applied: later duplicates replay this answer.
+-- No row: the key's outcome is not (or no longer) unknown.
+UPDATE idempotency_records
+SET state = {RecordState.COMPLETED}, status = :status, headers = CAST(:headers AS json),
+    body = :body, note = 'resolved by an operator: applied', updated_at = {now}
+WHERE job_id = :job_id AND key = :key
+  AND (state = {RecordState.UNKNOWN}
+       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+RETURNING 1 AS changed;
+
+-- name: resolve_not_applied
+-- An operator says an unknown outcome was not applied: the record goes, and the next
+-- request with this key is forwarded. No row: not (or no longer) unknown.
+DELETE FROM idempotency_records
+WHERE job_id = :job_id AND key = :key
+  AND (state = {RecordState.UNKNOWN}
+       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+RETURNING 1 AS changed;
+
+-- name: purge_records
+-- Completed records past retention; never an unknown or in-flight one. How many.
+WITH purged AS (
+    DELETE FROM idempotency_records
+    WHERE state = {RecordState.COMPLETED} AND updated_at < {now} - :older_than
+    RETURNING 1
+)
+SELECT count(*) AS changed FROM purged;
+
+
+-- ---------------------------------------------------------------------------------------
+-- The audit
+-- ---------------------------------------------------------------------------------------
+
+-- name: audit
+-- One entry of a request with a lease behind it.
+INSERT INTO audit_log (at, reason, status, job_id, generation, highest_generation, owner,
+                       upstream, method, path, idempotency_key, client, fingerprint, body)
+VALUES ({now}, :reason, :status, :job_id, :generation, :highest_generation, :owner,
+        :upstream, :method, :path, :idempotency_key, :client, :fingerprint, :body);
+
+-- name: audit_grouped
+-- A request without a lease behind it, counted in its group's row (gateway.audit).
+INSERT INTO audit_log (at, last_at, count, group_key, reason, status, job_id, generation,
+                       highest_generation, owner, upstream, method, path, idempotency_key,
+                       client, fingerprint, body)
+VALUES ({now}, {now}, 1, :group_key, :reason, :status, :job_id, :generation,
+        :highest_generation, :owner, :upstream, :method, :path, :idempotency_key, :client,
+        :fingerprint, NULL)
+ON CONFLICT (group_key) DO UPDATE
+    SET count = audit_log.count + 1, last_at = excluded.last_at;
+
+-- name: purge_audit
+-- Entries older than :older_than seconds, grouped ones (requests without a lease) older
+-- than :grouped_older_than (by their last request); how many.
+WITH purged AS (
+    DELETE FROM audit_log
+    WHERE at < {now} - :older_than
+       OR (group_key IS NOT NULL AND COALESCE(last_at, at) < {now} - :grouped_older_than)
+    RETURNING 1
+)
+SELECT count(*) AS changed FROM purged;
