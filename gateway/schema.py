@@ -39,8 +39,30 @@ requests = sa.Table(
     sa.Column("note", sa.Text),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
-    sa.Index("ix_idempotency_records_in_flight", "job_id", "state", "generation"),
-    sa.Index("ix_idempotency_records_state_updated", "state", "updated_at"),
+    # The writes in flight, by job: the ordering barrier's "an older generation is still
+    # writing" and the purge's "a write is in flight". Partial, so it can never serve a
+    # lookup by key: whatever the statistics say, that goes to the primary key.
+    sa.Index(
+        "ix_idempotency_records_writing",
+        "job_id",
+        "generation",
+        postgresql_where=sa.text("state = 'in_flight'"),
+        sqlite_where=sa.text("state = 'in_flight'"),
+    ),
+    # Retention and the operators' list: completed records by age, unknown ones by age.
+    # Partial, so no plan can take either for a lookup of writes in flight.
+    sa.Index(
+        "ix_idempotency_records_completed",
+        "updated_at",
+        postgresql_where=sa.text("state = 'completed'"),
+        sqlite_where=sa.text("state = 'completed'"),
+    ),
+    sa.Index(
+        "ix_idempotency_records_unknown",
+        "updated_at",
+        postgresql_where=sa.text("state = 'unknown'"),
+        sqlite_where=sa.text("state = 'unknown'"),
+    ),
 )
 
 # Every request the gateway answered itself (rejections and replays).

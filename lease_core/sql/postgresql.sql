@@ -262,6 +262,10 @@ LEFT JOIN fences AS f ON f.job_id = l.job_id;
 -- claimed with r.* NULL, a record taken over as it was before. Two writes of one job in
 -- one batch hold the same lease, so the fence is raised once per job (DISTINCT ON);
 -- rows are locked in job_id (and key) order, so two batches cannot deadlock on them.
+-- A key's record is looked up by (job_id, key) in a LATERAL subquery that the planner
+-- cannot merge into the join: both columns are then the primary key's index condition,
+-- whatever the statistics say about job_id (with a plain join, statistics that called
+-- job_id unique made it read every record the job ever had).
 WITH clock AS (SELECT {now} AS now),
 input AS (
     SELECT * FROM unnest(
@@ -314,7 +318,11 @@ held AS (
     SELECT r.job_id, r.key, r.attempt AS taken_from, i.attempt, c.generation, i.deadline_in
     FROM current_lease AS c
     JOIN input AS i ON i.n = c.n
-    JOIN idempotency_records AS r ON r.job_id = c.job_id AND r.key = i.key
+    CROSS JOIN LATERAL (
+        SELECT * FROM idempotency_records AS x
+        WHERE x.job_id = c.job_id AND x.key = i.key
+        OFFSET 0
+    ) AS r
     CROSS JOIN clock
     WHERE i.retry AND r.fingerprint = i.fingerprint
       AND (r.state = {RecordState.UNKNOWN}
@@ -348,7 +356,11 @@ FROM input AS i
 CROSS JOIN clock
 LEFT JOIN lease ON lease.n = i.n
 LEFT JOIN job ON job.job_id = lease.job_id
-LEFT JOIN idempotency_records AS r ON r.job_id = lease.job_id AND r.key = i.key;
+LEFT JOIN LATERAL (
+    SELECT * FROM idempotency_records AS x
+    WHERE x.job_id = lease.job_id AND x.key = i.key
+    LIMIT 1
+) AS r ON true;
 
 -- name: record
 -- Read only: a key's record (an admission that found it claimed by a concurrent one

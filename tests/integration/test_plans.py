@@ -1,0 +1,184 @@
+"""Every hot statement reads a bounded number of pages whatever PostgreSQL's statistics
+say: none (tables never analyzed), stale (analyzed while empty) or wrong (``job_id``
+declared unique while one job has 20,000 records). The machine's PostgreSQL runs with
+autovacuum off, so nothing refreshes them in production either.
+
+Measured with ``EXPLAIN (ANALYZE, BUFFERS)`` on the real statements of the catalogue, in
+a transaction rolled back, with the plan PostgreSQL would choose for a one-off call and
+the generic plan a prepared statement settles on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+import sqlalchemy as sa
+
+from gateway import migrate
+from lease_core import catalogue, tokens
+from lease_core.db import create_engine
+from lease_core.direct import Statement
+from lease_core.store import LeaseStore
+from tests.support import pg_admin, pg_url_of, postgres_unavailable
+
+RECORDS = 20_000  # of the one job the writes go to
+OTHER_JOBS = 5_000  # finished jobs in the claim queue, one record each
+PAGES_PER_WRITE = 40  # a full read of the job's records is over 1,000
+SCENARIOS = ("none", "stale", "job_id-unique")
+PLAN_MODES = ("auto", "force_generic_plan")
+SQL = catalogue.load("postgresql")
+
+
+def driver_url(url: str) -> str:
+    return sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@pytest.fixture(params=SCENARIOS)
+async def seeded(request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
+    scenario = request.param
+    name = f"fencegate_plans_{uuid.uuid4().hex[:8]}"
+    try:
+        await asyncio.wait_for(pg_admin(f'CREATE DATABASE "{name}"'), 10)
+    except Exception as error:
+        postgres_unavailable(f"{type(error).__name__}: {error}")
+    url = pg_url_of(name)
+    try:
+        await asyncio.to_thread(migrate.upgrade, url)
+        conn = await asyncpg.connect(driver_url(url))
+        engine = create_engine(url)
+        try:
+            if scenario == "stale":
+                await conn.execute("ANALYZE")
+            store = LeaseStore(engine)
+            lease = await store.acquire(job_id="hot", owner="w", ttl=600, queue="q")
+            assert lease.lease_token is not None
+            await conn.execute(
+                """
+INSERT INTO idempotency_records
+SELECT 'hot', 'k' || g, repeat('f', 64), 'completed', 1, 'a' || g, 'u', 'POST', '/p', 0,
+       201, '[]', decode(repeat('ab', 200), 'hex'), NULL, 0, 0
+FROM generate_series(1, $1) AS g""",
+                RECORDS,
+            )
+            await conn.execute(
+                """
+INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
+                  result, created_at, updated_at)
+SELECT 'done' || g, 'q', 'completed', 1, 1, 3, 'null', 'null', 0, 0
+FROM generate_series(1, $1) AS g""",
+                OTHER_JOBS,
+            )
+            await conn.execute(
+                """
+INSERT INTO idempotency_records
+SELECT 'done' || g, 'k', repeat('f', 64), 'completed', 1, 'a' || g, 'u', 'POST', '/p', 0,
+       201, '[]', NULL, NULL, 0, 0
+FROM generate_series(1, $1) AS g""",
+                OTHER_JOBS,
+            )
+            if scenario == "job_id-unique":
+                for table in ("idempotency_records", "fences", "jobs", "leases"):
+                    await conn.execute(
+                        f"ALTER TABLE {table} ALTER COLUMN job_id SET (n_distinct = -1)"
+                    )
+                await conn.execute("ANALYZE")
+            yield {
+                "url": driver_url(url),
+                "token_hash": tokens.hash_token(lease.lease_token),
+                "token": lease.lease_token,
+            }
+        finally:
+            await conn.close()
+            await engine.dispose()
+    finally:
+        await pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def cases(token_hash: str) -> dict[str, tuple[Statement | None, dict[str, Any], int]]:
+    """Each hot statement with its parameters and how many writes it serves."""
+    write = {
+        "fingerprint": "f" * 64,
+        "upstream": "u",
+        "method": "POST",
+        "path": "/p",
+        "deadline_in": 30.0,
+    }
+
+    def admit(keys: list[str], retry: bool) -> dict[str, Any]:
+        n = len(keys)
+        return {
+            "token_hash": [token_hash] * n,
+            "key": keys,
+            "attempt": [f"new-{k}" for k in keys],
+            "retry": [retry] * n,
+            **{name: [value] * n for name, value in write.items()},
+        }
+
+    settle = {
+        "job_id": ["hot"] * 4,
+        "key": ["k1", "k2", "k3", "k4"],
+        "attempt": ["a1", "a2", "a3", "a4"],
+        "state": ["completed"] * 4,
+        "status": [201] * 4,
+        "headers": ["[]"] * 4,
+        "body": [b"x"] * 4,
+        "note": [None] * 4,
+    }
+    return {
+        "admit a new key": (SQL["admit"].many, admit(["new"], False), 1),
+        "admit a known key": (SQL["admit"].many, admit(["k5"], True), 1),
+        "admit 8 keys of one job": (SQL["admit"].many, admit([f"n{i}" for i in range(8)], True), 8),
+        "settle 4": (SQL["settle"].many, settle, 4),
+        "send-time read": (
+            SQL["claim_state"].many,
+            {"job_id": ["hot"], "key": ["k9"], "attempt": ["a9"]},
+            1,
+        ),
+        "lease of a token": (SQL["lease_of_token"].statements[0], {"token_hash": token_hash}, 1),
+        "older in flight": (
+            SQL["older_in_flight"].statements[0],
+            {"job_id": "hot", "generation": 5},
+            1,
+        ),
+        "renew": (SQL["renew"].statements[0], {"token_hash": token_hash, "ttl": 600.0}, 1),
+        "claim": (
+            SQL["claim"].many,
+            {"queue": ["q"], "owner": ["w2"], "token_hash": ["t" * 64], "ttl": [60.0]},
+            1,
+        ),
+    }
+
+
+async def pages_read(url: str, statement: Statement, params: dict[str, Any], mode: str) -> int:
+    text, names = statement.postgres(False)
+    conn = await asyncpg.connect(url)
+    try:
+        transaction = conn.transaction()
+        await transaction.start()
+        try:
+            await conn.execute(f"SET LOCAL plan_cache_mode = {mode}")
+            rows = await conn.fetch(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + text, *[params[n] for n in names]
+            )
+        finally:
+            await transaction.rollback()
+    finally:
+        await conn.close()
+    plan = json.loads(rows[0][0])[0]["Plan"]
+    return int(plan.get("Shared Hit Blocks", 0)) + int(plan.get("Shared Read Blocks", 0))
+
+
+async def test_hot_statements_read_a_bounded_number_of_pages(seeded: dict[str, Any]) -> None:
+    read = {}
+    for mode in PLAN_MODES:
+        for label, (statement, params, writes) in cases(seeded["token_hash"]).items():
+            assert statement is not None
+            pages = await pages_read(seeded["url"], statement, params, mode)
+            read[f"{label} ({mode})"] = pages / writes
+    too_many = {label: pages for label, pages in read.items() if pages > PAGES_PER_WRITE}
+    assert too_many == {}, f"pages read per write, over {PAGES_PER_WRITE}: {read}"
