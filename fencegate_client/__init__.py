@@ -7,8 +7,9 @@ writes through the gateway fenced by it.
 
 It is apart from the lease service (``lease_core``) and the gateway: nothing here imports
 them, so a worker needs only this package and aiohttp. ``aio`` is the asyncio client;
-``protocol`` (header names, step keys, the gateway's answer) and ``errors`` (one class per
-problem reason) do no I/O and are shared by every client.
+``protocol`` (header names, step keys, the gateway's answer), ``reasons`` (every problem
+reason, with its status and title) and ``errors`` (one class per lease-API reason) do no
+I/O and are shared by every client.
 """
 
 from __future__ import annotations

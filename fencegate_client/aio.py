@@ -37,6 +37,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from . import errors as exc
 from .errors import RemoteError, error_from_problem
 from .protocol import FENCING_TOKEN, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, FencedResponse, step_key
+from .reasons import Reason
 
 log = logging.getLogger("fencegate.client")
 
@@ -350,7 +351,10 @@ class LeaseClient:
                 doc = None
                 if resp.status < 400:
                     raise RemoteError(
-                        resp.status, "invalid-response", f"not JSON from {path}: {raw[:200]!r}", {}
+                        resp.status,
+                        Reason.INVALID_RESPONSE,
+                        f"not JSON from {path}: {raw[:200]!r}",
+                        {},
                     ) from None
             if resp.status >= 400:
                 if not isinstance(doc, dict):

@@ -6,7 +6,10 @@ message. The worker client raises them from the problems it receives
 (``error_from_problem``); the lease service raises the very same classes (as
 ``lease_core.exceptions``) and its problem middleware writes them out. They live here,
 in the client package, because a worker needs them and must not need the service: this
-module imports nothing of Fencegate.
+module imports nothing of Fencegate but ``reasons``.
+
+A class names its ``Reason``; its ``status`` and ``title`` are that reason's row in
+``reasons.REASONS`` (set when the class is defined), so a reason's facts are written once.
 """
 
 from __future__ import annotations
@@ -14,14 +17,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from .reasons import REASONS, Reason
+
 
 class LeaseError(Exception):
     """The lease service refused the request."""
 
-    status: ClassVar[int] = 500
-    reason: ClassVar[str] = "internal-error"
-    title: ClassVar[str] = "Internal error"
+    reason: ClassVar[Reason] = Reason.INTERNAL_ERROR
+    status: ClassVar[int] = REASONS[Reason.INTERNAL_ERROR].status
+    title: ClassVar[str] = REASONS[Reason.INTERNAL_ERROR].title
     headers: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reason" in cls.__dict__:  # a class of its own reason: the reason's facts
+            info = REASONS[cls.reason]
+            cls.status = info.status
+            cls.title = info.title
 
     def __init__(self, detail: str | None = None, **extra: Any) -> None:
         self.detail = detail or (self.__doc__ or "").strip()
@@ -32,82 +44,62 @@ class LeaseError(Exception):
 class InvalidRequest(LeaseError):
     """The request is not valid."""
 
-    status = 400
-    reason = "invalid-request"
-    title = "Invalid request"
+    reason = Reason.INVALID_REQUEST
 
 
 class Unauthorized(LeaseError):
     """A valid bearer token is required."""
 
-    status = 401
-    reason = "unauthorized"
-    title = "Unauthorized"
+    reason = Reason.UNAUTHORIZED
     headers = {"WWW-Authenticate": 'Bearer realm="fencegate"'}  # noqa: RUF012
 
 
 class Forbidden(LeaseError):
     """This token may not use this path."""
 
-    status = 403
-    reason = "forbidden"
-    title = "Forbidden"
+    reason = Reason.FORBIDDEN
 
 
 class InvalidLeaseToken(LeaseError):
     """The lease token is malformed or unknown."""
 
-    status = 403
-    reason = "invalid-lease-token"
-    title = "Invalid lease token"
+    reason = Reason.INVALID_LEASE_TOKEN
 
 
 class JobNotFound(LeaseError):
     """No job with this id."""
 
-    status = 404
-    reason = "job-not-found"
-    title = "Job not found"
+    reason = Reason.JOB_NOT_FOUND
 
 
 class NotFound(LeaseError):
     """Nothing lives at this path."""
 
-    status = 404
-    reason = "not-found"
-    title = "Not found"
+    reason = Reason.NOT_FOUND
 
 
 class MethodNotAllowed(LeaseError):
     """This method is not allowed on this path."""
 
-    status = 405
-    reason = "method-not-allowed"
-    title = "Method not allowed"
+    reason = Reason.METHOD_NOT_ALLOWED
 
 
 class JobExists(LeaseError):
     """A job with this id exists already."""
 
-    status = 409
-    reason = "job-exists"
-    title = "Job exists"
+    reason = Reason.JOB_EXISTS
 
 
 class LeaseHeld(LeaseError):
     """The job is held by another current lease."""
 
-    status = 409
-    reason = "lease-held"
-    title = "Lease held"
+    reason = Reason.LEASE_HELD
 
 
 class JobFinished(LeaseError):
     """The job has completed or failed; it cannot be leased again."""
 
-    status = 409
-    reason = "job-finished"
-    title = "Job finished"
+    reason = Reason.JOB_FINISHED
 
 
 class LeaseLost(LeaseError):
@@ -120,30 +112,25 @@ class LeaseLost(LeaseError):
 class LeaseExpired(LeaseLost):
     """The lease has expired."""
 
-    reason = "lease-expired"
-    title = "Lease expired"
+    reason = Reason.LEASE_EXPIRED
 
 
 class StaleGeneration(LeaseLost):
     """A newer generation of this job exists."""
 
-    reason = "stale-generation"
-    title = "Stale generation"
+    reason = Reason.STALE_GENERATION
 
 
 class LeaseEnded(LeaseLost):
     """The lease was completed, failed or released."""
 
-    reason = "lease-ended"
-    title = "Lease ended"
+    reason = Reason.LEASE_ENDED
 
 
 class StoreUnavailable(LeaseError):
     """The database is not reachable; try again shortly."""
 
-    status = 503
-    reason = "store-unavailable"
-    title = "Store unavailable"
+    reason = Reason.STORE_UNAVAILABLE
 
 
 LOST_BY_REASON: dict[str, type[LeaseLost]] = {

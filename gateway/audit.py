@@ -18,13 +18,13 @@ from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore, rfc3339
 
 from .config import GatewaySettings
-from .fence import Reason
+from .fence import GATEWAY_REASONS
 from .schema import audit
 
 log = logging.getLogger("fencegate.audit")
 
 MAX_PAGE = 500
-REASONS = tuple(sorted(r.value for r in Reason))
+REASONS = tuple(sorted(r.value for r in GATEWAY_REASONS))
 MAX_PATH = 2000  # characters of an entry's path
 MAX_GROUP_PATH = 200  # characters of a grouped entry's path: the group's path prefix
 OVERFLOW = "*"  # method and path of a bucket's overflow row

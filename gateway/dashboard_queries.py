@@ -117,7 +117,7 @@ async def refusals_over_time(
         if 0 <= index < len(counts):
             counts[index][reason] = counts[index].get(reason, 0) + int(n)
         totals[reason] = totals.get(reason, 0) + int(n)
-    known = [r.value for r in fence.Reason]
+    known = [r.value for r in fence.GATEWAY_REASONS]
     order = {reason: i for i, reason in enumerate(known)}
     present = sorted(totals, key=lambda r: (order.get(r, len(order)), r))
     return {

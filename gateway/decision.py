@@ -7,8 +7,8 @@ whose test holds is the answer; a row whose fact is not known yet stops the walk
 headers, then the lease, a slot, the body, the admission, the wait for older writes, the
 last judgement before the send) and carries out the verdict. Nothing here does I/O.
 
-To add a refusal: a ``Reason`` with its status in ``fence.REASONS``, a fact in ``Facts``,
-and a row where the spec's table puts it.
+To add a refusal: a ``Reason`` with its row in ``fencegate_client.reasons`` (status,
+title, detail), a fact in ``Facts``, and a row where the spec's table puts it.
 """
 
 from __future__ import annotations

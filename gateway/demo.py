@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from fencegate_client import LeaseClient
+from fencegate_client.reasons import Reason
 
 from .config import Settings
 from .server import serve
@@ -149,7 +150,7 @@ async def _story(report: Report, upstream: DemoUpstream, control: str, proxy: st
         report.say(f"gateway answered {resp.status} {resp.content_type}")
         report.say(json.dumps(problem))
         report.check(
-            resp.status == 409 and problem.get("reason") == "stale-generation",
+            resp.status == 409 and problem.get("reason") == Reason.STALE_GENERATION,
             "worker A's late write was refused (stale-generation) and never reached the upstream",
         )
 
@@ -173,7 +174,7 @@ async def _story(report: Report, upstream: DemoUpstream, control: str, proxy: st
             )
         reasons = {e["reason"] for e in entries}
         report.check(
-            {"stale-generation", "idempotent-replay"} <= reasons,
+            {Reason.STALE_GENERATION, Reason.IDEMPOTENT_REPLAY} <= reasons,
             "the refusal and the replay are both in the audit",
         )
 

@@ -12,121 +12,19 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from fencegate_client.reasons import GATEWAY_REASONS as GATEWAY_REASONS
+from fencegate_client.reasons import REASONS as ALL_REASONS
+from fencegate_client.reasons import Layer
+from fencegate_client.reasons import Reason as Reason
+from fencegate_client.reasons import ReasonInfo as ReasonInfo
 from lease_core import rules, tokens
 from lease_core.rules import RecordState as RecordState  # re-exported: the gateway names it
 
-
-class Reason(StrEnum):
-    UNKNOWN_UPSTREAM = "unknown-upstream"
-    INVALID_REQUEST = "invalid-request"
-    MISSING_FENCING_TOKEN = "missing-fencing-token"
-    INVALID_FENCING_TOKEN = "invalid-fencing-token"
-    MISSING_IDEMPOTENCY_KEY = "missing-idempotency-key"
-    STALE_GENERATION = "stale-generation"
-    LEASE_ENDED = "lease-ended"
-    LEASE_EXPIRED = "lease-expired"
-    BODY_TOO_LARGE = "body-too-large"
-    BODY_TIMEOUT = "body-timeout"
-    IDEMPOTENCY_KEY_REUSED = "idempotency-key-reused"
-    REQUEST_IN_PROGRESS = "request-in-progress"
-    OUTCOME_UNKNOWN = "outcome-unknown"
-    ORDERING_TIMEOUT = "ordering-timeout"
-    UPSTREAM_UNAVAILABLE = "upstream-unavailable"
-    UPSTREAM_TIMEOUT = "upstream-timeout"
-    STORE_UNAVAILABLE = "store-unavailable"
-    OVERLOADED = "gateway-overloaded"
-    REPLAY_UNAVAILABLE = "replay-unavailable"
-    IDEMPOTENT_REPLAY = "idempotent-replay"
-
-
-@dataclass(frozen=True, slots=True)
-class ReasonInfo:
-    status: int
-    title: str
-    detail: str
-    retry_after: bool = False  # answered with ``Retry-After: 1``: the same request may pass soon
-
-
 REASONS: dict[Reason, ReasonInfo] = {
-    Reason.UNKNOWN_UPSTREAM: ReasonInfo(404, "Unknown upstream", "No upstream of that name."),
-    Reason.INVALID_REQUEST: ReasonInfo(
-        400, "Invalid request", "The request is malformed or not allowed through the gateway."
-    ),
-    Reason.MISSING_FENCING_TOKEN: ReasonInfo(
-        428, "Fencing token required", "This method is fenced: send Fencing-Token."
-    ),
-    Reason.INVALID_FENCING_TOKEN: ReasonInfo(
-        403, "Invalid fencing token", "The fencing token is malformed or unknown."
-    ),
-    Reason.MISSING_IDEMPOTENCY_KEY: ReasonInfo(
-        400,
-        "Idempotency key required",
-        "This upstream requires an Idempotency-Key: a quoted string or a token, 1 to 255 "
-        "characters.",
-    ),
-    Reason.STALE_GENERATION: ReasonInfo(
-        409, "Stale generation", "A newer generation of this job exists or has already written."
-    ),
-    Reason.LEASE_ENDED: ReasonInfo(
-        409, "Lease ended", "The lease was completed, failed or released."
-    ),
-    Reason.LEASE_EXPIRED: ReasonInfo(409, "Lease expired", "The lease behind this token expired."),
-    Reason.BODY_TOO_LARGE: ReasonInfo(
-        413, "Body too large", "The body is over this upstream's limit."
-    ),
-    Reason.BODY_TIMEOUT: ReasonInfo(
-        408,
-        "Body timeout",
-        "The request body did not arrive in time (body_timeout_seconds, "
-        "body_idle_timeout_seconds); the connection is closed.",
-    ),
-    Reason.IDEMPOTENCY_KEY_REUSED: ReasonInfo(
-        422,
-        "Idempotency key reused",
-        "This key was used for this job with a different request.",
-    ),
-    Reason.REQUEST_IN_PROGRESS: ReasonInfo(
-        409,
-        "Request in progress",
-        "A request with this key is being forwarded right now.",
-        retry_after=True,
-    ),
-    Reason.OUTCOME_UNKNOWN: ReasonInfo(
-        409,
-        "Outcome unknown",
-        "An earlier forward with this key has an unknown outcome; an operator must resolve it.",
-    ),
-    Reason.REPLAY_UNAVAILABLE: ReasonInfo(
-        409,
-        "Replay unavailable",
-        "This key's request was applied, but its answer was larger than "
-        "max_replay_body_bytes and was not stored; its status is in stored_status.",
-    ),
-    Reason.ORDERING_TIMEOUT: ReasonInfo(
-        503,
-        "Ordering timeout",
-        "A write of an older generation of this job did not settle in time.",
-        retry_after=True,
-    ),
-    Reason.UPSTREAM_UNAVAILABLE: ReasonInfo(
-        502, "Upstream unavailable", "The upstream refused the connection or failed to answer."
-    ),
-    Reason.UPSTREAM_TIMEOUT: ReasonInfo(
-        504, "Upstream timeout", "The upstream did not answer in time."
-    ),
-    Reason.OVERLOADED: ReasonInfo(
-        503,
-        "Gateway overloaded",
-        "The gateway is at max_concurrent_requests; try again shortly.",
-        retry_after=True,
-    ),
-    Reason.STORE_UNAVAILABLE: ReasonInfo(
-        503,
-        "Store unavailable",
-        "The gateway's database is not reachable; try again shortly.",
-        retry_after=True,
-    ),
+    reason: info for reason, info in ALL_REASONS.items() if Layer.GATEWAY in info.layers
 }
+"""The gateway's problem documents: status, title, default detail, ``Retry-After``. The
+reasons and their facts are written in ``fencegate_client.reasons``."""
 
 # -- idempotency keys ---------------------------------------------------------------
 
@@ -246,7 +144,7 @@ def lease_reason(presented: Presented | None, now: float) -> Reason | None:
     job = presented.job
     if job is not None and rules.is_current(lease, job, now):
         return None
-    return Reason(rules.refusal_reason(presented.generation, job, now))
+    return rules.refusal_reason(presented.generation, job, now)
 
 
 def effective_state(record: Record, now: float) -> RecordState:

@@ -9,6 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
+from fencegate_client.reasons import Reason
+
 from . import exceptions as exc
 
 log = logging.getLogger("fencegate.problems")
@@ -79,7 +81,7 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
             return from_error(cls())
         return problem_response(
             status=http_error.status,
-            reason="http-error",
+            reason=Reason.HTTP_ERROR,
             title=http_error.reason,
             detail=http_error.text or http_error.reason,
         )

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from fencegate_client.reasons import Reason
+
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@~+=-]{0,199}")
 """Job ids and queue names: 1 to 200 characters, URL-safe, no control characters."""
 
@@ -133,15 +135,15 @@ def is_current(lease: Lease, job: Job, now: float) -> bool:
     )
 
 
-def refusal_reason(lease_generation: int, job: Job | None, now: float) -> str:
+def refusal_reason(lease_generation: int, job: Job | None, now: float) -> Reason:
     """Why a lease that is not current was refused (a ``LeaseLost`` reason)."""
     if job is None or job.generation > lease_generation:
-        return "stale-generation"
+        return Reason.STALE_GENERATION
     if job.state is not State.LEASED:
-        return "lease-ended"
+        return Reason.LEASE_ENDED
     if is_expired(job, now):
-        return "lease-expired"
-    return "stale-generation"
+        return Reason.LEASE_EXPIRED
+    return Reason.STALE_GENERATION
 
 
 def renew(job: Job, ttl: float, now: float) -> Job:

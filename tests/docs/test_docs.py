@@ -1,6 +1,6 @@
 """The documentation agrees with the code.
 
-- every gateway reason (``gateway.fence.Reason`` / ``REASONS``) and every lease-service
+- every gateway reason (``gateway.fence.GATEWAY_REASONS`` / ``REASONS``) and every lease-service
   reason (``lease_core.exceptions``) is in docs/protocol.md's reason tables with the
   code's status and title, and those tables name no reason the code does not give;
 - every complete TOML configuration in docs/*.md (a ```toml block preceded by
@@ -244,15 +244,16 @@ def exception_reasons() -> dict[str, type[lease_exc.LeaseError]]:
 
 
 def problem_middleware_reasons() -> set[str]:
-    """Reasons that lease_core/problems.py writes as literals (``reason="..."``)."""
+    """Reasons that lease_core/problems.py names itself (``reason=Reason.X``)."""
     tree = ast.parse(inspect.getsource(problems))
     return {
-        node.value.value
+        fence.Reason[node.value.attr].value
         for node in ast.walk(tree)
         if isinstance(node, ast.keyword)
         and node.arg == "reason"
-        and isinstance(node.value, ast.Constant)
-        and isinstance(node.value.value, str)
+        and isinstance(node.value, ast.Attribute)
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "Reason"
     }
 
 
@@ -264,7 +265,7 @@ def rows_under(word: str) -> dict[str, ReasonRow]:
 
 def test_every_gateway_reason_is_documented_with_its_status_and_title() -> None:
     documented = rows_under("proxy listener")
-    for reason in fence.Reason:
+    for reason in fence.GATEWAY_REASONS:
         assert reason.value in documented, f"protocol.md lacks gateway reason {reason.value}"
         row = documented[reason.value]
         info = fence.REASONS.get(reason)
@@ -288,7 +289,7 @@ def test_every_lease_service_reason_is_documented_with_its_status_and_title() ->
 
 
 def test_the_reason_tables_name_only_reasons_the_code_gives() -> None:
-    gateway = {r.value for r in fence.Reason}
+    gateway = {r.value for r in fence.GATEWAY_REASONS}
     control = set(exception_reasons()) | problem_middleware_reasons()
     for row in reason_rows():
         heading = row.heading.lower()

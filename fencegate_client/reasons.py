@@ -1,0 +1,209 @@
+"""Every problem ``reason`` of Fencegate, spelled once, with the facts of each.
+
+A reason is the stable, machine-readable ``reason`` member of an RFC 9457 problem
+document: the gateway's answers on the proxy listener, the lease and admin API's on the
+control listener. Both layers and the worker client name them through ``Reason``; no
+other module spells their values (``tests/unit/test_reasons.py`` checks). This module
+imports nothing but the standard library: the worker client is the lowest layer, and the
+lease service and the gateway build on it.
+
+To add a reason: a member of ``Reason`` and its row in ``REASONS`` (status, title, the
+layers that answer it, and for the gateway its default detail). Then, for the gateway, a
+row in ``gateway.decision.ROWS``; for the lease API, its class in
+``fencegate_client.errors`` (``reason = Reason.X``: the class takes status and title from
+the row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Flag, StrEnum, auto
+from types import MappingProxyType
+
+
+class Reason(StrEnum):
+    # The gateway's, in the order of the spec's table (the dashboard lists them so).
+    UNKNOWN_UPSTREAM = "unknown-upstream"
+    INVALID_REQUEST = "invalid-request"
+    MISSING_FENCING_TOKEN = "missing-fencing-token"
+    INVALID_FENCING_TOKEN = "invalid-fencing-token"
+    MISSING_IDEMPOTENCY_KEY = "missing-idempotency-key"
+    STALE_GENERATION = "stale-generation"
+    LEASE_ENDED = "lease-ended"
+    LEASE_EXPIRED = "lease-expired"
+    BODY_TOO_LARGE = "body-too-large"
+    BODY_TIMEOUT = "body-timeout"
+    IDEMPOTENCY_KEY_REUSED = "idempotency-key-reused"
+    REQUEST_IN_PROGRESS = "request-in-progress"
+    OUTCOME_UNKNOWN = "outcome-unknown"
+    ORDERING_TIMEOUT = "ordering-timeout"
+    UPSTREAM_UNAVAILABLE = "upstream-unavailable"
+    UPSTREAM_TIMEOUT = "upstream-timeout"
+    STORE_UNAVAILABLE = "store-unavailable"
+    OVERLOADED = "gateway-overloaded"
+    REPLAY_UNAVAILABLE = "replay-unavailable"
+    IDEMPOTENT_REPLAY = "idempotent-replay"  # not a problem: audited with the stored status
+    # The control listener's only (the lease and admin API).
+    INTERNAL_ERROR = "internal-error"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    INVALID_LEASE_TOKEN = "invalid-lease-token"
+    JOB_NOT_FOUND = "job-not-found"
+    NOT_FOUND = "not-found"
+    METHOD_NOT_ALLOWED = "method-not-allowed"
+    JOB_EXISTS = "job-exists"
+    LEASE_HELD = "lease-held"
+    JOB_FINISHED = "job-finished"
+    HTTP_ERROR = "http-error"  # any other aiohttp error: its status, its reason phrase
+    # The worker client's own, for a ``RemoteError``: never sent by a server.
+    INVALID_RESPONSE = "invalid-response"
+
+
+class Layer(Flag):
+    """Who answers with a reason."""
+
+    GATEWAY = auto()  # the gateway, on the proxy listener
+    LEASE_API = auto()  # the control listener: lease API, admin API (``errors`` classes)
+
+
+@dataclass(frozen=True, slots=True)
+class ReasonInfo:
+    status: int
+    title: str
+    layers: Layer
+    detail: str = ""  # the gateway's default; a lease-API error's is its class's docstring
+    retry_after: bool = False  # answered with ``Retry-After: 1``: the same request may pass soon
+
+
+_GW = Layer.GATEWAY
+_API = Layer.LEASE_API
+_BOTH = _GW | _API
+
+REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
+    {
+        # -- the gateway's -----------------------------------------------------------------
+        Reason.UNKNOWN_UPSTREAM: ReasonInfo(
+            404, "Unknown upstream", _GW, "No upstream of that name."
+        ),
+        Reason.INVALID_REQUEST: ReasonInfo(
+            400,
+            "Invalid request",
+            _BOTH,
+            "The request is malformed or not allowed through the gateway.",
+        ),
+        Reason.MISSING_FENCING_TOKEN: ReasonInfo(
+            428, "Fencing token required", _GW, "This method is fenced: send Fencing-Token."
+        ),
+        Reason.INVALID_FENCING_TOKEN: ReasonInfo(
+            403, "Invalid fencing token", _GW, "The fencing token is malformed or unknown."
+        ),
+        Reason.MISSING_IDEMPOTENCY_KEY: ReasonInfo(
+            400,
+            "Idempotency key required",
+            _GW,
+            "This upstream requires an Idempotency-Key: a quoted string or a token, 1 to 255 "
+            "characters.",
+        ),
+        Reason.STALE_GENERATION: ReasonInfo(
+            409,
+            "Stale generation",
+            _BOTH,
+            "A newer generation of this job exists or has already written.",
+        ),
+        Reason.LEASE_ENDED: ReasonInfo(
+            409, "Lease ended", _BOTH, "The lease was completed, failed or released."
+        ),
+        Reason.LEASE_EXPIRED: ReasonInfo(
+            409, "Lease expired", _BOTH, "The lease behind this token expired."
+        ),
+        Reason.BODY_TOO_LARGE: ReasonInfo(
+            413, "Body too large", _GW, "The body is over this upstream's limit."
+        ),
+        Reason.BODY_TIMEOUT: ReasonInfo(
+            408,
+            "Body timeout",
+            _GW,
+            "The request body did not arrive in time (body_timeout_seconds, "
+            "body_idle_timeout_seconds); the connection is closed.",
+        ),
+        Reason.IDEMPOTENCY_KEY_REUSED: ReasonInfo(
+            422,
+            "Idempotency key reused",
+            _GW,
+            "This key was used for this job with a different request.",
+        ),
+        Reason.REQUEST_IN_PROGRESS: ReasonInfo(
+            409,
+            "Request in progress",
+            _GW,
+            "A request with this key is being forwarded right now.",
+            retry_after=True,
+        ),
+        Reason.OUTCOME_UNKNOWN: ReasonInfo(
+            409,
+            "Outcome unknown",
+            _GW,
+            "An earlier forward with this key has an unknown outcome; an operator must resolve it.",
+        ),
+        Reason.REPLAY_UNAVAILABLE: ReasonInfo(
+            409,
+            "Replay unavailable",
+            _GW,
+            "This key's request was applied, but its answer was larger than "
+            "max_replay_body_bytes and was not stored; its status is in stored_status.",
+        ),
+        Reason.ORDERING_TIMEOUT: ReasonInfo(
+            503,
+            "Ordering timeout",
+            _GW,
+            "A write of an older generation of this job did not settle in time.",
+            retry_after=True,
+        ),
+        Reason.UPSTREAM_UNAVAILABLE: ReasonInfo(
+            502,
+            "Upstream unavailable",
+            _GW,
+            "The upstream refused the connection or failed to answer.",
+        ),
+        Reason.UPSTREAM_TIMEOUT: ReasonInfo(
+            504, "Upstream timeout", _GW, "The upstream did not answer in time."
+        ),
+        Reason.OVERLOADED: ReasonInfo(
+            503,
+            "Gateway overloaded",
+            _GW,
+            "The gateway is at max_concurrent_requests; try again shortly.",
+            retry_after=True,
+        ),
+        Reason.STORE_UNAVAILABLE: ReasonInfo(
+            503,
+            "Store unavailable",
+            _BOTH,
+            "The gateway's database is not reachable; try again shortly.",
+            retry_after=True,
+        ),
+        # -- the control listener's only ---------------------------------------------------
+        Reason.INTERNAL_ERROR: ReasonInfo(500, "Internal error", _API),
+        Reason.UNAUTHORIZED: ReasonInfo(401, "Unauthorized", _API),
+        Reason.FORBIDDEN: ReasonInfo(403, "Forbidden", _API),
+        Reason.INVALID_LEASE_TOKEN: ReasonInfo(403, "Invalid lease token", _API),
+        Reason.JOB_NOT_FOUND: ReasonInfo(404, "Job not found", _API),
+        Reason.NOT_FOUND: ReasonInfo(404, "Not found", _API),
+        Reason.METHOD_NOT_ALLOWED: ReasonInfo(405, "Method not allowed", _API),
+        Reason.JOB_EXISTS: ReasonInfo(409, "Job exists", _API),
+        Reason.LEASE_HELD: ReasonInfo(409, "Lease held", _API),
+        Reason.JOB_FINISHED: ReasonInfo(409, "Job finished", _API),
+    }
+)
+"""Every reason whose status and title are fixed. Not here: ``idempotent-replay`` (the
+stored answer's status), ``http-error`` (aiohttp's status and reason phrase) and
+``invalid-response`` (the client's own)."""
+
+GATEWAY_REASONS: tuple[Reason, ...] = tuple(
+    r
+    for r in Reason
+    if r is Reason.IDEMPOTENT_REPLAY or (r in REASONS and Layer.GATEWAY in REASONS[r].layers)
+)
+"""Every reason the gateway answers or audits, in ``Reason``'s order: what the audit can
+be filtered by and the dashboard shows."""
