@@ -114,6 +114,8 @@ class Recorder:
     errors: int = 0
     empty_at: float | None = None
     per_second: dict[int, int] = field(default_factory=dict)
+    interval: float = 0.0  # > 0: latencies also kept per interval of this many seconds
+    per_interval: dict[int, array[float]] = field(default_factory=dict)
 
     def record(self, started: float, ended: float, outcome: str) -> None:
         if outcome == EMPTY:
@@ -127,16 +129,22 @@ class Recorder:
             self.latencies.append(ended - started)
             second = int(ended - self.window_start)
             self.per_second[second] = self.per_second.get(second, 0) + 1
+            if self.interval > 0:
+                slot = int((ended - self.window_start) // self.interval)
+                self.per_interval.setdefault(slot, array("d")).append(ended - started)
         else:
             self.errors += 1
 
 
-async def run_loops(ops: Sequence[Op], warmup: float, duration: float) -> dict[str, Any]:
-    """Run each op in its own closed loop for ``warmup + duration`` seconds."""
+async def run_loops(
+    ops: Sequence[Op], warmup: float, duration: float, interval: float = 0.0
+) -> dict[str, Any]:
+    """Run each op in its own closed loop for ``warmup + duration`` seconds; with an
+    ``interval``, throughput and latencies per interval too (the soak's curve)."""
     began = time.perf_counter()
     wall_began = time.time()
     print(f"{LOAD_STARTED} {wall_began:.3f}", flush=True)
-    rec = Recorder(began + warmup, began + warmup + duration)
+    rec = Recorder(began + warmup, began + warmup + duration, interval=interval)
 
     async def loop(op: Op) -> None:
         clock = time.perf_counter
@@ -173,6 +181,15 @@ async def run_loops(ops: Sequence[Op], warmup: float, duration: float) -> dict[s
         "window_start_epoch": wall_began + warmup,
         "window_end_epoch": wall_began + warmup + window,
         "per_second": [rec.per_second.get(s, 0) for s in range(seconds)],
+        "intervals": [
+            {
+                "start_seconds": slot * interval,
+                "rps": len(rec.per_interval.get(slot, ())) / interval,
+                "p50_ms": percentile(sorted(rec.per_interval.get(slot, ())), 0.50) * 1000,
+                "p99_ms": percentile(sorted(rec.per_interval.get(slot, ())), 0.99) * 1000,
+            }
+            for slot in range(int(window // interval) if interval > 0 else 0)
+        ],
     }
 
 
@@ -247,7 +264,7 @@ async def mode_writes(args: argparse.Namespace) -> dict[str, Any]:
             return op
 
         ops = [make(i, t) for i, t in enumerate(split(tokens, concurrency))]
-        result = await run_loops(ops, args.warmup, args.duration)
+        result = await run_loops(ops, args.warmup, args.duration, args.interval)
     result["jobs"] = jobs
     return result
 
@@ -439,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=256, help="jobs holding a lease")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument(
+        "--interval", type=float, default=0.0, help="writes: also report per interval (seconds)"
+    )
     parser.add_argument("--ttl", type=float, default=3600.0, help="lease TTL (seconds)")
     parser.add_argument("--queue", default="bench")
     parser.add_argument("--job-prefix", default="", help="floor-renewals: leased jobs' id prefix")

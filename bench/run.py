@@ -119,6 +119,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="fencegate serve --log-level (default INFO, as shipped: one JSON access line "
         "per request, written to a file)",
     )
+    parser.add_argument(
+        "--soak",
+        type=float,
+        metavar="SECONDS",
+        help="soak mode: fenced writes only, for SECONDS on each database (600 or more for "
+        "the real check), throughput and p99 per --soak-interval; the last interval must "
+        "be within 10%% of the first",
+    )
+    parser.add_argument(
+        "--soak-interval",
+        type=float,
+        metavar="SECONDS",
+        help="the soak's interval (60; quick 1)",
+    )
+    parser.add_argument(
+        "--soak-png",
+        metavar="FILE",
+        help="also draw the soak's curve (throughput and p99 per interval, per database) "
+        "as a PNG; needs matplotlib (pip install matplotlib)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
         "--check-targets",
@@ -154,6 +174,8 @@ class Options:
     check_targets: bool
     keep: bool
     profile: str | None
+    soak_interval: float = 0.0  # > 0: the soak mode's interval
+    soak_png: str | None = None
 
 
 def _int_list(text: str) -> list[int]:
@@ -175,9 +197,21 @@ def options_from(args: argparse.Namespace) -> Options:
         if target not in ALL_TARGETS:
             raise SystemExit(f"--targets: unknown target {target!r}")
     seed_records = sorted(_int_list(pick(args.seed_records, "1000", "100")))
+    soak_interval = 0.0
+    if args.soak is not None:
+        if args.soak <= 0:
+            raise SystemExit("--soak: must be above zero (seconds)")
+        soak_interval = pick(args.soak_interval, 60.0, 1.0)
+        if not 0 < soak_interval <= args.soak:
+            raise SystemExit("--soak-interval: must be above zero and at most --soak")
+        if args.duration is not None:
+            raise SystemExit("--soak and --duration: the soak's length is --soak")
+        targets = ["writes"]
+    if args.soak_png and args.soak is None:
+        raise SystemExit("--soak-png: only with --soak")
     return Options(
         quick=quick,
-        duration=pick(args.duration, 20.0, 1.0),
+        duration=args.soak if args.soak is not None else pick(args.duration, 20.0, 1.0),
         warmup=pick(args.warmup, 3.0, 0.3),
         concurrency=pick(args.concurrency, 32, 8),
         jobs=pick(args.jobs, 256, 16),
@@ -192,6 +226,8 @@ def options_from(args: argparse.Namespace) -> Options:
         check_targets=args.check_targets and not quick,
         keep=args.keep,
         profile=args.profile,
+        soak_interval=soak_interval,
+        soak_png=args.soak_png,
     )
 
 
@@ -473,6 +509,9 @@ def run_driver(
 ) -> dict[str, Any]:
     """Run one measurement in a driver process; sample the servers meanwhile."""
     out = children.workdir / f"{name}.json"
+    soak_args: list[str] = []
+    if opts.soak_interval and mode == "writes":
+        soak_args = ["--interval", str(opts.soak_interval)]
     argv = [
         sys.executable,
         "-m",
@@ -488,6 +527,7 @@ def run_driver(
         str(opts.warmup),
         "--out",
         str(out),
+        *soak_args,
         *extra,
     ]
     print(f"  running {name} ...", flush=True)
@@ -1393,6 +1433,9 @@ def run(opts: Options) -> int:
 
     print()
     print(report(rows, opts))
+    if opts.soak_interval:
+        print()
+        print(soak_report(rows, opts, failures))
     for row in rows:
         if row["errors"] or not row["rps"]:
             name = row.get("target") or f"{row['operation']} {row['backend']} {row['path']}"
@@ -1419,6 +1462,76 @@ def run(opts: Options) -> int:
         print(f"bench: {len(missed)} target(s) missed", file=sys.stderr)
         return 1
     return 0
+
+
+SOAK_FLAT = 0.10  # the last interval's throughput and p99 within 10 % of the first's
+
+
+def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) -> str:
+    """Throughput and p99 per interval of each database's soak, and whether the last
+    interval is within 10 % of the first (a regression is a failure of the run)."""
+    lines = [f"Soak: fenced writes, {opts.duration:g} s per database, per {opts.soak_interval:g} s"]
+    curves = {}
+    for row in rows:
+        intervals = row.get("intervals") or []
+        if row.get("section") != "writes" or row.get("backend") is None or not intervals:
+            continue
+        curves[row["backend"]] = intervals
+        first, last = intervals[0], intervals[-1]
+        rps_change = last["rps"] / first["rps"] - 1 if first["rps"] else None
+        p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else None
+        flat = (
+            rps_change is not None
+            and rps_change >= -SOAK_FLAT
+            and p99_change is not None
+            and p99_change <= SOAK_FLAT
+        )
+        row["soak_rps_change"], row["soak_p99_change"], row["soak_flat"] = (
+            rps_change,
+            p99_change,
+            flat,
+        )
+        body = [
+            [f"{i['start_seconds']:g}", fmt_int(i["rps"]), fmt(i["p50_ms"]), fmt(i["p99_ms"])]
+            for i in intervals
+        ]
+        lines.append("")
+        lines.append(f"{row['backend']}:")
+        lines.append(table(["from (s)", "writes/s", "p50 ms", "p99 ms"], body))
+        lines.append(
+            f"last vs first: throughput {fmt(100 * (rps_change or 0), 1)} %, "
+            f"p99 {fmt(100 * (p99_change or 0), 1)} % -> {verdict(flat)}"
+        )
+        if not flat and not opts.quick:
+            failures.append(f"soak {row['backend']}: the last interval is not within 10 %")
+    if opts.soak_png and curves:
+        lines.append(draw_soak(curves, opts))
+    return "\n".join(lines)
+
+
+def draw_soak(curves: dict[str, list[dict[str, Any]]], opts: Options) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "soak: no picture (--soak-png needs matplotlib: pip install matplotlib)"
+    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    for backend, intervals in curves.items():
+        minutes = [i["start_seconds"] / 60 for i in intervals]
+        top.plot(minutes, [i["rps"] for i in intervals], marker="o", label=backend)
+        bottom.plot(minutes, [i["p99_ms"] for i in intervals], marker="o", label=backend)
+    top.set_ylabel("fenced writes / s")
+    bottom.set_ylabel("p99 (ms)")
+    bottom.set_xlabel("minutes into the soak")
+    top.set_ylim(bottom=0)
+    bottom.set_ylim(bottom=0)
+    top.legend()
+    top.set_title(f"Fencegate soak: {opts.concurrency} connections, {opts.jobs} leases")
+    figure.tight_layout()
+    figure.savefig(opts.soak_png, dpi=100)
+    return f"soak: picture in {opts.soak_png}"
 
 
 def _terminate(signum: int, frame: Any) -> None:

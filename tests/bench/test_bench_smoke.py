@@ -81,3 +81,33 @@ def test_quick_benchmark_reports_every_target(pg_database_url: str, tmp_path: Pa
     table = result.stdout
     assert "bare aiohttp proxy (floor)" in table and "fencegate postgres" in table
     assert "not judged" in table
+
+
+@pytest.mark.postgres
+def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) -> None:
+    """The soak mode: fenced writes only, on each database, throughput and p99 per
+    interval and the last interval against the first (never judged in --quick)."""
+    out = tmp_path / "soak.json"
+    result = run_quick(
+        "--soak", "3", "--soak-interval", "1", "--backends", "sqlite,postgres",
+        "--postgres-url", pg_database_url, "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert "last vs first: throughput" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["backend"] for r in rows} == {"sqlite", "postgres"}
+    for row in rows:
+        assert [i["start_seconds"] for i in row["intervals"]] == [0, 1, 2]
+        assert all(i["rps"] > 0 and i["p99_ms"] >= i["p50_ms"] > 0 for i in row["intervals"])
+        assert row["soak_rps_change"] is not None and row["soak_flat"] in (True, False)
+
+
+def test_soak_options_are_checked() -> None:
+    for args, message in (
+        (["--soak", "0"], "--soak: must be above zero"),
+        (["--soak", "2", "--soak-interval", "5"], "--soak-interval"),
+        (["--soak", "2", "--duration", "5"], "the soak's length is --soak"),
+        (["--soak-png", "x.png"], "--soak-png: only with --soak"),
+    ):
+        result = run_quick(*args)
+        assert result.returncode != 0 and message in result.stderr, (args, result.stderr)
