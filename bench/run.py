@@ -120,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
         "per request, written to a file)",
     )
     parser.add_argument(
+        "--records-per-job",
+        type=int,
+        default=0,
+        help="settled idempotency records of each job the writes will lease, added before "
+        "each writes run (what an admission's cost can depend on; default 0)",
+    )
+    parser.add_argument(
+        "--stats",
+        choices=["fresh", "stale", "none"],
+        default="fresh",
+        help="PostgreSQL statistics: fresh (VACUUM ANALYZE after seeding, the default), "
+        "stale (ANALYZE of the empty tables only, then VACUUM without it) or none (never "
+        "ANALYZE); the hot statements' plans must not depend on them",
+    )
+    parser.add_argument(
         "--soak",
         type=float,
         metavar="SECONDS",
@@ -175,6 +190,8 @@ class Options:
     keep: bool
     profile: str | None
     soak_interval: float = 0.0  # > 0: the soak mode's interval
+    records_per_job: int = 0
+    stats: str = "fresh"
     soak_png: str | None = None
 
 
@@ -207,6 +224,8 @@ def options_from(args: argparse.Namespace) -> Options:
         if args.duration is not None:
             raise SystemExit("--soak and --duration: the soak's length is --soak")
         targets = ["writes"]
+    if args.records_per_job < 0:
+        raise SystemExit("--records-per-job: must be 0 or more")
     if args.soak_png and args.soak is None:
         raise SystemExit("--soak-png: only with --soak")
     return Options(
@@ -228,6 +247,8 @@ def options_from(args: argparse.Namespace) -> Options:
         profile=args.profile,
         soak_interval=soak_interval,
         soak_png=args.soak_png,
+        records_per_job=args.records_per_job,
+        stats=args.stats,
     )
 
 
@@ -710,11 +731,23 @@ class Database:
                 pg_execute(self.admin_dsn, f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
             )
 
+    stats = "fresh"  # see --stats
+
     def vacuum(self, *tables: str) -> None:
-        """PostgreSQL: VACUUM ANALYZE, so runs start from the same state (autovacuum would
-        get there too, at a time of its choosing)."""
+        """PostgreSQL: VACUUM, so runs start from the same state (autovacuum would get
+        there too, at a time of its choosing), with ANALYZE when statistics are fresh."""
         if self.backend == "postgres":
-            asyncio.run(pg_execute(self.dsn, *(f"VACUUM ANALYZE {t}" for t in tables)))
+            verb = "VACUUM ANALYZE" if self.stats == "fresh" else "VACUUM"
+            asyncio.run(pg_execute(self.dsn, *(f"{verb} {t}" for t in tables)))
+
+    def analyze(self) -> None:
+        if self.backend == "postgres":
+            asyncio.run(pg_execute(self.dsn, "ANALYZE"))
+
+    def setting(self, name: str) -> str | None:
+        if self.backend != "postgres":
+            return None
+        return str(asyncio.run(pg_fetchval(self.dsn, f"SHOW {name}")))
 
     def count(self, table: str) -> int:
         if self.backend == "postgres":
@@ -878,6 +911,38 @@ def seed_records(db: Database, target: int) -> dict[str, int]:
         ),
     )
     return added
+
+
+def seed_job_records(db: Database, tag: str, jobs: int, per_job: int) -> int:
+    """``per_job`` settled records for each job the writes run with ``tag`` will lease
+    (the driver's job ids: ``{tag}-w{i}``), as a job that has written that often has."""
+    now = time.time()
+    headers = json.dumps([["Content-Type", "application/json"]])
+    body = b'{"id":"ch_seed","status":"succeeded"}'
+    return db.insert(
+        "idempotency_records",
+        RECORD_COLUMNS,
+        (
+            (
+                f"{tag}-w{i % jobs}",
+                f"seed-{i}",
+                f"{i:064x}",
+                "completed",
+                1,
+                f"{i:032x}",
+                UPSTREAM_NAME,
+                "POST",
+                "charge",
+                now - 3600 + 30,
+                201,
+                headers,
+                body,
+                now - 3600,
+                now - 3600,
+            )
+            for i in range(jobs * per_job)
+        ),
+    )
 
 
 def seed_jobs(db: Database, count: int) -> None:
@@ -1220,6 +1285,9 @@ def run_backend(
     try:
         config = write_config(folder, db.url, upstream_url)
         migrate(children, config)
+        db.stats = opts.stats
+        if opts.stats == "stale":
+            db.analyze()  # of the empty tables: what a database analyzed once at set-up has
         started = time.monotonic()
         seed_records(db, opts.seed_records[0])
         if "lease" in opts.targets:
@@ -1256,6 +1324,16 @@ def run_backend(
                         f"{time.monotonic() - started:.1f} s",
                         flush=True,
                     )
+                tag = f"w{level_index}{secrets.token_hex(2)}"
+                if opts.records_per_job:
+                    started = time.monotonic()
+                    seed_job_records(db, tag, opts.jobs, opts.records_per_job)
+                    db.vacuum("idempotency_records")
+                    print(
+                        f"{backend}: {opts.records_per_job:,} records for each of the "
+                        f"{opts.jobs} jobs to lease in {time.monotonic() - started:.1f} s",
+                        flush=True,
+                    )
                 records = db.count("idempotency_records")
                 result = run_driver(
                     children,
@@ -1268,11 +1346,14 @@ def run_backend(
                         "--control",
                         control,
                         "--tag",
-                        f"w{level_index}{secrets.token_hex(2)}",
+                        tag,
                     ],
                     watch,
                     profile_pid=gateway.pid,
                 )
+                result["records_per_job"] = opts.records_per_job
+                result["stats"] = opts.stats
+                result["autovacuum"] = db.setting("autovacuum")
                 rows.append(write_row(label, backend, records, result))
             if level_index == 0 and "lease" in opts.targets:
                 run_lease(children, opts, db, control, watch, rows)
