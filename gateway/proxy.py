@@ -14,93 +14,38 @@ import io
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, NamedTuple
-from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 from yarl import URL
 
 from lease_core import exceptions as lease_exc
-from lease_core import tokens
 from lease_core.problems import problem_response
 from lease_core.store import LeaseStore
 
 from . import fence
 from .audit import Audit, AuditEntry, audit_path
+from .body import BodyTimeout, read_body, start_body_clock
 from .config import Settings, UpstreamSettings
 from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
-from .fence import Action, Hasher, Reason, Record, RecordState
-from .logs import REQUEST_ID, request_id_middleware
+from .fence import Action, Reason, Record, RecordState
+from .intake import HOP_BY_HOP, Ctx, connection_named, forward_headers, intake
+from .logs import request_id_middleware
 from .metrics import GatewayMetrics
 from .store import Admission, GatewayStore, WriteRequest
 
 log = logging.getLogger("fencegate.proxy")
 
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Proxy-Connection",
-    )
-)
-# Never forwarded from the client: the credential, what we set ourselves, what aiohttp sets.
-DROP_FROM_CLIENT = HOP_BY_HOP | {
-    "fencing-token",
-    "fencing-job",
-    "fencing-generation",
-    "host",
-    "content-length",
-    "expect",
-}
-# Client headers that could tell the upstream another story about the request than the
-# gateway checked: where it came from, which URL it was for.
-DROP_FROM_CLIENT |= {"forwarded", "x-original-url", "x-rewrite-url"}
-# Headers that make an upstream treat a request as another method. On a method that is
-# not fenced they would turn a pass-through into an unfenced write: refused.
-METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
 DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
-PROTECTED = frozenset({"fencing-token", "idempotency-key"})
 # Upstream answers that do not tell whether the side effect happened.
 UNKNOWN_STATUSES = frozenset({502, 504})
 DEADLINE_MARGIN = 5.0
 ORDERING_POLL = 0.02
 LARGE_BODY = 1024 * 1024  # above this, hand aiohttp a stream, not bytes
-
-
-@dataclass(slots=True)
-class Ctx:
-    """What is known about one request so far (for the answer and its audit entry)."""
-
-    request: web.Request
-    upstream: UpstreamSettings | None = None
-    key: str | None = None
-    fingerprint: str | None = None
-    admission: Admission | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    forwarded: bool = False
-    body: io.BytesIO | None = None  # the request body, read once (the only copy)
-    send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
-    rest: str = ""  # the path after the upstream's name
-    query: str = ""
-    token_hash: str | None = None
-    record: Record | None = None  # the key's record, when it answers for the request
-    attempt: str | None = None  # the key is ours (claimed or taken over) under this attempt
-    back_to: Record | None = None  # the record before we took it over
-    send_left: float | None = None  # seconds the claim still allows, judged at the send
-    slot: str | None = None  # the pool whose slot this request holds
-    method: str = ""  # the method as the fingerprint names it (with an override, if any)
 
 
 class ForwardingMetrics(NamedTuple):
@@ -112,16 +57,6 @@ class ForwardingMetrics(NamedTuple):
     forwarded: Any
 
 
-class BodyTimeouts(NamedTuple):
-    deadline: float  # loop time by which the whole body must have arrived
-    idle: float  # longest wait for the next part of it
-
-
-class BodyTimeout(Exception):
-    """The request body did not arrive in time."""
-
-
-BODY_TIMEOUTS = web.RequestKey("body_timeouts", BodyTimeouts)
 # The lease check ``expect`` made before the client sent the body.
 LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
 
@@ -265,13 +200,9 @@ class Gateway:
         The table asks for the lease before a slot and a slot before the body: a
         request without a current lease is refused before its body is read and never
         holds a slot while a slow client sends it. Fenced and unfenced requests have
-        separate pools, and every body must arrive in time (``_chunks``)."""
+        separate pools, and every body must arrive in time (``body.read_body``)."""
         ctx = Ctx(request)
-        limits = self.settings.gateway
-        request[BODY_TIMEOUTS] = BodyTimeouts(
-            asyncio.get_running_loop().time() + limits.body_timeout_seconds,
-            limits.body_idle_timeout_seconds,
-        )
+        start_body_clock(request, self.settings.gateway)
         try:
             facts = self._intake(ctx)
             checked = request.get(LEASE_CHECKED)  # by ``expect``, before the body came
@@ -313,50 +244,7 @@ class Gateway:
     # -- the facts: from the request, then from the database ----------------------------
 
     def _intake(self, ctx: Ctx) -> Facts:
-        """The facts the request line and headers carry (no I/O). A fact left at its
-        default passes its row; the walk stops at the first refusal anyway."""
-        request = ctx.request
-        facts = Facts()
-        target = self._target(request)
-        if isinstance(target, str):
-            facts.bad_target = target
-            return facts
-        framing = _framing_problem(request)
-        if framing is not None:
-            facts.bad_target = framing
-            return facts
-        name, ctx.rest, ctx.query = target
-        ctx.upstream = upstream = self.upstreams.get(name)
-        if upstream is None:
-            facts.unknown_upstream = name[:100]
-            return facts
-        limit = upstream.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            facts.over_limit = True  # declared: known without reading
-        override = _method_override(request.headers)
-        if request.method not in upstream.fenced_methods:
-            facts.fenced = False
-            facts.override_on_unfenced = override is not None
-            return facts
-        ctx.method = request.method if override is None else f"{request.method} as {override}"
-
-        presented = request.headers.getall("Fencing-Token", [])
-        facts.token_headers = len(presented)
-        if len(presented) != 1:
-            return facts
-        token = presented[0].strip()
-        facts.token_well_formed = tokens.is_well_formed(token)
-        facts.protected_hop_by_hop = bool(connection_named(request.headers) & PROTECTED)
-        key_headers = request.headers.getall("Idempotency-Key", [])
-        key = None
-        if len(key_headers) == 1:
-            key = fence.parse_key(key_headers[0], self.settings.gateway.max_idempotency_key_length)
-        facts.key_acceptable = key is not None or not (
-            key_headers or upstream.require_idempotency_key
-        )
-        ctx.key = key or fence.anonymous_key()
-        ctx.token_hash = tokens.hash_token(token) if facts.token_well_formed else None
-        return facts
+        return intake(ctx, self.upstreams, self.settings.gateway.max_idempotency_key_length)
 
     async def _find_out(self, ctx: Ctx, facts: Facts, step: Step) -> None:
         if step is Step.LEASE:
@@ -434,7 +322,7 @@ class Gateway:
         if facts.fenced:
             digest = fence.fingerprint_hasher(ctx.method, upstream.name, ctx.rest, ctx.query)
         try:
-            ctx.body = await self._read_body(request, upstream, digest)
+            ctx.body = await read_body(request, upstream, digest)
         except BodyTimeout:
             facts.over_limit, facts.body_in_time = False, False
             return
@@ -527,7 +415,7 @@ class Gateway:
                 )
             else:
                 headers = forward_headers(ctx.request, upstream, None, None, None)
-            url = _upstream_url(upstream, ctx.rest, ctx.query)
+            url = upstream_url(upstream, ctx.rest, ctx.query)
             return await self._forward(ctx, upstream, url, headers, ctx.body)
         if verdict.outcome is Outcome.REPLAY:
             assert ctx.record is not None
@@ -573,43 +461,6 @@ class Gateway:
             await asyncio.shield(settling)
         except Exception:
             log.exception("could not store the answer; its key turns unknown at its deadline")
-
-    def _target(self, request: web.Request) -> tuple[str, str, str] | str:
-        """(upstream name, rest of the path, raw query), or why the target is refused."""
-        if request.method == "CONNECT":
-            return "CONNECT is not supported: this is not an open proxy."
-        raw = request.raw_path
-        if not raw.startswith("/"):
-            return "Absolute-form targets are not supported: this is not an open proxy."
-        path, _, query = raw.partition("?")
-        name, _, rest = path[1:].partition("/")
-        name = unquote(name)
-        decoded = unquote(rest)
-        # Encoded or not, nothing may climb out of the upstream's base path.
-        if any(segment in (".", "..") for segment in decoded.replace("\\", "/").split("/")):
-            return "Dot-segments are not allowed in the path."
-        if "\\" in decoded:
-            return "Backslashes are not allowed in the path."
-        return name, rest, query
-
-    async def _read_body(
-        self, request: web.Request, upstream: UpstreamSettings, digest: Hasher | None = None
-    ) -> io.BytesIO | None:
-        """The whole body, or None when it is over the upstream's limit. Each piece goes
-        into the fingerprint as it arrives and into one buffer, so a body costs its size
-        once (``max_concurrent_requests`` times ``max_body_bytes`` bounds them all)."""
-        limit = upstream.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            return None
-        buffer, size = io.BytesIO(), 0
-        async for chunk in _chunks(request):
-            size += len(chunk)
-            if size > limit:
-                return None
-            if digest is not None:
-                digest.update(chunk)
-            buffer.write(chunk)
-        return buffer
 
     async def _wait_for_older(self, job_id: str, generation: int) -> bool:
         """Wait (bounded) until no older generation's write to this job is in flight."""
@@ -798,49 +649,6 @@ class Gateway:
             return out
 
 
-def connection_named(headers: CIMultiDictProxy[str]) -> set[str]:
-    """The header names a ``Connection`` header lists (hop-by-hop for this message)."""
-    return {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
-
-
-def _framing_problem(request: web.Request) -> str | None:
-    """Body framing we refuse rather than guess at (request smuggling lives here)."""
-    codings = [
-        c.strip().lower()
-        for v in request.headers.getall("Transfer-Encoding", [])
-        for c in v.split(",")
-        if c.strip()
-    ]
-    if not codings:
-        return None
-    if request.version < aiohttp.HttpVersion11:
-        return "Transfer-Encoding is not allowed in HTTP/1.0."
-    if codings != ["chunked"]:
-        return "Only Transfer-Encoding: chunked is supported."
-    return None
-
-
-async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
-    """The body as it arrives, within the request's ``BodyTimeouts`` (``BodyTimeout``)."""
-    content = request.content
-    timeouts = request.get(BODY_TIMEOUTS)
-    while True:
-        if timeouts is None or content.is_eof():  # all here: no read can wait
-            chunk = await content.readany()
-        else:
-            wait = min(timeouts.idle, timeouts.deadline - asyncio.get_running_loop().time())
-            try:
-                if wait <= 0:
-                    raise TimeoutError
-                async with asyncio.timeout(wait):
-                    chunk = await content.readany()
-            except TimeoutError:
-                raise BodyTimeout from None
-        if not chunk:
-            return
-        yield chunk
-
-
 def _payload(body: io.BytesIO) -> io.BytesIO | bytes | None:
     """What aiohttp sends: a large body straight from its buffer, in pieces (no second
     copy); a small one as bytes (one write)."""
@@ -851,65 +659,9 @@ def _payload(body: io.BytesIO) -> io.BytesIO | bytes | None:
     return body.getvalue() if size else None
 
 
-def _upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
+def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
     url = f"{upstream.url}/{rest}"
     return f"{url}?{query}" if query else url
-
-
-def _method_override(headers: CIMultiDictProxy[str]) -> str | None:
-    """The method a method-override header asks for (any spelling of its name), if any."""
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower.startswith("x") and lower.replace("_", "-") in METHOD_OVERRIDES:
-            return value.strip().upper()[:32]
-    return None
-
-
-def _controlled(lower: str, upstream: UpstreamSettings) -> bool:
-    """A header name (with ``-`` for ``_``) that the gateway drops or sets itself: a
-    client's ``Fencing_Job`` reaches a CGI-style upstream as ``Fencing-Job`` would."""
-    return (
-        lower in DROP_FROM_CLIENT
-        or lower in PROTECTED
-        or lower == "x-request-id"
-        or lower.startswith("x-forwarded-")
-        or lower in upstream.set_header_names
-    )
-
-
-def forward_headers(
-    request: web.Request,
-    upstream: UpstreamSettings,
-    job_id: str | None,
-    generation: int | None,
-    key: str | None,
-) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop, the credential and what we set; plus fencing
-    headers, the key in its one canonical form, forwarding headers and the upstream's own
-    configured headers."""
-    incoming: CIMultiDictProxy[str] = request.headers
-    named = connection_named(incoming)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in incoming.items():
-        lower = name.lower()
-        if lower in DROP_FROM_CLIENT or lower in named or lower.startswith("x-forwarded-"):
-            continue
-        if "_" in lower and _controlled(lower.replace("_", "-"), upstream):
-            continue
-        out.add(name, value)
-    if job_id is not None and generation is not None:
-        out["Fencing-Job"] = job_id
-        out["Fencing-Generation"] = str(generation)
-        if key is not None and not fence.is_anonymous(key):
-            out["Idempotency-Key"] = fence.canonical_key(key)
-    previous = incoming.get("X-Forwarded-For")
-    remote = request.remote or "unknown"
-    out["X-Forwarded-For"] = f"{previous}, {remote}" if previous else remote
-    out["X-Forwarded-Proto"] = request.scheme
-    out["X-Request-Id"] = REQUEST_ID.get()
-    for name, secret in upstream.set_headers.items():
-        out[name] = secret.get_secret_value()
-    return out
 
 
 def create_proxy_app(gateway: Gateway) -> web.Application:
