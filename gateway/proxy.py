@@ -9,7 +9,6 @@ problem document and audited.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import logging
 import time
@@ -24,15 +23,15 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from lease_core import exceptions as lease_exc
-from lease_core.problems import problem_response
 from lease_core.store import LeaseStore
 
 from . import fence
-from .audit import Audit, AuditEntry, audit_path
+from .answers import Answers
+from .audit import Audit
 from .body import BodyTimeout, read_body, start_body_clock
 from .config import Settings, UpstreamSettings
 from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
-from .fence import Action, Reason, Record, RecordState
+from .fence import Action, Reason, RecordState
 from .intake import HOP_BY_HOP, Ctx, connection_named, forward_headers, intake
 from .logs import request_id_middleware
 from .metrics import GatewayMetrics
@@ -69,6 +68,7 @@ class Gateway:
         self.store = GatewayStore(lease_store)
         self.audit = Audit(lease_store, settings.gateway)
         self.metrics = GatewayMetrics.of(lease_store.metrics.registry)
+        self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
         self._by_upstream: dict[str, ForwardingMetrics] = {}
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.session: aiohttp.ClientSession | None = None
@@ -109,90 +109,6 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
 
-    # -- answering ourselves ------------------------------------------------------------
-
-    async def reject(
-        self,
-        ctx: Ctx,
-        reason: Reason,
-        *,
-        detail: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> web.Response:
-        info = fence.REASONS[reason]
-        if info.retry_after:
-            headers = {"Retry-After": "1", **(headers or {})}
-        extra = self._problem_extra(ctx)
-        self._count(ctx, reason.value)
-        log.info(
-            "answered %s %d",
-            reason.value,
-            info.status,
-            extra={
-                "fields": {
-                    "reason": reason.value,
-                    "status": info.status,
-                    "upstream": ctx.upstream.name if ctx.upstream else None,
-                    **{k: v for k, v in extra.items() if v is not None},
-                }
-            },
-        )
-        await self._audit(ctx, reason.value, info.status, extra)
-        return problem_response(
-            status=info.status,
-            reason=reason.value,
-            title=info.title,
-            detail=detail or info.detail,
-            headers=headers,
-            **extra,
-            **ctx.extra,
-        )
-
-    async def replay(self, ctx: Ctx, record: Record) -> web.Response:
-        """The key's stored answer (the table sent one kept too large to store to
-        ``replay-unavailable`` instead)."""
-        self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
-        await self._audit(
-            ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0, self._problem_extra(ctx)
-        )
-        headers = CIMultiDict(record.headers or [])
-        headers["Idempotent-Replayed"] = "true"
-        return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
-
-    def _count(self, ctx: Ctx, reason: str) -> None:
-        self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
-
-    @staticmethod
-    def _problem_extra(ctx: Ctx) -> dict[str, Any]:
-        if ctx.admission is None:
-            return {}
-        return fence.problem_extra(ctx.admission.presented, ctx.admission.highest)
-
-    async def _audit(self, ctx: Ctx, reason: str, status: int, extra: dict[str, Any]) -> None:
-        request = ctx.request
-        presented = ctx.admission.presented if ctx.admission else None
-        await self.audit.record(
-            AuditEntry(
-                reason=reason,
-                status=status,
-                method=request.method,
-                path=audit_path(
-                    request.raw_path, ctx.upstream.audit_query_params if ctx.upstream else ()
-                ),
-                job_id=presented.job_id if presented else None,
-                generation=presented.generation if presented else None,
-                highest_generation=extra.get("highest_generation"),
-                owner=presented.owner if presented else None,
-                upstream=ctx.upstream.name if ctx.upstream else None,
-                idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
-                client=request.remote,
-                fingerprint=ctx.fingerprint,
-                body=ctx.body.getvalue()
-                if ctx.body is not None and self.settings.gateway.audit_bodies
-                else None,
-            )
-        )
-
     # -- the request path ---------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -213,7 +129,7 @@ class Gateway:
                 await self._find_out(ctx, facts, verdict.need)
             return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
+            return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
         finally:
             if ctx.slot is not None:
                 self.slots[ctx.slot] -= 1
@@ -223,7 +139,7 @@ class Gateway:
         declared length over the limit) is given before the client sends the body."""
         ctx = Ctx(request)
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return await self.reject(
+            return await self.answers.reject(
                 ctx, Reason.INVALID_REQUEST, detail="Only Expect: 100-continue is supported."
             )
         try:
@@ -234,7 +150,7 @@ class Gateway:
             if verdict.outcome is Outcome.REFUSE:
                 return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
+            return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
         if ctx.admission is not None:
             request[LEASE_CHECKED] = ctx.admission
         if request.version >= aiohttp.HttpVersion11:
@@ -419,31 +335,19 @@ class Gateway:
             return await self._forward(ctx, upstream, url, headers, ctx.body)
         if verdict.outcome is Outcome.REPLAY:
             assert ctx.record is not None
-            return await self.replay(ctx, ctx.record)
+            return await self.answers.replay(ctx, ctx.record)
         assert verdict.reason is not None
         if ctx.attempt is not None:  # our claim on the key: it was not sent, undo it
             await self._release(ctx)
         if verdict.reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
             ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
         if verdict.reason is Reason.BODY_TIMEOUT:
-            return await self._body_timeout(ctx)
-        response = await self.reject(ctx, verdict.reason, detail=verdict.detail)
+            return await self.answers.body_timeout(ctx)
+        response = await self.answers.reject(ctx, verdict.reason, detail=verdict.detail)
         if verdict.close:
             # Malformed or ambiguous framing: nothing sent after it on the connection may
             # ever be read as a request.
             response.force_close()
-        return response
-
-    async def _body_timeout(self, ctx: Ctx) -> web.StreamResponse:
-        """Nothing was claimed yet (the body is read before ``admit``). The answer is sent
-        and the connection closed at once: aiohttp would otherwise keep reading the rest
-        of the slow body (its lingering close) before closing."""
-        response = await self.reject(ctx, Reason.BODY_TIMEOUT)
-        response.force_close()
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await response.prepare(ctx.request)
-            await response.write_eof()
-        ctx.request.protocol.force_close()
         return response
 
     async def _release(self, ctx: Ctx) -> None:
@@ -544,7 +448,7 @@ class Gateway:
                 if isinstance(error, aiohttp.ConnectionTimeoutError)
                 else Reason.UPSTREAM_UNAVAILABLE
             )
-            return await self.reject(ctx, reason)
+            return await self.answers.reject(ctx, reason)
         except Exception as error:
             # Sent (or maybe sent), but no answer: whether it was applied is unknown.
             # Anything unexpected lands here too, so no claim is left in flight.
@@ -566,7 +470,7 @@ class Gateway:
                 if isinstance(error, TimeoutError)
                 else Reason.UPSTREAM_UNAVAILABLE
             )
-            return await self.reject(ctx, reason)
+            return await self.answers.reject(ctx, reason)
 
         ctx.forwarded = True
         async with upstream_response:
