@@ -102,9 +102,9 @@ async def measure(
         )
         gateway = Gateway(settings, store)
         proxy_runner, proxy_url = await start(create_proxy_app(gateway))
-        assert gateway.session is not None
+        assert gateway.forwarder.session is not None
         if not keep_alive:  # every forward opens a new connection to the upstream
-            gateway.session._connector._force_close = True  # type: ignore[union-attr]
+            gateway.forwarder.session._connector._force_close = True  # type: ignore[union-attr]
 
         judged: dict[asyncio.Task[Any], float] = {}
         reads: list[float] = []
@@ -135,7 +135,7 @@ async def measure(
         trace = aiohttp.TraceConfig()
         trace.on_request_headers_sent.append(headers_sent)
         trace.freeze()
-        gateway.session._trace_configs.append(trace)
+        gateway.forwarder.session._trace_configs.append(trace)
         gateway.store.claim = timed_claim  # type: ignore[method-assign]
         gateway._judge_again = timed_judge_again  # type: ignore[method-assign]
 

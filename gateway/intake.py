@@ -71,7 +71,6 @@ class Ctx:
     admission: Admission | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
-    forwarded: bool = False
     body: io.BytesIO | None = None  # the request body, read once (the only copy)
     send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
     rest: str = ""  # the path after the upstream's name

@@ -1,26 +1,24 @@
 """The proxy listener: ``/{upstream}/{path}`` to the upstream's base URL + ``/{path}``.
 
-Fenced writes are admitted (``store.admit``: one transaction before forwarding), forwarded
-with header hygiene, streamed back to the client while the part needed for replay is
-kept, and settled (one statement after). Everything else is answered here with a
-problem document and audited.
+``Gateway.handle`` is the loop: intake reads the facts the request carries
+(``intake``), ``decision.decide`` names the next fact to find out or the verdict, the
+steps here find facts out (the lease, a slot, the body, the admission: one transaction
+before forwarding, the wait for older writes, the last judgement before the send), and
+the verdict is carried out: forwarded (``forwarding``) or answered by the gateway itself
+(``answers``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from multidict import CIMultiDict
-from yarl import URL
 
 from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore
@@ -29,39 +27,27 @@ from . import fence
 from .answers import Answers
 from .audit import Audit
 from .body import BodyTimeout, read_body, start_body_clock
-from .config import Settings, UpstreamSettings
+from .config import Settings
 from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
 from .fence import Action, Reason, RecordState
-from .intake import HOP_BY_HOP, Ctx, connection_named, forward_headers, intake
+from .forwarding import Forwarder, upstream_url
+from .intake import Ctx, forward_headers, intake
 from .logs import request_id_middleware
 from .metrics import GatewayMetrics
 from .store import Admission, GatewayStore, WriteRequest
 
 log = logging.getLogger("fencegate.proxy")
 
-DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
-# Upstream answers that do not tell whether the side effect happened.
-UNKNOWN_STATUSES = frozenset({502, 504})
 DEADLINE_MARGIN = 5.0
 ORDERING_POLL = 0.02
-LARGE_BODY = 1024 * 1024  # above this, hand aiohttp a stream, not bytes
-
-
-class ForwardingMetrics(NamedTuple):
-    """One upstream's series that every forwarded request touches."""
-
-    decision_seconds: Any
-    in_flight: Any
-    forward_seconds: Any
-    forwarded: Any
-
 
 # The lease check ``expect`` made before the client sent the body.
 LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
 
 
 class Gateway:
-    """The proxy's state: settings, stores and the one client session."""
+    """The proxy's state: settings, stores, the slots, the forwarder (with the one
+    client session) and the gateway's own answers."""
 
     def __init__(self, settings: Settings, lease_store: LeaseStore) -> None:
         self.settings = settings
@@ -69,9 +55,8 @@ class Gateway:
         self.audit = Audit(lease_store, settings.gateway)
         self.metrics = GatewayMetrics.of(lease_store.metrics.registry)
         self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
-        self._by_upstream: dict[str, ForwardingMetrics] = {}
+        self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
-        self.session: aiohttp.ClientSession | None = None
         # Slots in use per pool: fenced writes past the lease check (up to
         # max_concurrent_requests) and unfenced requests (max_concurrent_unfenced_requests).
         self.slots = {"fenced": 0, "unfenced": 0}
@@ -86,28 +71,10 @@ class Gateway:
         log.info("reload: %d upstream(s): %s", len(self.upstreams), ", ".join(self.upstreams))
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            trust_env=False,
-            connector=aiohttp.TCPConnector(
-                limit=0,
-                limit_per_host=self.settings.gateway.upstream_connections_per_host,
-                keepalive_timeout=self.settings.gateway.upstream_keepalive_seconds,
-            ),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
-        # Nothing re-sends a request once any byte of it has left: aiohttp's client sends
-        # an "idempotent" method (PUT, DELETE, ...) a second time by itself when the
-        # connection breaks, and a fenced PUT that the upstream applied before it cut the
-        # connection would be applied twice. There is no public switch; aiohttp's own
-        # TestClient turns it off the same way, and tests/integration asserts the effect
-        # (a cut connection after a PUT or DELETE reaches the upstream once).
-        self.session._retry_connection = False
+        await self.forwarder.start()
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        await self.forwarder.close()
 
     # -- the request path ---------------------------------------------------------------
 
@@ -317,22 +284,20 @@ class Gateway:
         facts.lease = reason
         facts.in_order = True
 
+    async def _wait_for_older(self, job_id: str, generation: int) -> bool:
+        """Wait (bounded) until no older generation's write to this job is in flight."""
+        deadline = time.monotonic() + self.settings.gateway.ordering_wait_seconds
+        while time.monotonic() < deadline:
+            await asyncio.sleep(ORDERING_POLL)
+            if not await self.store.older_in_flight(job_id, generation):
+                return True
+        return False
+
     # -- carrying out the verdict ---------------------------------------------------------
 
     async def _carry_out(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
         if verdict.outcome in (Outcome.FORWARD, Outcome.PASS):
-            upstream = ctx.upstream
-            assert upstream is not None and ctx.body is not None
-            if verdict.outcome is Outcome.FORWARD:
-                presented = ctx.admission.presented if ctx.admission else None
-                assert presented is not None
-                headers = forward_headers(
-                    ctx.request, upstream, presented.job_id, presented.generation, ctx.key
-                )
-            else:
-                headers = forward_headers(ctx.request, upstream, None, None, None)
-            url = upstream_url(upstream, ctx.rest, ctx.query)
-            return await self._forward(ctx, upstream, url, headers, ctx.body)
+            return await self._forward(ctx, fenced=verdict.outcome is Outcome.FORWARD)
         if verdict.outcome is Outcome.REPLAY:
             assert ctx.record is not None
             return await self.answers.replay(ctx, ctx.record)
@@ -357,215 +322,69 @@ class Gateway:
         await self.store.release(admission.presented.job_id, ctx.key, ctx.attempt, ctx.back_to)
         ctx.attempt = None
 
-    async def _settle_quietly(self, settling: Coroutine[Any, Any, None]) -> None:
-        """Store an answer whose response has already started: a failure here (the
-        database went away) must not turn into a second response on the same connection.
-        The record then stays in flight and turns unknown at its deadline."""
-        try:
-            await asyncio.shield(settling)
-        except Exception:
-            log.exception("could not store the answer; its key turns unknown at its deadline")
-
-    async def _wait_for_older(self, job_id: str, generation: int) -> bool:
-        """Wait (bounded) until no older generation's write to this job is in flight."""
-        deadline = time.monotonic() + self.settings.gateway.ordering_wait_seconds
-        while time.monotonic() < deadline:
-            await asyncio.sleep(ORDERING_POLL)
-            if not await self.store.older_in_flight(job_id, generation):
-                return True
-        return False
-
-    async def _forward(
-        self,
-        ctx: Ctx,
-        upstream: UpstreamSettings,
-        url: str,
-        headers: CIMultiDict[str],
-        body: io.BytesIO,
-    ) -> web.StreamResponse:
-        metrics = self._forwarding_metrics(upstream.name)
-        started = time.perf_counter()
-        if ctx.admission is not None:
-            metrics.decision_seconds.observe(started - ctx.started)
-        metrics.in_flight.inc()
-        try:
-            return await self._send(ctx, upstream, url, headers, body)
-        finally:
-            metrics.in_flight.dec()
-            if ctx.forwarded:
-                metrics.forward_seconds.observe(time.perf_counter() - started)
-                metrics.forwarded.inc()
-
-    def _forwarding_metrics(self, name: str) -> ForwardingMetrics:
-        """An upstream's labelled series, looked up once (``labels()`` takes a lock and
-        builds a key on every call; this runs on every forwarded request)."""
-        found = self._by_upstream.get(name)
-        if found is None:
-            m = self.metrics
-            found = self._by_upstream[name] = ForwardingMetrics(
-                decision_seconds=m.decision_seconds.labels(name),
-                in_flight=m.in_flight.labels(name),
-                forward_seconds=m.forward_seconds.labels(name),
-                forwarded=m.decisions.labels(name, "forwarded"),
+    async def _forward(self, ctx: Ctx, *, fenced: bool) -> web.StreamResponse:
+        """Forward with the fencing headers (a fenced write) or without (a pass-through);
+        a claimed key goes along, to be settled by how the exchange ends."""
+        upstream = ctx.upstream
+        assert upstream is not None and ctx.body is not None
+        if fenced:
+            presented = ctx.admission.presented if ctx.admission else None
+            assert presented is not None
+            headers = forward_headers(
+                ctx.request, upstream, presented.job_id, presented.generation, ctx.key
             )
-        return found
+        else:
+            headers = forward_headers(ctx.request, upstream, None, None, None)
+        key = None if ctx.attempt is None else _HeldKey(self, ctx)
+        return await self.forwarder.forward(
+            ctx.request,
+            upstream,
+            upstream_url(upstream, ctx.rest, ctx.query),
+            headers,
+            ctx.body,
+            key=key,
+            send_left=ctx.send_left,
+            refuse=lambda reason: self.answers.reject(ctx, reason),
+            decided_since=ctx.started if ctx.admission is not None else None,
+        )
 
-    async def _send(
-        self,
-        ctx: Ctx,
-        upstream: UpstreamSettings,
-        url: str,
-        headers: CIMultiDict[str],
-        body: io.BytesIO,
-    ) -> web.StreamResponse:
-        """Send to the upstream, stream the answer back, settle the key's record."""
-        assert self.session is not None
-        request = ctx.request
+
+class _HeldKey:
+    """The key a forwarded write holds (``forwarding.ClaimedKey``), bound to the store:
+    ids taken when the forward begins."""
+
+    __slots__ = ("_attempt", "_ctx", "_gateway", "_job_id", "_key")
+
+    def __init__(self, gateway: Gateway, ctx: Ctx) -> None:
         presented = ctx.admission.presented if ctx.admission else None
-        key = ctx.key or ""
-        job_id = presented.job_id if presented else ""
-        attempt = ctx.attempt
-        total = upstream.timeout_seconds
-        if attempt is not None and ctx.send_left is not None:
-            # Judged right before this (``_judge_at_send``), with nothing awaited since.
-            total = min(total, ctx.send_left)
-        timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
-        try:
-            upstream_response = await self.session.request(
-                request.method,
-                URL(url, encoded=True),  # forwarded as sent: no re-quoting of the path
-                headers=headers,
-                data=_payload(body),
-                allow_redirects=False,
-                timeout=timeout,
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
-            # Not sent: the key is free again (or back to its earlier unknown state).
-            if attempt is not None:
-                await self._release(ctx)
-            reason = (
-                Reason.UPSTREAM_TIMEOUT
-                if isinstance(error, aiohttp.ConnectionTimeoutError)
-                else Reason.UPSTREAM_UNAVAILABLE
-            )
-            return await self.answers.reject(ctx, reason)
-        except Exception as error:
-            # Sent (or maybe sent), but no answer: whether it was applied is unknown.
-            # Anything unexpected lands here too, so no claim is left in flight.
-            if not isinstance(error, TimeoutError | aiohttp.ClientError):
-                log.exception("forwarding to %s failed unexpectedly", upstream.name)
-            if attempt is not None:
-                await self.store.settle(
-                    job_id,
-                    key,
-                    attempt,
-                    state=RecordState.UNKNOWN,
-                    status=None,
-                    headers=None,
-                    body=None,
-                    note=f"no answer: {type(error).__name__}",
-                )
-            reason = (
-                Reason.UPSTREAM_TIMEOUT
-                if isinstance(error, TimeoutError)
-                else Reason.UPSTREAM_UNAVAILABLE
-            )
-            return await self.answers.reject(ctx, reason)
+        assert ctx.attempt is not None
+        self._gateway, self._ctx = gateway, ctx
+        self._job_id = presented.job_id if presented else ""
+        self._key = ctx.key or ""
+        self._attempt = ctx.attempt
 
-        ctx.forwarded = True
-        async with upstream_response:
-            named = connection_named(upstream_response.headers)
-            response_headers = [
-                (k, v)
-                for k, v in upstream_response.headers.items()
-                if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
-            ]
-            out = web.StreamResponse(
-                status=upstream_response.status, reason=upstream_response.reason
-            )
-            for k, v in response_headers:
-                out.headers.add(k, v)
-            stored: bytearray | None = bytearray()
-            replay_limit = self.settings.gateway.max_replay_body_bytes
-            client_gone = False
-            complete = False
-            # The last chunk is held back until the record is settled: a client that has
-            # the whole answer and retries at once must find the answer stored.
-            held = b""
+    async def release(self) -> None:
+        await self._gateway._release(self._ctx)
 
-            async def send(chunk: bytes) -> None:
-                nonlocal client_gone
-                if chunk and not client_gone:
-                    try:
-                        await out.write(chunk)
-                    except (ConnectionError, RuntimeError):
-                        client_gone = True
-
-            try:
-                await out.prepare(request)
-            except (ConnectionError, RuntimeError):
-                client_gone = True
-            try:
-                async for chunk in upstream_response.content.iter_any():
-                    if stored is not None:
-                        if len(stored) + len(chunk) <= replay_limit:
-                            stored += chunk
-                        else:
-                            stored = None
-                    await send(held)
-                    held = chunk
-                complete = True
-            except (TimeoutError, aiohttp.ClientError) as error:
-                log.warning("upstream %s cut its answer short: %s", upstream.name, error)
-            finally:
-                status = upstream_response.status
-                if attempt is not None and complete and status in upstream.not_processed:
-                    # "Not processed, try later": not the key's answer. The key is free
-                    # again (or back to its earlier unknown outcome), as if not sent.
-                    await self._settle_quietly(self._release(ctx))
-                elif attempt is not None:
-                    known = complete and status not in UNKNOWN_STATUSES
-                    await self._settle_quietly(
-                        self.store.settle(
-                            job_id,
-                            key,
-                            attempt,
-                            state=RecordState.COMPLETED if known else RecordState.UNKNOWN,
-                            status=upstream_response.status,
-                            headers=response_headers,
-                            body=bytes(stored) if stored is not None else None,
-                            note=None
-                            if known
-                            else (
-                                f"upstream answered {upstream_response.status}"
-                                if complete
-                                else "the upstream's answer was cut short"
-                            ),
-                        )
-                    )
-            if not client_gone:
-                if complete:
-                    await send(held)
-                    if not client_gone:
-                        await out.write_eof()
-                elif request.transport is not None:
-                    request.transport.close()  # the client must not take a cut body as whole
-            return out
-
-
-def _payload(body: io.BytesIO) -> io.BytesIO | bytes | None:
-    """What aiohttp sends: a large body straight from its buffer, in pieces (no second
-    copy); a small one as bytes (one write)."""
-    size = body.tell()
-    if size > LARGE_BODY:
-        body.seek(0)
-        return body
-    return body.getvalue() if size else None
-
-
-def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
-    url = f"{upstream.url}/{rest}"
-    return f"{url}?{query}" if query else url
+    async def settle(
+        self,
+        state: RecordState,
+        *,
+        status: int | None,
+        headers: list[tuple[str, str]] | None,
+        body: bytes | None,
+        note: str | None,
+    ) -> None:
+        await self._gateway.store.settle(
+            self._job_id,
+            self._key,
+            self._attempt,
+            state=state,
+            status=status,
+            headers=headers,
+            body=body,
+            note=note,
+        )
 
 
 def create_proxy_app(gateway: Gateway) -> web.Application:
