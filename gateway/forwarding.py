@@ -25,6 +25,7 @@ from .fence import Reason, RecordState
 from .intake import HOP_BY_HOP, connection_named
 from .metrics import GatewayMetrics
 
+# The proxy listener's one logger, as docs/operations.md names it.
 log = logging.getLogger("fencegate.proxy")
 
 DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
