@@ -1,5 +1,5 @@
 """How long a claimed write can still be sent late: the window between the gateway's
-last judgement of a claim (``Gateway._judge_again``: the fence and the claim's deadline,
+last judgement of a claim (``Gateway._judge_at_send``: the fence and the claim's deadline,
 read from the database right before the forward) and the first byte of the request
 leaving for the upstream.
 
@@ -102,14 +102,14 @@ async def measure(
         )
         gateway = Gateway(settings, store)
         proxy_runner, proxy_url = await start(create_proxy_app(gateway))
-        assert gateway.session is not None
+        assert gateway.forwarder.session is not None
         if not keep_alive:  # every forward opens a new connection to the upstream
-            gateway.session._connector._force_close = True  # type: ignore[union-attr]
+            gateway.forwarder.session._connector._force_close = True  # type: ignore[union-attr]
 
         judged: dict[asyncio.Task[Any], float] = {}
         reads: list[float] = []
         windows: list[float] = []
-        judge_again = gateway._judge_again
+        judge_again = gateway._judge_at_send
         claim = gateway.store.claim
 
         async def timed_claim(*args: Any) -> Any:
@@ -119,7 +119,7 @@ async def measure(
             finally:
                 reads.append(time.perf_counter() - started)
 
-        async def timed_judge_again(*args: Any) -> Any:
+        async def timed_judge_at_send(*args: Any) -> Any:
             result = await judge_again(*args)
             task = asyncio.current_task()
             assert task is not None
@@ -135,9 +135,9 @@ async def measure(
         trace = aiohttp.TraceConfig()
         trace.on_request_headers_sent.append(headers_sent)
         trace.freeze()
-        gateway.session._trace_configs.append(trace)
+        gateway.forwarder.session._trace_configs.append(trace)
         gateway.store.claim = timed_claim  # type: ignore[method-assign]
-        gateway._judge_again = timed_judge_again  # type: ignore[method-assign]
+        gateway._judge_at_send = timed_judge_at_send  # type: ignore[method-assign]
 
         leases = [
             await store.acquire(job_id=f"job-{i}", owner="w", ttl=600, queue="window")

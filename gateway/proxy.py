@@ -1,142 +1,62 @@
 """The proxy listener: ``/{upstream}/{path}`` to the upstream's base URL + ``/{path}``.
 
-Fenced writes are admitted (``store.admit``: one transaction before forwarding), forwarded
-with header hygiene, streamed back to the client while the part needed for replay is
-kept, and settled (one statement after). Everything else is answered here with a
-problem document and audited.
+``Gateway.handle`` is the loop: intake reads the facts the request carries
+(``intake``), ``decision.decide`` names the next fact to find out or the verdict, the
+steps here find facts out (the lease, a slot, the body, the admission: one transaction
+before forwarding, the wait for older writes, the last judgement before the send), and
+the verdict is carried out: forwarded (``forwarding``) or answered by the gateway itself
+(``answers``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
-from urllib.parse import unquote
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
 
 from lease_core import exceptions as lease_exc
-from lease_core import tokens
-from lease_core.problems import problem_response
 from lease_core.store import LeaseStore
 
 from . import fence
-from .audit import Audit, AuditEntry, audit_path
-from .config import Settings, UpstreamSettings
+from .answers import Answers
+from .audit import Audit
+from .body import BodyTimeout, read_body, start_body_clock
+from .config import Settings
 from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
-from .fence import Action, Hasher, Reason, Record, RecordState
-from .logs import REQUEST_ID, request_id_middleware
+from .fence import Action, Reason, RecordState
+from .forwarding import Forwarder, upstream_url
+from .intake import Ctx, forward_headers, intake
+from .logs import request_id_middleware
 from .metrics import GatewayMetrics
 from .store import Admission, GatewayStore, WriteRequest
 
 log = logging.getLogger("fencegate.proxy")
 
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Proxy-Connection",
-    )
-)
-# Never forwarded from the client: the credential, what we set ourselves, what aiohttp sets.
-DROP_FROM_CLIENT = HOP_BY_HOP | {
-    "fencing-token",
-    "fencing-job",
-    "fencing-generation",
-    "host",
-    "content-length",
-    "expect",
-}
-# Client headers that could tell the upstream another story about the request than the
-# gateway checked: where it came from, which URL it was for.
-DROP_FROM_CLIENT |= {"forwarded", "x-original-url", "x-rewrite-url"}
-# Headers that make an upstream treat a request as another method. On a method that is
-# not fenced they would turn a pass-through into an unfenced write: refused.
-METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
-DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
-PROTECTED = frozenset({"fencing-token", "idempotency-key"})
-# Upstream answers that do not tell whether the side effect happened.
-UNKNOWN_STATUSES = frozenset({502, 504})
 DEADLINE_MARGIN = 5.0
 ORDERING_POLL = 0.02
-LARGE_BODY = 1024 * 1024  # above this, hand aiohttp a stream, not bytes
 
-
-@dataclass(slots=True)
-class Ctx:
-    """What is known about one request so far (for the answer and its audit entry)."""
-
-    request: web.Request
-    upstream: UpstreamSettings | None = None
-    key: str | None = None
-    fingerprint: str | None = None
-    admission: Admission | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    forwarded: bool = False
-    body: io.BytesIO | None = None  # the request body, read once (the only copy)
-    send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
-    rest: str = ""  # the path after the upstream's name
-    query: str = ""
-    token_hash: str | None = None
-    record: Record | None = None  # the key's record, when it answers for the request
-    attempt: str | None = None  # the key is ours (claimed or taken over) under this attempt
-    back_to: Record | None = None  # the record before we took it over
-    send_left: float | None = None  # seconds the claim still allows, judged at the send
-    slot: str | None = None  # the pool whose slot this request holds
-    method: str = ""  # the method as the fingerprint names it (with an override, if any)
-
-
-class ForwardingMetrics(NamedTuple):
-    """One upstream's series that every forwarded request touches."""
-
-    decision_seconds: Any
-    in_flight: Any
-    forward_seconds: Any
-    forwarded: Any
-
-
-class BodyTimeouts(NamedTuple):
-    deadline: float  # loop time by which the whole body must have arrived
-    idle: float  # longest wait for the next part of it
-
-
-class BodyTimeout(Exception):
-    """The request body did not arrive in time."""
-
-
-BODY_TIMEOUTS = web.RequestKey("body_timeouts", BodyTimeouts)
 # The lease check ``expect`` made before the client sent the body.
 LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
 
 
 class Gateway:
-    """The proxy's state: settings, stores and the one client session."""
+    """The proxy's state: settings, stores, the slots, the forwarder (with the one
+    client session) and the gateway's own answers."""
 
     def __init__(self, settings: Settings, lease_store: LeaseStore) -> None:
         self.settings = settings
         self.store = GatewayStore(lease_store)
         self.audit = Audit(lease_store, settings.gateway)
         self.metrics = GatewayMetrics.of(lease_store.metrics.registry)
-        self._by_upstream: dict[str, ForwardingMetrics] = {}
+        self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
+        self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
-        self.session: aiohttp.ClientSession | None = None
         # Slots in use per pool: fenced writes past the lease check (up to
         # max_concurrent_requests) and unfenced requests (max_concurrent_unfenced_requests).
         self.slots = {"fenced": 0, "unfenced": 0}
@@ -151,112 +71,10 @@ class Gateway:
         log.info("reload: %d upstream(s): %s", len(self.upstreams), ", ".join(self.upstreams))
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            trust_env=False,
-            connector=aiohttp.TCPConnector(
-                limit=0,
-                limit_per_host=self.settings.gateway.upstream_connections_per_host,
-                keepalive_timeout=self.settings.gateway.upstream_keepalive_seconds,
-            ),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
-        # Nothing re-sends a request once any byte of it has left: aiohttp's client sends
-        # an "idempotent" method (PUT, DELETE, ...) a second time by itself when the
-        # connection breaks, and a fenced PUT that the upstream applied before it cut the
-        # connection would be applied twice. There is no public switch; aiohttp's own
-        # TestClient turns it off the same way, and tests/integration asserts the effect
-        # (a cut connection after a PUT or DELETE reaches the upstream once).
-        self.session._retry_connection = False
+        await self.forwarder.start()
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-
-    # -- answering ourselves ------------------------------------------------------------
-
-    async def reject(
-        self,
-        ctx: Ctx,
-        reason: Reason,
-        *,
-        detail: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> web.Response:
-        info = fence.REASONS[reason]
-        if info.retry_after:
-            headers = {"Retry-After": "1", **(headers or {})}
-        extra = self._problem_extra(ctx)
-        self._count(ctx, reason.value)
-        log.info(
-            "answered %s %d",
-            reason.value,
-            info.status,
-            extra={
-                "fields": {
-                    "reason": reason.value,
-                    "status": info.status,
-                    "upstream": ctx.upstream.name if ctx.upstream else None,
-                    **{k: v for k, v in extra.items() if v is not None},
-                }
-            },
-        )
-        await self._audit(ctx, reason.value, info.status, extra)
-        return problem_response(
-            status=info.status,
-            reason=reason.value,
-            title=info.title,
-            detail=detail or info.detail,
-            headers=headers,
-            **extra,
-            **ctx.extra,
-        )
-
-    async def replay(self, ctx: Ctx, record: Record) -> web.Response:
-        """The key's stored answer (the table sent one kept too large to store to
-        ``replay-unavailable`` instead)."""
-        self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
-        await self._audit(
-            ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0, self._problem_extra(ctx)
-        )
-        headers = CIMultiDict(record.headers or [])
-        headers["Idempotent-Replayed"] = "true"
-        return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
-
-    def _count(self, ctx: Ctx, reason: str) -> None:
-        self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
-
-    @staticmethod
-    def _problem_extra(ctx: Ctx) -> dict[str, Any]:
-        if ctx.admission is None:
-            return {}
-        return fence.problem_extra(ctx.admission.presented, ctx.admission.highest)
-
-    async def _audit(self, ctx: Ctx, reason: str, status: int, extra: dict[str, Any]) -> None:
-        request = ctx.request
-        presented = ctx.admission.presented if ctx.admission else None
-        await self.audit.record(
-            AuditEntry(
-                reason=reason,
-                status=status,
-                method=request.method,
-                path=audit_path(
-                    request.raw_path, ctx.upstream.audit_query_params if ctx.upstream else ()
-                ),
-                job_id=presented.job_id if presented else None,
-                generation=presented.generation if presented else None,
-                highest_generation=extra.get("highest_generation"),
-                owner=presented.owner if presented else None,
-                upstream=ctx.upstream.name if ctx.upstream else None,
-                idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
-                client=request.remote,
-                fingerprint=ctx.fingerprint,
-                body=ctx.body.getvalue()
-                if ctx.body is not None and self.settings.gateway.audit_bodies
-                else None,
-            )
-        )
+        await self.forwarder.close()
 
     # -- the request path ---------------------------------------------------------------
 
@@ -265,13 +83,9 @@ class Gateway:
         The table asks for the lease before a slot and a slot before the body: a
         request without a current lease is refused before its body is read and never
         holds a slot while a slow client sends it. Fenced and unfenced requests have
-        separate pools, and every body must arrive in time (``_chunks``)."""
+        separate pools, and every body must arrive in time (``body.read_body``)."""
         ctx = Ctx(request)
-        limits = self.settings.gateway
-        request[BODY_TIMEOUTS] = BodyTimeouts(
-            asyncio.get_running_loop().time() + limits.body_timeout_seconds,
-            limits.body_idle_timeout_seconds,
-        )
+        start_body_clock(request, self.settings.gateway)
         try:
             facts = self._intake(ctx)
             checked = request.get(LEASE_CHECKED)  # by ``expect``, before the body came
@@ -282,7 +96,7 @@ class Gateway:
                 await self._find_out(ctx, facts, verdict.need)
             return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
+            return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
         finally:
             if ctx.slot is not None:
                 self.slots[ctx.slot] -= 1
@@ -292,7 +106,7 @@ class Gateway:
         declared length over the limit) is given before the client sends the body."""
         ctx = Ctx(request)
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return await self.reject(
+            return await self.answers.reject(
                 ctx, Reason.INVALID_REQUEST, detail="Only Expect: 100-continue is supported."
             )
         try:
@@ -303,7 +117,7 @@ class Gateway:
             if verdict.outcome is Outcome.REFUSE:
                 return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.reject(ctx, Reason.STORE_UNAVAILABLE)
+            return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
         if ctx.admission is not None:
             request[LEASE_CHECKED] = ctx.admission
         if request.version >= aiohttp.HttpVersion11:
@@ -313,50 +127,7 @@ class Gateway:
     # -- the facts: from the request, then from the database ----------------------------
 
     def _intake(self, ctx: Ctx) -> Facts:
-        """The facts the request line and headers carry (no I/O). A fact left at its
-        default passes its row; the walk stops at the first refusal anyway."""
-        request = ctx.request
-        facts = Facts()
-        target = self._target(request)
-        if isinstance(target, str):
-            facts.bad_target = target
-            return facts
-        framing = _framing_problem(request)
-        if framing is not None:
-            facts.bad_target = framing
-            return facts
-        name, ctx.rest, ctx.query = target
-        ctx.upstream = upstream = self.upstreams.get(name)
-        if upstream is None:
-            facts.unknown_upstream = name[:100]
-            return facts
-        limit = upstream.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            facts.over_limit = True  # declared: known without reading
-        override = _method_override(request.headers)
-        if request.method not in upstream.fenced_methods:
-            facts.fenced = False
-            facts.override_on_unfenced = override is not None
-            return facts
-        ctx.method = request.method if override is None else f"{request.method} as {override}"
-
-        presented = request.headers.getall("Fencing-Token", [])
-        facts.token_headers = len(presented)
-        if len(presented) != 1:
-            return facts
-        token = presented[0].strip()
-        facts.token_well_formed = tokens.is_well_formed(token)
-        facts.protected_hop_by_hop = bool(connection_named(request.headers) & PROTECTED)
-        key_headers = request.headers.getall("Idempotency-Key", [])
-        key = None
-        if len(key_headers) == 1:
-            key = fence.parse_key(key_headers[0], self.settings.gateway.max_idempotency_key_length)
-        facts.key_acceptable = key is not None or not (
-            key_headers or upstream.require_idempotency_key
-        )
-        ctx.key = key or fence.anonymous_key()
-        ctx.token_hash = tokens.hash_token(token) if facts.token_well_formed else None
-        return facts
+        return intake(ctx, self.upstreams, self.settings.gateway.max_idempotency_key_length)
 
     async def _find_out(self, ctx: Ctx, facts: Facts, step: Step) -> None:
         if step is Step.LEASE:
@@ -434,7 +205,7 @@ class Gateway:
         if facts.fenced:
             digest = fence.fingerprint_hasher(ctx.method, upstream.name, ctx.rest, ctx.query)
         try:
-            ctx.body = await self._read_body(request, upstream, digest)
+            ctx.body = await read_body(request, upstream, digest)
         except BodyTimeout:
             facts.over_limit, facts.body_in_time = False, False
             return
@@ -513,104 +284,6 @@ class Gateway:
         facts.lease = reason
         facts.in_order = True
 
-    # -- carrying out the verdict ---------------------------------------------------------
-
-    async def _carry_out(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
-        if verdict.outcome in (Outcome.FORWARD, Outcome.PASS):
-            upstream = ctx.upstream
-            assert upstream is not None and ctx.body is not None
-            if verdict.outcome is Outcome.FORWARD:
-                presented = ctx.admission.presented if ctx.admission else None
-                assert presented is not None
-                headers = forward_headers(
-                    ctx.request, upstream, presented.job_id, presented.generation, ctx.key
-                )
-            else:
-                headers = forward_headers(ctx.request, upstream, None, None, None)
-            url = _upstream_url(upstream, ctx.rest, ctx.query)
-            return await self._forward(ctx, upstream, url, headers, ctx.body)
-        if verdict.outcome is Outcome.REPLAY:
-            assert ctx.record is not None
-            return await self.replay(ctx, ctx.record)
-        assert verdict.reason is not None
-        if ctx.attempt is not None:  # our claim on the key: it was not sent, undo it
-            await self._release(ctx)
-        if verdict.reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
-            ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
-        if verdict.reason is Reason.BODY_TIMEOUT:
-            return await self._body_timeout(ctx)
-        response = await self.reject(ctx, verdict.reason, detail=verdict.detail)
-        if verdict.close:
-            # Malformed or ambiguous framing: nothing sent after it on the connection may
-            # ever be read as a request.
-            response.force_close()
-        return response
-
-    async def _body_timeout(self, ctx: Ctx) -> web.StreamResponse:
-        """Nothing was claimed yet (the body is read before ``admit``). The answer is sent
-        and the connection closed at once: aiohttp would otherwise keep reading the rest
-        of the slow body (its lingering close) before closing."""
-        response = await self.reject(ctx, Reason.BODY_TIMEOUT)
-        response.force_close()
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await response.prepare(ctx.request)
-            await response.write_eof()
-        ctx.request.protocol.force_close()
-        return response
-
-    async def _release(self, ctx: Ctx) -> None:
-        assert ctx.attempt is not None and ctx.key is not None
-        admission = ctx.admission
-        assert admission is not None and admission.presented is not None
-        await self.store.release(admission.presented.job_id, ctx.key, ctx.attempt, ctx.back_to)
-        ctx.attempt = None
-
-    async def _settle_quietly(self, settling: Coroutine[Any, Any, None]) -> None:
-        """Store an answer whose response has already started: a failure here (the
-        database went away) must not turn into a second response on the same connection.
-        The record then stays in flight and turns unknown at its deadline."""
-        try:
-            await asyncio.shield(settling)
-        except Exception:
-            log.exception("could not store the answer; its key turns unknown at its deadline")
-
-    def _target(self, request: web.Request) -> tuple[str, str, str] | str:
-        """(upstream name, rest of the path, raw query), or why the target is refused."""
-        if request.method == "CONNECT":
-            return "CONNECT is not supported: this is not an open proxy."
-        raw = request.raw_path
-        if not raw.startswith("/"):
-            return "Absolute-form targets are not supported: this is not an open proxy."
-        path, _, query = raw.partition("?")
-        name, _, rest = path[1:].partition("/")
-        name = unquote(name)
-        decoded = unquote(rest)
-        # Encoded or not, nothing may climb out of the upstream's base path.
-        if any(segment in (".", "..") for segment in decoded.replace("\\", "/").split("/")):
-            return "Dot-segments are not allowed in the path."
-        if "\\" in decoded:
-            return "Backslashes are not allowed in the path."
-        return name, rest, query
-
-    async def _read_body(
-        self, request: web.Request, upstream: UpstreamSettings, digest: Hasher | None = None
-    ) -> io.BytesIO | None:
-        """The whole body, or None when it is over the upstream's limit. Each piece goes
-        into the fingerprint as it arrives and into one buffer, so a body costs its size
-        once (``max_concurrent_requests`` times ``max_body_bytes`` bounds them all)."""
-        limit = upstream.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            return None
-        buffer, size = io.BytesIO(), 0
-        async for chunk in _chunks(request):
-            size += len(chunk)
-            if size > limit:
-                return None
-            if digest is not None:
-                digest.update(chunk)
-            buffer.write(chunk)
-        return buffer
-
     async def _wait_for_older(self, job_id: str, generation: int) -> bool:
         """Wait (bounded) until no older generation's write to this job is in flight."""
         deadline = time.monotonic() + self.settings.gateway.ordering_wait_seconds
@@ -620,296 +293,98 @@ class Gateway:
                 return True
         return False
 
-    async def _forward(
-        self,
-        ctx: Ctx,
-        upstream: UpstreamSettings,
-        url: str,
-        headers: CIMultiDict[str],
-        body: io.BytesIO,
-    ) -> web.StreamResponse:
-        metrics = self._forwarding_metrics(upstream.name)
-        started = time.perf_counter()
-        if ctx.admission is not None:
-            metrics.decision_seconds.observe(started - ctx.started)
-        metrics.in_flight.inc()
-        try:
-            return await self._send(ctx, upstream, url, headers, body)
-        finally:
-            metrics.in_flight.dec()
-            if ctx.forwarded:
-                metrics.forward_seconds.observe(time.perf_counter() - started)
-                metrics.forwarded.inc()
+    # -- carrying out the verdict ---------------------------------------------------------
 
-    def _forwarding_metrics(self, name: str) -> ForwardingMetrics:
-        """An upstream's labelled series, looked up once (``labels()`` takes a lock and
-        builds a key on every call; this runs on every forwarded request)."""
-        found = self._by_upstream.get(name)
-        if found is None:
-            m = self.metrics
-            found = self._by_upstream[name] = ForwardingMetrics(
-                decision_seconds=m.decision_seconds.labels(name),
-                in_flight=m.in_flight.labels(name),
-                forward_seconds=m.forward_seconds.labels(name),
-                forwarded=m.decisions.labels(name, "forwarded"),
+    async def _carry_out(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
+        if verdict.outcome in (Outcome.FORWARD, Outcome.PASS):
+            return await self._forward(ctx, fenced=verdict.outcome is Outcome.FORWARD)
+        if verdict.outcome is Outcome.REPLAY:
+            assert ctx.record is not None
+            return await self.answers.replay(ctx, ctx.record)
+        assert verdict.reason is not None
+        if ctx.attempt is not None:  # our claim on the key: it was not sent, undo it
+            await self._release(ctx)
+        if verdict.reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
+            ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
+        if verdict.reason is Reason.BODY_TIMEOUT:
+            return await self.answers.body_timeout(ctx)
+        response = await self.answers.reject(ctx, verdict.reason, detail=verdict.detail)
+        if verdict.close:
+            # Malformed or ambiguous framing: nothing sent after it on the connection may
+            # ever be read as a request.
+            response.force_close()
+        return response
+
+    async def _release(self, ctx: Ctx) -> None:
+        assert ctx.attempt is not None and ctx.key is not None
+        admission = ctx.admission
+        assert admission is not None and admission.presented is not None
+        await self.store.release(admission.presented.job_id, ctx.key, ctx.attempt, ctx.back_to)
+        ctx.attempt = None
+
+    async def _forward(self, ctx: Ctx, *, fenced: bool) -> web.StreamResponse:
+        """Forward with the fencing headers (a fenced write) or without (a pass-through);
+        a claimed key goes along, to be settled by how the exchange ends."""
+        upstream = ctx.upstream
+        assert upstream is not None and ctx.body is not None
+        if fenced:
+            presented = ctx.admission.presented if ctx.admission else None
+            assert presented is not None
+            headers = forward_headers(
+                ctx.request, upstream, presented.job_id, presented.generation, ctx.key
             )
-        return found
-
-    async def _send(
-        self,
-        ctx: Ctx,
-        upstream: UpstreamSettings,
-        url: str,
-        headers: CIMultiDict[str],
-        body: io.BytesIO,
-    ) -> web.StreamResponse:
-        """Send to the upstream, stream the answer back, settle the key's record."""
-        assert self.session is not None
-        request = ctx.request
-        presented = ctx.admission.presented if ctx.admission else None
-        key = ctx.key or ""
-        job_id = presented.job_id if presented else ""
-        attempt = ctx.attempt
-        total = upstream.timeout_seconds
-        if attempt is not None and ctx.send_left is not None:
-            # Judged right before this (``_judge_at_send``), with nothing awaited since.
-            total = min(total, ctx.send_left)
-        timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
-        try:
-            upstream_response = await self.session.request(
-                request.method,
-                URL(url, encoded=True),  # forwarded as sent: no re-quoting of the path
-                headers=headers,
-                data=_payload(body),
-                allow_redirects=False,
-                timeout=timeout,
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
-            # Not sent: the key is free again (or back to its earlier unknown state).
-            if attempt is not None:
-                await self._release(ctx)
-            reason = (
-                Reason.UPSTREAM_TIMEOUT
-                if isinstance(error, aiohttp.ConnectionTimeoutError)
-                else Reason.UPSTREAM_UNAVAILABLE
-            )
-            return await self.reject(ctx, reason)
-        except Exception as error:
-            # Sent (or maybe sent), but no answer: whether it was applied is unknown.
-            # Anything unexpected lands here too, so no claim is left in flight.
-            if not isinstance(error, TimeoutError | aiohttp.ClientError):
-                log.exception("forwarding to %s failed unexpectedly", upstream.name)
-            if attempt is not None:
-                await self.store.settle(
-                    job_id,
-                    key,
-                    attempt,
-                    state=RecordState.UNKNOWN,
-                    status=None,
-                    headers=None,
-                    body=None,
-                    note=f"no answer: {type(error).__name__}",
-                )
-            reason = (
-                Reason.UPSTREAM_TIMEOUT
-                if isinstance(error, TimeoutError)
-                else Reason.UPSTREAM_UNAVAILABLE
-            )
-            return await self.reject(ctx, reason)
-
-        ctx.forwarded = True
-        async with upstream_response:
-            named = connection_named(upstream_response.headers)
-            response_headers = [
-                (k, v)
-                for k, v in upstream_response.headers.items()
-                if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
-            ]
-            out = web.StreamResponse(
-                status=upstream_response.status, reason=upstream_response.reason
-            )
-            for k, v in response_headers:
-                out.headers.add(k, v)
-            stored: bytearray | None = bytearray()
-            replay_limit = self.settings.gateway.max_replay_body_bytes
-            client_gone = False
-            complete = False
-            # The last chunk is held back until the record is settled: a client that has
-            # the whole answer and retries at once must find the answer stored.
-            held = b""
-
-            async def send(chunk: bytes) -> None:
-                nonlocal client_gone
-                if chunk and not client_gone:
-                    try:
-                        await out.write(chunk)
-                    except (ConnectionError, RuntimeError):
-                        client_gone = True
-
-            try:
-                await out.prepare(request)
-            except (ConnectionError, RuntimeError):
-                client_gone = True
-            try:
-                async for chunk in upstream_response.content.iter_any():
-                    if stored is not None:
-                        if len(stored) + len(chunk) <= replay_limit:
-                            stored += chunk
-                        else:
-                            stored = None
-                    await send(held)
-                    held = chunk
-                complete = True
-            except (TimeoutError, aiohttp.ClientError) as error:
-                log.warning("upstream %s cut its answer short: %s", upstream.name, error)
-            finally:
-                status = upstream_response.status
-                if attempt is not None and complete and status in upstream.not_processed:
-                    # "Not processed, try later": not the key's answer. The key is free
-                    # again (or back to its earlier unknown outcome), as if not sent.
-                    await self._settle_quietly(self._release(ctx))
-                elif attempt is not None:
-                    known = complete and status not in UNKNOWN_STATUSES
-                    await self._settle_quietly(
-                        self.store.settle(
-                            job_id,
-                            key,
-                            attempt,
-                            state=RecordState.COMPLETED if known else RecordState.UNKNOWN,
-                            status=upstream_response.status,
-                            headers=response_headers,
-                            body=bytes(stored) if stored is not None else None,
-                            note=None
-                            if known
-                            else (
-                                f"upstream answered {upstream_response.status}"
-                                if complete
-                                else "the upstream's answer was cut short"
-                            ),
-                        )
-                    )
-            if not client_gone:
-                if complete:
-                    await send(held)
-                    if not client_gone:
-                        await out.write_eof()
-                elif request.transport is not None:
-                    request.transport.close()  # the client must not take a cut body as whole
-            return out
-
-
-def connection_named(headers: CIMultiDictProxy[str]) -> set[str]:
-    """The header names a ``Connection`` header lists (hop-by-hop for this message)."""
-    return {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
-
-
-def _framing_problem(request: web.Request) -> str | None:
-    """Body framing we refuse rather than guess at (request smuggling lives here)."""
-    codings = [
-        c.strip().lower()
-        for v in request.headers.getall("Transfer-Encoding", [])
-        for c in v.split(",")
-        if c.strip()
-    ]
-    if not codings:
-        return None
-    if request.version < aiohttp.HttpVersion11:
-        return "Transfer-Encoding is not allowed in HTTP/1.0."
-    if codings != ["chunked"]:
-        return "Only Transfer-Encoding: chunked is supported."
-    return None
-
-
-async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
-    """The body as it arrives, within the request's ``BodyTimeouts`` (``BodyTimeout``)."""
-    content = request.content
-    timeouts = request.get(BODY_TIMEOUTS)
-    while True:
-        if timeouts is None or content.is_eof():  # all here: no read can wait
-            chunk = await content.readany()
         else:
-            wait = min(timeouts.idle, timeouts.deadline - asyncio.get_running_loop().time())
-            try:
-                if wait <= 0:
-                    raise TimeoutError
-                async with asyncio.timeout(wait):
-                    chunk = await content.readany()
-            except TimeoutError:
-                raise BodyTimeout from None
-        if not chunk:
-            return
-        yield chunk
+            headers = forward_headers(ctx.request, upstream, None, None, None)
+        key = None if ctx.attempt is None else _HeldKey(self, ctx)
+        return await self.forwarder.forward(
+            ctx.request,
+            upstream,
+            upstream_url(upstream, ctx.rest, ctx.query),
+            headers,
+            ctx.body,
+            key=key,
+            send_left=ctx.send_left,
+            refuse=lambda reason: self.answers.reject(ctx, reason),
+            decided_since=ctx.started if ctx.admission is not None else None,
+        )
 
 
-def _payload(body: io.BytesIO) -> io.BytesIO | bytes | None:
-    """What aiohttp sends: a large body straight from its buffer, in pieces (no second
-    copy); a small one as bytes (one write)."""
-    size = body.tell()
-    if size > LARGE_BODY:
-        body.seek(0)
-        return body
-    return body.getvalue() if size else None
+class _HeldKey:
+    """The key a forwarded write holds (``forwarding.ClaimedKey``), bound to the store:
+    ids taken when the forward begins."""
 
+    __slots__ = ("_attempt", "_ctx", "_gateway", "_job_id", "_key")
 
-def _upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
-    url = f"{upstream.url}/{rest}"
-    return f"{url}?{query}" if query else url
+    def __init__(self, gateway: Gateway, ctx: Ctx) -> None:
+        presented = ctx.admission.presented if ctx.admission else None
+        assert ctx.attempt is not None
+        self._gateway, self._ctx = gateway, ctx
+        self._job_id = presented.job_id if presented else ""
+        self._key = ctx.key or ""
+        self._attempt = ctx.attempt
 
+    async def release(self) -> None:
+        await self._gateway._release(self._ctx)
 
-def _method_override(headers: CIMultiDictProxy[str]) -> str | None:
-    """The method a method-override header asks for (any spelling of its name), if any."""
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower.startswith("x") and lower.replace("_", "-") in METHOD_OVERRIDES:
-            return value.strip().upper()[:32]
-    return None
-
-
-def _controlled(lower: str, upstream: UpstreamSettings) -> bool:
-    """A header name (with ``-`` for ``_``) that the gateway drops or sets itself: a
-    client's ``Fencing_Job`` reaches a CGI-style upstream as ``Fencing-Job`` would."""
-    return (
-        lower in DROP_FROM_CLIENT
-        or lower in PROTECTED
-        or lower == "x-request-id"
-        or lower.startswith("x-forwarded-")
-        or lower in upstream.set_header_names
-    )
-
-
-def forward_headers(
-    request: web.Request,
-    upstream: UpstreamSettings,
-    job_id: str | None,
-    generation: int | None,
-    key: str | None,
-) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop, the credential and what we set; plus fencing
-    headers, the key in its one canonical form, forwarding headers and the upstream's own
-    configured headers."""
-    incoming: CIMultiDictProxy[str] = request.headers
-    named = connection_named(incoming)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in incoming.items():
-        lower = name.lower()
-        if lower in DROP_FROM_CLIENT or lower in named or lower.startswith("x-forwarded-"):
-            continue
-        if "_" in lower and _controlled(lower.replace("_", "-"), upstream):
-            continue
-        out.add(name, value)
-    if job_id is not None and generation is not None:
-        out["Fencing-Job"] = job_id
-        out["Fencing-Generation"] = str(generation)
-        if key is not None and not fence.is_anonymous(key):
-            out["Idempotency-Key"] = fence.canonical_key(key)
-    previous = incoming.get("X-Forwarded-For")
-    remote = request.remote or "unknown"
-    out["X-Forwarded-For"] = f"{previous}, {remote}" if previous else remote
-    out["X-Forwarded-Proto"] = request.scheme
-    out["X-Request-Id"] = REQUEST_ID.get()
-    for name, secret in upstream.set_headers.items():
-        out[name] = secret.get_secret_value()
-    return out
+    async def settle(
+        self,
+        state: RecordState,
+        *,
+        status: int | None,
+        headers: list[tuple[str, str]] | None,
+        body: bytes | None,
+        note: str | None,
+    ) -> None:
+        await self._gateway.store.settle(
+            self._job_id,
+            self._key,
+            self._attempt,
+            state=state,
+            status=status,
+            headers=headers,
+            body=body,
+            note=note,
+        )
 
 
 def create_proxy_app(gateway: Gateway) -> web.Application:

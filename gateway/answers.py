@@ -1,0 +1,123 @@
+"""The gateway's own answers: a problem document for each refusal, the stored answer for
+a replay. Each is counted, logged and audited here, so no answer goes unrecorded."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from lease_core.problems import problem_response
+
+from . import fence
+from .audit import Audit, AuditEntry, audit_path
+from .fence import Reason, Record
+from .intake import Ctx
+from .metrics import GatewayMetrics
+
+# The proxy's logger: operators filter on it for every answer the gateway gives itself.
+log = logging.getLogger("fencegate.proxy")
+
+
+class Answers:
+    """Answers given by the gateway itself (not by an upstream)."""
+
+    def __init__(self, audit: Audit, metrics: GatewayMetrics, *, audit_bodies: bool) -> None:
+        self.audit = audit
+        self.metrics = metrics
+        self.audit_bodies = audit_bodies
+
+    async def reject(
+        self,
+        ctx: Ctx,
+        reason: Reason,
+        *,
+        detail: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        info = fence.REASONS[reason]
+        if info.retry_after:
+            headers = {"Retry-After": "1", **(headers or {})}
+        extra = self._problem_extra(ctx)
+        self._count(ctx, reason.value)
+        log.info(
+            "answered %s %d",
+            reason.value,
+            info.status,
+            extra={
+                "fields": {
+                    "reason": reason.value,
+                    "status": info.status,
+                    "upstream": ctx.upstream.name if ctx.upstream else None,
+                    **{k: v for k, v in extra.items() if v is not None},
+                }
+            },
+        )
+        await self._audit(ctx, reason.value, info.status, extra)
+        return problem_response(
+            status=info.status,
+            reason=reason.value,
+            title=info.title,
+            detail=detail or info.detail,
+            headers=headers,
+            **extra,
+            **ctx.extra,
+        )
+
+    async def replay(self, ctx: Ctx, record: Record) -> web.Response:
+        """The key's stored answer (the table sent one kept too large to store to
+        ``replay-unavailable`` instead)."""
+        self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
+        await self._audit(
+            ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0, self._problem_extra(ctx)
+        )
+        headers = CIMultiDict(record.headers or [])
+        headers["Idempotent-Replayed"] = "true"
+        return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
+
+    async def body_timeout(self, ctx: Ctx) -> web.StreamResponse:
+        """Nothing was claimed yet (the body is read before ``admit``). The answer is sent
+        and the connection closed at once: aiohttp would otherwise keep reading the rest
+        of the slow body (its lingering close) before closing."""
+        response = await self.reject(ctx, Reason.BODY_TIMEOUT)
+        response.force_close()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.prepare(ctx.request)
+            await response.write_eof()
+        ctx.request.protocol.force_close()
+        return response
+
+    def _count(self, ctx: Ctx, reason: str) -> None:
+        self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
+
+    @staticmethod
+    def _problem_extra(ctx: Ctx) -> dict[str, Any]:
+        if ctx.admission is None:
+            return {}
+        return fence.problem_extra(ctx.admission.presented, ctx.admission.highest)
+
+    async def _audit(self, ctx: Ctx, reason: str, status: int, extra: dict[str, Any]) -> None:
+        request = ctx.request
+        presented = ctx.admission.presented if ctx.admission else None
+        await self.audit.record(
+            AuditEntry(
+                reason=reason,
+                status=status,
+                method=request.method,
+                path=audit_path(
+                    request.raw_path, ctx.upstream.audit_query_params if ctx.upstream else ()
+                ),
+                job_id=presented.job_id if presented else None,
+                generation=presented.generation if presented else None,
+                highest_generation=extra.get("highest_generation"),
+                owner=presented.owner if presented else None,
+                upstream=ctx.upstream.name if ctx.upstream else None,
+                idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
+                client=request.remote,
+                fingerprint=ctx.fingerprint,
+                body=ctx.body.getvalue() if ctx.body is not None and self.audit_bodies else None,
+            )
+        )

@@ -1,0 +1,78 @@
+"""The request body: read once, up to the upstream's limit and within the body timeouts.
+
+A slow client must not hold a slot for ever: the whole body has a deadline and each
+part of it an idle limit, both set when the request comes in (``BODY_TIMEOUTS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+from aiohttp import web
+
+from .config import GatewaySettings, UpstreamSettings
+from .fence import Hasher
+
+
+class BodyTimeouts(NamedTuple):
+    deadline: float  # loop time by which the whole body must have arrived
+    idle: float  # longest wait for the next part of it
+
+
+class BodyTimeout(Exception):
+    """The request body did not arrive in time."""
+
+
+BODY_TIMEOUTS = web.RequestKey("body_timeouts", BodyTimeouts)
+
+
+def start_body_clock(request: web.Request, limits: GatewaySettings) -> None:
+    """The body's time runs from the request's arrival, not from the first read of it."""
+    request[BODY_TIMEOUTS] = BodyTimeouts(
+        asyncio.get_running_loop().time() + limits.body_timeout_seconds,
+        limits.body_idle_timeout_seconds,
+    )
+
+
+async def read_body(
+    request: web.Request, upstream: UpstreamSettings, digest: Hasher | None = None
+) -> io.BytesIO | None:
+    """The whole body, or None when it is over the upstream's limit. Each piece goes
+    into the fingerprint as it arrives and into one buffer, so a body costs its size
+    once (``max_concurrent_requests`` times ``max_body_bytes`` bounds them all)."""
+    limit = upstream.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    buffer, size = io.BytesIO(), 0
+    async for chunk in _chunks(request):
+        size += len(chunk)
+        if size > limit:
+            return None
+        if digest is not None:
+            digest.update(chunk)
+        buffer.write(chunk)
+    return buffer
+
+
+async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
+    """The body as it arrives, within the request's ``BodyTimeouts`` (``BodyTimeout``)."""
+    content = request.content
+    timeouts = request.get(BODY_TIMEOUTS)
+    while True:
+        if timeouts is None or content.is_eof():  # all here: no read can wait
+            chunk = await content.readany()
+        else:
+            wait = min(timeouts.idle, timeouts.deadline - asyncio.get_running_loop().time())
+            try:
+                if wait <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(wait):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise BodyTimeout from None
+        if not chunk:
+            return
+        yield chunk

@@ -1,0 +1,312 @@
+"""Sending a request to its upstream and streaming the answer back.
+
+The one client session lives here. While the answer streams to the client, the part
+needed for replay is kept; how the exchange ended (not sent, no answer, an answer cut
+short, "not processed", a whole answer) decides what becomes of the write's claimed key,
+which the caller keeps (``ClaimedKey``). Refusals are the caller's to give (``refuse``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NamedTuple, Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from .config import GatewaySettings, UpstreamSettings
+from .fence import Reason, RecordState
+from .intake import HOP_BY_HOP, connection_named
+from .metrics import GatewayMetrics
+
+# The proxy listener's one logger, as docs/operations.md names it.
+log = logging.getLogger("fencegate.proxy")
+
+DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
+# Upstream answers that do not tell whether the side effect happened.
+UNKNOWN_STATUSES = frozenset({502, 504})
+LARGE_BODY = 1024 * 1024  # above this, hand aiohttp a stream, not bytes
+
+
+class ForwardingMetrics(NamedTuple):
+    """One upstream's series that every forwarded request touches."""
+
+    decision_seconds: Any
+    in_flight: Any
+    forward_seconds: Any
+    forwarded: Any
+
+
+class ClaimedKey(Protocol):
+    """The idempotency key a fenced write holds while it is forwarded: what the way the
+    exchange ended does to its record."""
+
+    async def release(self) -> None:
+        """Not sent, or "not processed": the key is free again (or back to its earlier
+        unknown outcome)."""
+
+    async def settle(
+        self,
+        state: RecordState,
+        *,
+        status: int | None,
+        headers: list[tuple[str, str]] | None,
+        body: bytes | None,
+        note: str | None,
+    ) -> None:
+        """The upstream's answer (or that the outcome is unknown) kept for the key."""
+
+
+Refuse = Callable[[Reason], Awaitable[web.StreamResponse]]
+
+
+class Forwarder:
+    """The client session to the upstreams and every forward that goes through it."""
+
+    def __init__(self, limits: GatewaySettings, metrics: GatewayMetrics) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+        self._by_upstream: dict[str, ForwardingMetrics] = {}
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+            connector=aiohttp.TCPConnector(
+                limit=0,
+                limit_per_host=self.limits.upstream_connections_per_host,
+                keepalive_timeout=self.limits.upstream_keepalive_seconds,
+            ),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+        # Nothing re-sends a request once any byte of it has left: aiohttp's client sends
+        # an "idempotent" method (PUT, DELETE, ...) a second time by itself when the
+        # connection breaks, and a fenced PUT that the upstream applied before it cut the
+        # connection would be applied twice. There is no public switch; aiohttp's own
+        # TestClient turns it off the same way, and tests/integration asserts the effect
+        # (a cut connection after a PUT or DELETE reaches the upstream once).
+        self.session._retry_connection = False
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def forward(
+        self,
+        request: web.Request,
+        upstream: UpstreamSettings,
+        url: str,
+        headers: CIMultiDict[str],
+        body: io.BytesIO,
+        *,
+        key: ClaimedKey | None,
+        send_left: float | None,
+        refuse: Refuse,
+        decided_since: float | None,
+    ) -> web.StreamResponse:
+        """Send, stream the answer back and settle ``key`` (a fenced write's; None for a
+        pass-through). ``send_left``: seconds the key's claim still allows;
+        ``decided_since``: when deciding a fenced write began (``time.perf_counter``)."""
+        metrics = self._forwarding_metrics(upstream.name)
+        started = time.perf_counter()
+        if decided_since is not None:
+            metrics.decision_seconds.observe(started - decided_since)
+        metrics.in_flight.inc()
+        try:
+            answer = await self._request(request, upstream, url, headers, body, key, send_left)
+            if isinstance(answer, Reason):
+                return await refuse(answer)
+            try:
+                return await self._stream(request, upstream, answer, key)
+            finally:
+                metrics.forward_seconds.observe(time.perf_counter() - started)
+                metrics.forwarded.inc()
+        finally:
+            metrics.in_flight.dec()
+
+    def _forwarding_metrics(self, name: str) -> ForwardingMetrics:
+        """An upstream's labelled series, looked up once (``labels()`` takes a lock and
+        builds a key on every call; this runs on every forwarded request)."""
+        found = self._by_upstream.get(name)
+        if found is None:
+            m = self.metrics
+            found = self._by_upstream[name] = ForwardingMetrics(
+                decision_seconds=m.decision_seconds.labels(name),
+                in_flight=m.in_flight.labels(name),
+                forward_seconds=m.forward_seconds.labels(name),
+                forwarded=m.decisions.labels(name, "forwarded"),
+            )
+        return found
+
+    async def _request(
+        self,
+        request: web.Request,
+        upstream: UpstreamSettings,
+        url: str,
+        headers: CIMultiDict[str],
+        body: io.BytesIO,
+        key: ClaimedKey | None,
+        send_left: float | None,
+    ) -> aiohttp.ClientResponse | Reason:
+        """The upstream's answer once its head has arrived; else the key settled (not
+        sent: released; no answer: unknown) and the reason to refuse with."""
+        assert self.session is not None
+        total = upstream.timeout_seconds
+        if key is not None and send_left is not None:
+            # Judged right before this (``Gateway._judge_at_send``), nothing awaited since.
+            total = min(total, send_left)
+        timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
+        try:
+            return await self.session.request(
+                request.method,
+                URL(url, encoded=True),  # forwarded as sent: no re-quoting of the path
+                headers=headers,
+                data=_payload(body),
+                allow_redirects=False,
+                timeout=timeout,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
+            # Not sent: the key is free again (or back to its earlier unknown state).
+            if key is not None:
+                await key.release()
+            return (
+                Reason.UPSTREAM_TIMEOUT
+                if isinstance(error, aiohttp.ConnectionTimeoutError)
+                else Reason.UPSTREAM_UNAVAILABLE
+            )
+        except Exception as error:
+            # Sent (or maybe sent), but no answer: whether it was applied is unknown.
+            # Anything unexpected lands here too, so no claim is left in flight.
+            if not isinstance(error, TimeoutError | aiohttp.ClientError):
+                log.exception("forwarding to %s failed unexpectedly", upstream.name)
+            if key is not None:
+                await key.settle(
+                    RecordState.UNKNOWN,
+                    status=None,
+                    headers=None,
+                    body=None,
+                    note=f"no answer: {type(error).__name__}",
+                )
+            return (
+                Reason.UPSTREAM_TIMEOUT
+                if isinstance(error, TimeoutError)
+                else Reason.UPSTREAM_UNAVAILABLE
+            )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: UpstreamSettings,
+        upstream_response: aiohttp.ClientResponse,
+        key: ClaimedKey | None,
+    ) -> web.StreamResponse:
+        """Stream the answer back, keeping what a replay needs; settle the key's record
+        before the last chunk goes out."""
+        async with upstream_response:
+            named = connection_named(upstream_response.headers)
+            response_headers = [
+                (k, v)
+                for k, v in upstream_response.headers.items()
+                if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
+            ]
+            out = web.StreamResponse(
+                status=upstream_response.status, reason=upstream_response.reason
+            )
+            for k, v in response_headers:
+                out.headers.add(k, v)
+            stored: bytearray | None = bytearray()
+            replay_limit = self.limits.max_replay_body_bytes
+            client_gone = False
+            complete = False
+            # The last chunk is held back until the record is settled: a client that has
+            # the whole answer and retries at once must find the answer stored.
+            held = b""
+
+            async def send(chunk: bytes) -> None:
+                nonlocal client_gone
+                if chunk and not client_gone:
+                    try:
+                        await out.write(chunk)
+                    except (ConnectionError, RuntimeError):
+                        client_gone = True
+
+            try:
+                await out.prepare(request)
+            except (ConnectionError, RuntimeError):
+                client_gone = True
+            try:
+                async for chunk in upstream_response.content.iter_any():
+                    if stored is not None:
+                        if len(stored) + len(chunk) <= replay_limit:
+                            stored += chunk
+                        else:
+                            stored = None
+                    await send(held)
+                    held = chunk
+                complete = True
+            except (TimeoutError, aiohttp.ClientError) as error:
+                log.warning("upstream %s cut its answer short: %s", upstream.name, error)
+            finally:
+                status = upstream_response.status
+                if key is not None and complete and status in upstream.not_processed:
+                    # "Not processed, try later": not the key's answer. The key is free
+                    # again (or back to its earlier unknown outcome), as if not sent.
+                    await _settle_quietly(key.release())
+                elif key is not None:
+                    known = complete and status not in UNKNOWN_STATUSES
+                    await _settle_quietly(
+                        key.settle(
+                            RecordState.COMPLETED if known else RecordState.UNKNOWN,
+                            status=upstream_response.status,
+                            headers=response_headers,
+                            body=bytes(stored) if stored is not None else None,
+                            note=None
+                            if known
+                            else (
+                                f"upstream answered {upstream_response.status}"
+                                if complete
+                                else "the upstream's answer was cut short"
+                            ),
+                        )
+                    )
+            if not client_gone:
+                if complete:
+                    await send(held)
+                    if not client_gone:
+                        await out.write_eof()
+                elif request.transport is not None:
+                    request.transport.close()  # the client must not take a cut body as whole
+            return out
+
+
+def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
+    url = f"{upstream.url}/{rest}"
+    return f"{url}?{query}" if query else url
+
+
+async def _settle_quietly(settling: Coroutine[Any, Any, None]) -> None:
+    """Store an answer whose response has already started: a failure here (the
+    database went away) must not turn into a second response on the same connection.
+    The record then stays in flight and turns unknown at its deadline."""
+    try:
+        await asyncio.shield(settling)
+    except Exception:
+        log.exception("could not store the answer; its key turns unknown at its deadline")
+
+
+def _payload(body: io.BytesIO) -> io.BytesIO | bytes | None:
+    """What aiohttp sends: a large body straight from its buffer, in pieces (no second
+    copy); a small one as bytes (one write)."""
+    size = body.tell()
+    if size > LARGE_BODY:
+        body.seek(0)
+        return body
+    return body.getvalue() if size else None

@@ -1,0 +1,226 @@
+"""Intake: what a request's line and headers say, read once and without I/O.
+
+The target (which upstream, which path), the framing we refuse rather than guess at,
+the fencing headers and the method override become ``decision.Facts`` and a ``Ctx``;
+``forward_headers`` is the header hygiene on the way out: which client headers reach
+the upstream and which the gateway sets itself.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from lease_core import tokens
+
+from . import fence
+from .config import UpstreamSettings
+from .decision import Facts
+from .fence import Record
+from .logs import REQUEST_ID
+from .store import Admission
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Connection",
+    )
+)
+# Never forwarded from the client: the credential, what we set ourselves, what aiohttp sets.
+DROP_FROM_CLIENT = HOP_BY_HOP | {
+    "fencing-token",
+    "fencing-job",
+    "fencing-generation",
+    "host",
+    "content-length",
+    "expect",
+}
+# Client headers that could tell the upstream another story about the request than the
+# gateway checked: where it came from, which URL it was for.
+DROP_FROM_CLIENT |= {"forwarded", "x-original-url", "x-rewrite-url"}
+# Headers that make an upstream treat a request as another method. On a method that is
+# not fenced they would turn a pass-through into an unfenced write: refused.
+METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
+PROTECTED = frozenset({"fencing-token", "idempotency-key"})
+
+
+@dataclass(slots=True)
+class Ctx:
+    """What is known about one request so far (for the answer and its audit entry)."""
+
+    request: web.Request
+    upstream: UpstreamSettings | None = None
+    key: str | None = None
+    fingerprint: str | None = None
+    admission: Admission | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    body: io.BytesIO | None = None  # the request body, read once (the only copy)
+    send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
+    rest: str = ""  # the path after the upstream's name
+    query: str = ""
+    token_hash: str | None = None
+    record: Record | None = None  # the key's record, when it answers for the request
+    attempt: str | None = None  # the key is ours (claimed or taken over) under this attempt
+    back_to: Record | None = None  # the record before we took it over
+    send_left: float | None = None  # seconds the claim still allows, judged at the send
+    slot: str | None = None  # the pool whose slot this request holds
+    method: str = ""  # the method as the fingerprint names it (with an override, if any)
+
+
+def intake(ctx: Ctx, upstreams: Mapping[str, UpstreamSettings], max_key_length: int) -> Facts:
+    """The facts the request line and headers carry (no I/O). A fact left at its
+    default passes its row; the walk stops at the first refusal anyway."""
+    request = ctx.request
+    facts = Facts()
+    found = target(request)
+    if isinstance(found, str):
+        facts.bad_target = found
+        return facts
+    framing = framing_problem(request)
+    if framing is not None:
+        facts.bad_target = framing
+        return facts
+    name, ctx.rest, ctx.query = found
+    ctx.upstream = upstream = upstreams.get(name)
+    if upstream is None:
+        facts.unknown_upstream = name[:100]
+        return facts
+    limit = upstream.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        facts.over_limit = True  # declared: known without reading
+    override = method_override(request.headers)
+    if request.method not in upstream.fenced_methods:
+        facts.fenced = False
+        facts.override_on_unfenced = override is not None
+        return facts
+    ctx.method = request.method if override is None else f"{request.method} as {override}"
+
+    presented = request.headers.getall("Fencing-Token", [])
+    facts.token_headers = len(presented)
+    if len(presented) != 1:
+        return facts
+    token = presented[0].strip()
+    facts.token_well_formed = tokens.is_well_formed(token)
+    facts.protected_hop_by_hop = bool(connection_named(request.headers) & PROTECTED)
+    key_headers = request.headers.getall("Idempotency-Key", [])
+    key = None
+    if len(key_headers) == 1:
+        key = fence.parse_key(key_headers[0], max_key_length)
+    facts.key_acceptable = key is not None or not (key_headers or upstream.require_idempotency_key)
+    ctx.key = key or fence.anonymous_key()
+    ctx.token_hash = tokens.hash_token(token) if facts.token_well_formed else None
+    return facts
+
+
+def target(request: web.Request) -> tuple[str, str, str] | str:
+    """(upstream name, rest of the path, raw query), or why the target is refused."""
+    if request.method == "CONNECT":
+        return "CONNECT is not supported: this is not an open proxy."
+    raw = request.raw_path
+    if not raw.startswith("/"):
+        return "Absolute-form targets are not supported: this is not an open proxy."
+    path, _, query = raw.partition("?")
+    name, _, rest = path[1:].partition("/")
+    name = unquote(name)
+    decoded = unquote(rest)
+    # Encoded or not, nothing may climb out of the upstream's base path.
+    if any(segment in (".", "..") for segment in decoded.replace("\\", "/").split("/")):
+        return "Dot-segments are not allowed in the path."
+    if "\\" in decoded:
+        return "Backslashes are not allowed in the path."
+    return name, rest, query
+
+
+def framing_problem(request: web.Request) -> str | None:
+    """Body framing we refuse rather than guess at (request smuggling lives here)."""
+    codings = [
+        c.strip().lower()
+        for v in request.headers.getall("Transfer-Encoding", [])
+        for c in v.split(",")
+        if c.strip()
+    ]
+    if not codings:
+        return None
+    if request.version < aiohttp.HttpVersion11:
+        return "Transfer-Encoding is not allowed in HTTP/1.0."
+    if codings != ["chunked"]:
+        return "Only Transfer-Encoding: chunked is supported."
+    return None
+
+
+def method_override(headers: CIMultiDictProxy[str]) -> str | None:
+    """The method a method-override header asks for (any spelling of its name), if any."""
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower.startswith("x") and lower.replace("_", "-") in METHOD_OVERRIDES:
+            return value.strip().upper()[:32]
+    return None
+
+
+def connection_named(headers: CIMultiDictProxy[str]) -> set[str]:
+    """The header names a ``Connection`` header lists (hop-by-hop for this message)."""
+    return {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
+
+
+def _controlled(lower: str, upstream: UpstreamSettings) -> bool:
+    """A header name (with ``-`` for ``_``) that the gateway drops or sets itself: a
+    client's ``Fencing_Job`` reaches a CGI-style upstream as ``Fencing-Job`` would."""
+    return (
+        lower in DROP_FROM_CLIENT
+        or lower in PROTECTED
+        or lower == "x-request-id"
+        or lower.startswith("x-forwarded-")
+        or lower in upstream.set_header_names
+    )
+
+
+def forward_headers(
+    request: web.Request,
+    upstream: UpstreamSettings,
+    job_id: str | None,
+    generation: int | None,
+    key: str | None,
+) -> CIMultiDict[str]:
+    """Client headers minus hop-by-hop, the credential and what we set; plus fencing
+    headers, the key in its one canonical form, forwarding headers and the upstream's own
+    configured headers."""
+    incoming: CIMultiDictProxy[str] = request.headers
+    named = connection_named(incoming)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lower = name.lower()
+        if lower in DROP_FROM_CLIENT or lower in named or lower.startswith("x-forwarded-"):
+            continue
+        if "_" in lower and _controlled(lower.replace("_", "-"), upstream):
+            continue
+        out.add(name, value)
+    if job_id is not None and generation is not None:
+        out["Fencing-Job"] = job_id
+        out["Fencing-Generation"] = str(generation)
+        if key is not None and not fence.is_anonymous(key):
+            out["Idempotency-Key"] = fence.canonical_key(key)
+    previous = incoming.get("X-Forwarded-For")
+    remote = request.remote or "unknown"
+    out["X-Forwarded-For"] = f"{previous}, {remote}" if previous else remote
+    out["X-Forwarded-Proto"] = request.scheme
+    out["X-Request-Id"] = REQUEST_ID.get()
+    for name, secret in upstream.set_headers.items():
+        out[name] = secret.get_secret_value()
+    return out
