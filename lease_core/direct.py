@@ -16,7 +16,7 @@ dashboard, migrations) stays on SQLAlchemy:
 - SQLite: each operation is a function run right on the event loop's thread: with WAL
   and ``synchronous = NORMAL`` a whole admission takes tens of microseconds, less than
   one hop to a worker thread and back. The operations of one turn of the event loop
-  share one ``BEGIN IMMEDIATE ... COMMIT``, a savepoint each. That connection never
+  share one ``BEGIN IMMEDIATE ... COMMIT``, a savepoint each but the first. That connection never
   waits for the lock (``busy_timeout = 0``): when another connection (the SQLAlchemy
   engine's, another process's) holds it, the operation goes to a database thread whose
   connection waits as long as the engine's does, while the event loop serves other
@@ -513,6 +513,11 @@ class SqliteDirect(Direct):
                 return await self._on_thread(work)
             group = self._group = _Group()
             asyncio.get_running_loop().call_soon(self._commit, group)
+        # An operation that has the group to itself so far needs no savepoint: when it
+        # fails, the whole transaction is rolled back, and nothing else was in it.
+        alone = not group.waiting
+        undo_alone = savepoint and alone
+        savepoint = savepoint and not alone
         if savepoint:
             conn.execute("SAVEPOINT op")
         try:
@@ -526,6 +531,9 @@ class SqliteDirect(Direct):
             elif savepoint:
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
+            elif undo_alone:
+                conn.execute("ROLLBACK")
+                self._end(group, None)  # nobody else waits for it
             if unavailable:
                 raise exc.StoreUnavailable() from error
             raise

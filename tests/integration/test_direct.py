@@ -1056,6 +1056,34 @@ async def test_sqlite_a_failing_operation_rolls_back_alone_and_raises_at_once(
 
 
 @ON_SQLITE
+async def test_sqlite_the_first_operation_of_a_turn_fails_without_a_savepoint(
+    engine: AsyncEngine, reader: Callable[[str], int]
+) -> None:
+    """The first operation of a group runs without a savepoint: when it fails, the whole
+    transaction is rolled back (nothing else was in it), and the operations after it in
+    the same turn run in a new one and commit."""
+    direct = sqlite_direct(engine)
+    await direct.run(insert("warm"))
+
+    def failing_first(conn: sqlite3.Connection) -> int:
+        conn.execute("INSERT INTO probe (who) VALUES ('first-doomed')")
+        conn.execute("UPDATE probe SET who = 'first-changed' WHERE who = 'warm'")
+        raise Boom("first")
+
+    results = await asyncio.gather(
+        direct.run(failing_first),
+        direct.run(insert("second")),
+        direct.run(insert("third")),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], Boom)
+    assert all(isinstance(r, int) for r in results[1:])
+    assert reader("first-%") == 0 and reader("warm") == 1
+    assert reader("second") == 1 and reader("third") == 1
+    assert direct.handed_off == 0
+
+
+@ON_SQLITE
 async def test_sqlite_a_failed_single_statement_fails_alone(
     engine: AsyncEngine, reader: Callable[[str], int]
 ) -> None:
