@@ -1,4 +1,5 @@
-"""The hot path's statements, sent straight to the database driver.
+"""The catalogue's operations (``lease_core.catalogue``), sent straight to the database
+driver.
 
 A fenced write (admit, settle), a claim and a renewal each run a fixed statement. Through
 SQLAlchemy's per-call machinery (statement building, compiled-cache lookup, execution
@@ -13,15 +14,16 @@ dashboard, migrations) stays on SQLAlchemy:
   connection goes back to the pool: one round trip. Concurrent admissions and settles
   share one statement over arrays (``Batched``, ``Coalescer``): one round trip and one
   commit for all of them, each judged as if alone.
-- SQLite: each operation is a function run right on the event loop's thread: with WAL
-  and ``synchronous = NORMAL`` a whole admission takes tens of microseconds, less than
-  one hop to a worker thread and back. The operations of one turn of the event loop
-  share one ``BEGIN IMMEDIATE ... COMMIT``, a savepoint each but the first. That connection never
-  waits for the lock (``busy_timeout = 0``): when another connection (the SQLAlchemy
-  engine's, another process's) holds it, the operation goes to a database thread whose
-  connection waits as long as the engine's does, while the event loop serves other
-  requests; operations queue behind it there until it is done. That thread also runs
-  the WAL checkpoints, which copy the log into the database file and sync it.
+- SQLite: each operation runs right on the event loop's thread: with WAL and
+  ``synchronous = NORMAL`` a whole admission takes tens of microseconds, less than one
+  hop to a worker thread and back. The operations of one turn of the event loop share
+  one ``BEGIN IMMEDIATE ... COMMIT``, a savepoint each but the first. That connection
+  never waits for the lock (``busy_timeout = 0``): when another process holds it, the
+  operation goes to a database thread whose connection waits for it, while the event
+  loop serves other requests; operations queue behind it there until it is done. (The
+  SQLAlchemy engine only reads, in DEFERRED transactions, so it never holds the lock.)
+  That thread also runs the WAL checkpoints, which copy the log into the database file
+  and sync it.
 
 Both turn "the database is not there right now" into ``StoreUnavailable``.
 """
