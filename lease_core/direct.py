@@ -5,15 +5,16 @@ A fenced write (admit, settle), a claim and a renewal each run a fixed statement
 SQLAlchemy's per-call machinery (statement building, compiled-cache lookup, execution
 context, pool pre-ping, BEGIN/COMMIT around one statement) each cost 0.4-1 ms of the
 gateway's CPU; sent straight to the driver, about a tenth of that (docs/performance.md).
-So these few go direct, and everything else (the control API's rarer calls, the
-dashboard, migrations) stays on SQLAlchemy:
+So every write goes direct, and only reads (listings, the dashboard) and the migrations
+stay on SQLAlchemy:
 
-- PostgreSQL: one asyncpg pool. Each operation is ONE statement (data-modifying CTEs
-  where it has several steps), prepared once per connection and sent without
-  BEGIN/COMMIT (a single statement is its own transaction), and no reset query when the
-  connection goes back to the pool: one round trip. Concurrent admissions and settles
-  share one statement over arrays (``Batched``, ``Coalescer``): one round trip and one
-  commit for all of them, each judged as if alone.
+- PostgreSQL: one asyncpg pool. The hot operations are ONE statement each
+  (data-modifying CTEs where they have several steps), prepared once per connection and
+  sent without BEGIN/COMMIT (a single statement is its own transaction), and no reset
+  query when the connection goes back to the pool: one round trip. The few rare ones of
+  several statements (acquire, purge) run in one transaction (``Chain``). Concurrent
+  admissions and settles share one statement over arrays (``Batched``, ``Coalescer``):
+  one round trip and one commit for all of them, each judged as if alone.
 - SQLite: each operation runs right on the event loop's thread: with WAL and
   ``synchronous = NORMAL`` a whole admission takes tens of microseconds, less than one
   hop to a worker thread and back. The operations of one turn of the event loop share
