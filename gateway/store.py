@@ -271,7 +271,8 @@ def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:
 
 
 def _presented(row: Any) -> tuple[Presented | None, int | None]:
-    """The lease a token presents and its job's fence, from a row of ``lease_of_token`` or ``admit``."""
+    """The lease a token presents and its job's fence, from a row of the operation
+    ``lease_of_token`` or ``admit``."""
     if row["job_id"] is None:
         return None, None
     if row["state"] is None:  # the job has been purged
