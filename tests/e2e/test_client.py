@@ -88,6 +88,9 @@ class RecordingUpstream:
                     "key": request.headers.get("Idempotency-Key"),
                 }
             )
+        if request.method == "PUT" and request.path.startswith("/files/"):
+            # An S3 PutObject (examples/boto3_upload.py): 200, the object's ETag, no body.
+            return web.Response(status=200, headers={"ETag": f'"etag-{number}"'})
         answer = {"id": f"ch_{number}", "number": number, "path": request.path}
         # A lower-case header name, as many servers (and every HTTP/2 hop) send them.
         return web.json_response(answer, status=201, headers={"x-charge-id": f"ch_{number}"})
