@@ -3,37 +3,77 @@ writes through the gateway fenced by it.
 
 .. code-block:: python
 
-    from fencegate_client import LeaseClient, LeaseLost
+    from fencegate_client import LeaseClient, LeaseLost         # asyncio (aiohttp)
+    from fencegate_client.sync import LeaseClient              # threads (httpx)
 
 It is apart from the lease service (``lease_core``) and the gateway: nothing here imports
-them, so a worker needs only this package and aiohttp. ``aio`` is the asyncio client;
-``protocol`` (header names, step keys, the gateway's answer), ``reasons`` (every problem
-reason, with its status and title) and ``errors`` (one class per lease-API reason) do no
-I/O and are shared by every client.
+them. ``aio`` is the asyncio client (aiohttp), ``sync`` the synchronous one (httpx);
+``httpx``, ``requests`` and ``boto3`` fence the HTTP clients a worker already uses.
+``protocol`` (header names, step keys, the lease API's calls, a lease's state, the
+gateway's answer), ``reasons`` (every problem reason, with its status and title) and
+``errors`` (one class per lease-API reason) do no I/O and are shared by every client.
+
+Names are loaded on first use (module ``__getattr__``): importing this package loads no
+HTTP library, so a worker needs only the one its client uses (the extras
+``fencegate[httpx]``, ``fencegate[requests]``, ``fencegate[boto3]``; aiohttp for ``aio``).
 """
 
 from __future__ import annotations
 
-from .aio import FencedSession, Lease, LeaseClient
-from .errors import (
-    Forbidden,
-    InvalidLeaseToken,
-    InvalidRequest,
-    JobExists,
-    JobFinished,
-    JobNotFound,
-    LeaseEnded,
-    LeaseError,
-    LeaseExpired,
-    LeaseHeld,
-    LeaseLost,
-    RemoteError,
-    StaleGeneration,
-    StoreUnavailable,
-    Unauthorized,
-    error_from_problem,
-)
-from .protocol import FencedResponse, step_key
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .aio import FencedSession, Lease, LeaseClient
+    from .errors import (
+        Forbidden,
+        InvalidLeaseToken,
+        InvalidRequest,
+        JobExists,
+        JobFinished,
+        JobNotFound,
+        LeaseEnded,
+        LeaseError,
+        LeaseExpired,
+        LeaseHeld,
+        LeaseLost,
+        RemoteError,
+        StaleGeneration,
+        StoreUnavailable,
+        Unauthorized,
+        error_from_problem,
+    )
+    from .protocol import FencedResponse, current_lease, step_key
+
+_HOME = {
+    "FencedSession": "aio",
+    "Lease": "aio",
+    "LeaseClient": "aio",
+    "FencedResponse": "protocol",
+    "current_lease": "protocol",
+    "step_key": "protocol",
+    **dict.fromkeys(
+        (
+            "Forbidden",
+            "InvalidLeaseToken",
+            "InvalidRequest",
+            "JobExists",
+            "JobFinished",
+            "JobNotFound",
+            "LeaseEnded",
+            "LeaseError",
+            "LeaseExpired",
+            "LeaseHeld",
+            "LeaseLost",
+            "RemoteError",
+            "StaleGeneration",
+            "StoreUnavailable",
+            "Unauthorized",
+            "error_from_problem",
+        ),
+        "errors",
+    ),
+}
 
 __all__ = [
     "FencedResponse",
@@ -55,6 +95,21 @@ __all__ = [
     "StaleGeneration",
     "StoreUnavailable",
     "Unauthorized",
+    "current_lease",
     "error_from_problem",
     "step_key",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the module that defines ``name`` on first use (PEP 562)."""
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Generator, Mapping
+from contextvars import Token
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -35,59 +35,22 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from . import errors as exc
-from .errors import RemoteError, error_from_problem
-from .protocol import FENCING_TOKEN, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, FencedResponse, step_key
-from .reasons import Reason
+from . import protocol as p
+from .protocol import FencedResponse, LeaseState
 
 log = logging.getLogger("fencegate.client")
 
 
-@dataclass(eq=False)
-class Lease:
-    """A lease this worker holds. Use it as an async context manager to keep it renewed."""
+@dataclass(eq=False, kw_only=True)
+class Lease(LeaseState):
+    """A lease this worker holds. Use it as an async context manager to keep it renewed
+    (and to make it the current lease of the block, the one ``fencegate_client.httpx``
+    fences with when it is given none)."""
 
     client: LeaseClient
-    job_id: str
-    generation: int
-    owner: str
-    token: str
-    ttl_seconds: float
-    payload: Any
-    expires_at: str
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-    lost_reason: exc.LeaseError | None = None
-    ended: bool = False
-    _valid_until: float = 0.0  # time.monotonic() after which we must assume it lapsed
     _renewer: asyncio.Task[None] | None = None
-
-    def __post_init__(self) -> None:
-        self._valid_until = time.monotonic() + self.ttl_seconds
-
-    @property
-    def held(self) -> bool:
-        """Still ours, as far as this worker can tell (not lost, ended or lapsed)."""
-        return not self.lost.is_set() and not self.ended and time.monotonic() < self._valid_until
-
-    def check(self) -> None:
-        """Raise the reason the lease is gone, if it is."""
-        if self.lost_reason is not None:
-            raise self.lost_reason
-        if self.ended:
-            raise exc.LeaseEnded("this worker already completed, failed or released the lease")
-        if time.monotonic() >= self._valid_until:
-            self._lose(exc.LeaseExpired("the lease lapsed before it could be renewed"))
-            raise exc.LeaseExpired("the lease lapsed before it could be renewed")
-
-    def _lose(self, error: exc.LeaseError) -> None:
-        if self.lost_reason is None:
-            self.lost_reason = error
-            log.warning(
-                "lease on job %s (generation %d) lost: %s",
-                self.job_id,
-                self.generation,
-                error.reason,
-            )
-        self.lost.set()
+    _entered: Token[LeaseState | None] | None = None
 
     @property
     def http(self) -> FencedSession:
@@ -99,22 +62,16 @@ class Lease:
     async def renew(self, ttl: float | None = None) -> None:
         self.check()
         started = time.monotonic()
-        body: dict[str, Any] = {"lease_token": self.token}
-        if ttl is not None:
-            body["ttl_seconds"] = ttl
         try:
-            doc = await self.client._call("POST", "/v1/leases/renew", body)
+            doc = await self.client._call(p.renew_call(self.token, ttl))
         except exc.LeaseLost as error:
             self._lose(error)
             raise
-        self.ttl_seconds = float(doc["ttl_seconds"])
-        self.expires_at = doc["expires_at"]
-        # Judged from when we asked, not when the answer came: never later than the server.
-        self._valid_until = started + self.ttl_seconds
+        self._renewed(doc, started)
 
     async def _renew_forever(self) -> None:
         while self.held:
-            await asyncio.sleep(max(self.ttl_seconds / 3, 0.05))
+            await asyncio.sleep(p.renew_interval(self.ttl_seconds))
             if not self.held:
                 break  # lapsed while we waited (a stalled loop): say so below
             try:
@@ -123,8 +80,8 @@ class Lease:
                 return
             except (aiohttp.ClientError, TimeoutError, exc.LeaseError) as error:
                 log.warning("renewing lease on job %s failed (%s); retrying", self.job_id, error)
-        if not self.ended and not self.lost.is_set():
-            self._lose(exc.LeaseExpired("the lease lapsed before it could be renewed"))
+        if self.lapsed:
+            self._lapse()
 
     def start_renewing(self) -> None:
         if self._renewer is None:
@@ -141,6 +98,7 @@ class Lease:
 
     async def __aenter__(self) -> Lease:
         self.start_renewing()
+        self._entered = p._CURRENT.set(self)
         return self
 
     async def __aexit__(
@@ -149,23 +107,24 @@ class Lease:
         error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._entered is not None:
+            p._CURRENT.reset(self._entered)
+            self._entered = None
         await self.stop_renewing()
         if self.ended or self.lost.is_set():
             return
         with contextlib.suppress(exc.LeaseLost, aiohttp.ClientError, TimeoutError):
             if error is not None and not isinstance(error, asyncio.CancelledError):
-                await self.fail(error=f"{type(error).__name__}: {error}"[:10_000])
+                await self.fail(error=p.exit_error_text(error))
             else:
                 await self.release()
 
     # -- ending ------------------------------------------------------------------------
 
-    async def _end(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _end(self, call: p.Call) -> dict[str, Any]:
         self.check()
         try:
-            doc: dict[str, Any] = await self.client._call(
-                "POST", path, {"lease_token": self.token, **body}
-            )
+            doc: dict[str, Any] = await self.client._call(call)
         except exc.LeaseLost as error:
             self._lose(error)
             raise
@@ -175,13 +134,13 @@ class Lease:
         return doc
 
     async def complete(self, result: Any = None) -> dict[str, Any]:
-        return await self._end("/v1/leases/complete", {"result": result})
+        return await self._end(p.complete_call(self.token, result))
 
     async def fail(self, error: str | None = None, retry_in: float = 0) -> dict[str, Any]:
-        return await self._end("/v1/leases/fail", {"error": error, "retry_in_seconds": retry_in})
+        return await self._end(p.fail_call(self.token, error, retry_in))
 
     async def release(self) -> dict[str, Any]:
-        return await self._end("/v1/leases/release", {})
+        return await self._end(p.release_call(self.token))
 
 
 class FencedSession:
@@ -204,40 +163,25 @@ class FencedSession:
     ) -> FencedResponse:
         """Send ``method path`` (``/{upstream}/...``) through the gateway.
 
-        The key is ``key``, else derived from ``step`` (see ``step_key``), else none (for
-        upstreams that do not require one). Raises the lease's ``LeaseLost`` error instead
-        of sending when the lease is gone, and marks it lost when the gateway says so.
+        The key is ``key``, else derived from ``step`` (see ``step_key``), else the
+        current ``lease.step(...)`` block's, else none (for upstreams that do not require
+        one). Raises the lease's ``LeaseLost`` error instead of sending when the lease is
+        gone, and marks it lost when the gateway says so.
         """
         lease = self.lease
-        lease.check()
-        if lease.client.gateway_url is None:
-            raise ValueError("LeaseClient(gateway_url=...) is needed to write through the gateway")
-        send: dict[str, str] = dict(headers or {})
-        send[FENCING_TOKEN] = lease.token
-        idempotency_key = key or (step_key(lease.job_id, step) if step is not None else None)
-        if idempotency_key is not None:
-            send[IDEMPOTENCY_KEY] = idempotency_key
-        session = lease.client.session
-        async with session.request(
+        send = lease.fence_headers(headers, step=step, key=key)
+        url = lease.gateway_path_url(path)
+        async with lease.client.session.request(
             method,
-            lease.client.gateway_url + path,
+            url,
             json=json,
             data=data,
             headers=send,
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as resp:
             body = await resp.read()
-            answer = FencedResponse(
-                resp.status,
-                CIMultiDictProxy(CIMultiDict(resp.headers)),  # names stay case-insensitive
-                body,
-                resp.headers.get(IDEMPOTENT_REPLAYED) == "true",
-            )
-        error = answer.lease_lost()
-        if error is not None:
-            lease._lose(error)
-            raise error
-        return answer
+            # names stay case-insensitive
+            return lease.answer(resp.status, CIMultiDictProxy(CIMultiDict(resp.headers)), body)
 
     async def post(self, path: str, **kwargs: Any) -> FencedResponse:
         return await self.request("POST", path, **kwargs)
@@ -256,27 +200,19 @@ class _Grant:
     """``await client.claim(...)`` gives the lease (or None); ``async with`` also keeps
     it renewed and ends it on the way out."""
 
-    def __init__(self, client: LeaseClient, method: str, path: str, body: dict[str, Any]) -> None:
-        self._client, self._method, self._path, self._body = client, method, path, body
+    def __init__(self, client: LeaseClient, call: p.Call) -> None:
+        self._client, self._call = client, call
         self._lease: Lease | None = None
 
     async def _grant(self) -> Lease | None:
         asked = time.monotonic()
-        doc = await self._client._call(self._method, self._path, self._body)
+        doc = await self._client._call(self._call)
         if doc is None:
             return None
         lease = Lease(
-            client=self._client,
-            job_id=doc["job_id"],
-            generation=doc["generation"],
-            owner=doc["owner"],
-            token=doc["lease_token"],
-            ttl_seconds=float(doc["ttl_seconds"]),
-            payload=doc.get("payload"),
-            expires_at=doc["expires_at"],
+            client=self._client, gateway_url=self._client.gateway_url, **Lease.grant_fields(doc)
         )
-        # Judged from when we asked, as on renew: never later than the server's expiry.
-        lease._valid_until = asked + lease.ttl_seconds
+        lease._granted_at(asked)
         return lease
 
     def __await__(self) -> Generator[Any, None, Lease | None]:
@@ -334,33 +270,15 @@ class LeaseClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def _call(self, call: p.Call) -> Any:
         async with self.session.request(
-            method,
-            self.control_url + path,
-            json=body,
+            call.method,
+            self.control_url + call.path,
+            json=call.body,
             headers=self._headers,
             timeout=self._timeout,
         ) as resp:
-            if resp.status == 204:
-                return None
-            raw = await resp.read()
-            try:
-                doc = json.loads(raw) if raw else None
-            except ValueError:
-                doc = None
-                if resp.status < 400:
-                    raise RemoteError(
-                        resp.status,
-                        Reason.INVALID_RESPONSE,
-                        f"not JSON from {path}: {raw[:200]!r}",
-                        {},
-                    ) from None
-            if resp.status >= 400:
-                if not isinstance(doc, dict):
-                    doc = {"detail": f"HTTP {resp.status} from {path}: {raw[:200]!r}"}
-                raise error_from_problem(resp.status, doc)
-            return doc
+            return p.control_answer(call, resp.status, await resp.read())
 
     # -- the lease API -----------------------------------------------------------------
 
@@ -372,25 +290,15 @@ class LeaseClient:
         payload: Any = None,
         max_attempts: int | None = None,
     ) -> dict[str, Any]:
-        body = {
-            k: v
-            for k, v in {
-                "queue": queue,
-                "job_id": job_id,
-                "payload": payload,
-                "max_attempts": max_attempts,
-            }.items()
-            if v is not None
-        }
-        doc: dict[str, Any] = await self._call("POST", "/v1/jobs", body)
+        call = p.enqueue_call(
+            queue=queue, job_id=job_id, payload=payload, max_attempts=max_attempts
+        )
+        doc: dict[str, Any] = await self._call(call)
         return doc
 
     def claim(self, queue: str, *, owner: str, ttl: float | None = None) -> _Grant:
         """The next claimable job of ``queue`` (None when there is none)."""
-        body: dict[str, Any] = {"owner": owner}
-        if ttl is not None:
-            body["ttl_seconds"] = ttl
-        return _Grant(self, "POST", f"/v1/queues/{queue}/claim", body)
+        return _Grant(self, p.claim_call(queue, owner=owner, ttl=ttl))
 
     def acquire(
         self,
@@ -403,12 +311,10 @@ class LeaseClient:
     ) -> _Grant:
         """A named job's lease, creating the job if absent (raises ``LeaseHeld`` when
         another current lease holds it)."""
-        body: dict[str, Any] = {"owner": owner}
-        for name, value in (("ttl_seconds", ttl), ("queue", queue), ("payload", payload)):
-            if value is not None:
-                body[name] = value
-        return _Grant(self, "PUT", f"/v1/jobs/{job_id}/lease", body)
+        return _Grant(
+            self, p.acquire_call(job_id, owner=owner, ttl=ttl, queue=queue, payload=payload)
+        )
 
     async def get_job(self, job_id: str) -> dict[str, Any]:
-        doc: dict[str, Any] = await self._call("GET", f"/v1/jobs/{job_id}")
+        doc: dict[str, Any] = await self._call(p.get_job_call(job_id))
         return doc

@@ -88,6 +88,9 @@ class RecordingUpstream:
                     "key": request.headers.get("Idempotency-Key"),
                 }
             )
+        if request.method == "PUT" and request.path.startswith("/files/"):
+            # An S3 PutObject (examples/boto3_upload.py): 200, the object's ETag, no body.
+            return web.Response(status=200, headers={"ETag": f'"etag-{number}"'})
         answer = {"id": f"ch_{number}", "number": number, "path": request.path}
         # A lower-case header name, as many servers (and every HTTP/2 hop) send them.
         return web.json_response(answer, status=201, headers={"x-charge-id": f"ch_{number}"})
@@ -718,3 +721,22 @@ def test_the_client_imports_nothing_of_the_service() -> None:
     assert "fencegate_client.aio" in loaded
     for forbidden in ("lease_core", "gateway", "sqlalchemy", "alembic", "pydantic"):
         assert not [m for m in loaded if m == forbidden or m.startswith(forbidden + ".")]
+
+
+def test_importing_the_package_loads_no_http_library() -> None:
+    """The integrations are optional: ``import fencegate_client`` loads none of their
+    libraries (nor aiohttp); every name it exports still resolves, each from its module."""
+    code = (
+        "import json, sys, fencegate_client as fc; before = sorted(sys.modules); "
+        "names = {n: getattr(fc, n).__module__ for n in fc.__all__ if n != 'current_lease'}; "
+        "print(json.dumps([before, names]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded, names = json.loads(done.stdout)
+    for library in ("aiohttp", "httpx", "requests", "boto3", "botocore"):
+        assert not [m for m in loaded if m == library or m.startswith(library + ".")], library
+    assert names["LeaseClient"] == "fencegate_client.aio"
+    assert names["LeaseLost"] == "fencegate_client.errors"
+    assert names["step_key"] == "fencegate_client.protocol"

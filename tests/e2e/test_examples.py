@@ -29,6 +29,12 @@ EXAMPLES = ROOT / "examples"
 CONFIG = EXAMPLES / "fencegate.toml"
 WORKER = EXAMPLES / "python_worker.py"
 CURL_FLOW = EXAMPLES / "curl_flow.sh"
+SYNC_WORKER = EXAMPLES / "sync_worker.py"
+CLIENT_EXAMPLES = {  # example -> (upstream path of its write, its step)
+    "httpx_worker.py": ("/charges", "charge"),
+    "requests_worker.py": ("/charges", "charge"),
+    "boto3_upload.py": ("/files/reports/{job_id}.csv", "upload-report"),
+}
 API_KEY = "sk_test_examples_key"
 TOKEN = "examples-worker-token-0123456789"
 
@@ -54,6 +60,7 @@ def server(
     for original, replacement in (
         ('url = "http://127.0.0.1:9000"', f'url = "{payments_api.url}"'),
         ('url = "http://127.0.0.1:9001"', f'url = "{payments_api.url}/mail"'),
+        ('url = "http://127.0.0.1:9002"', f'url = "{payments_api.url}/files"'),
     ):
         assert text.count(original) == 1, original
         text = text.replace(original, replacement)
@@ -227,3 +234,52 @@ def test_curl_flow_stops_at_the_first_refusal(
     assert payments_api.for_job(job_id) == []
     status, _ = control_call(server, "GET", f"/v1/jobs/{job_id}", token=TOKEN)
     assert status == 404
+
+
+def test_sync_worker_charges_each_job_once(
+    server: FencegateProcess, payments_api: RecordingUpstream
+) -> None:
+    queue = f"sync-{uuid.uuid4().hex[:8]}"
+    jobs = []
+    for amount in (100, 200):
+        status, job = control_call(
+            server, "POST", "/v1/jobs", {"queue": queue, "payload": {"amount": amount}}, token=TOKEN
+        )
+        assert status == 201, job
+        jobs.append(job["job_id"])
+    env = clean_env(
+        CONTROL_URL=server.control_url, GATEWAY_URL=server.proxy_url, WORKER_TOKEN=TOKEN
+    )
+    done = run([sys.executable, str(SYNC_WORKER), queue], env=env)
+    assert done.returncode == 0, done.stderr
+    for job_id in jobs:
+        assert f"job {job_id} completed" in done.stderr
+        (call,) = payments_api.for_job(job_id)
+        assert call["key"] == step_key(job_id, "charge")
+        status, after = control_call(server, "GET", f"/v1/jobs/{job_id}", token=TOKEN)
+        assert after["state"] == "completed" and after["result"]["replayed"] is False
+
+
+@pytest.mark.parametrize("example", sorted(CLIENT_EXAMPLES))
+def test_client_integration_example_writes_once(
+    example: str, server: FencegateProcess, payments_api: RecordingUpstream
+) -> None:
+    """Each integration's example completes its job with one fenced write; run again on
+    the completed job it is refused by the lease API and writes nothing."""
+    job_id = f"{example.split('_')[0]}-{uuid.uuid4().hex[:8]}"
+    env = clean_env(
+        CONTROL_URL=server.control_url, GATEWAY_URL=server.proxy_url, WORKER_TOKEN=TOKEN
+    )
+    done = run([sys.executable, str(EXAMPLES / example), job_id], env=env)
+    assert done.returncode == 0, done.stderr
+    path, step = CLIENT_EXAMPLES[example]
+    (call,) = payments_api.for_job(job_id)
+    assert call["path"] == path.format(job_id=job_id)
+    assert call["key"] == step_key(job_id, step)
+    assert "Fencing-Token" not in call["headers"]
+    status, after = control_call(server, "GET", f"/v1/jobs/{job_id}", token=TOKEN)
+    assert status == 200 and after["state"] == "completed"
+
+    again = run([sys.executable, str(EXAMPLES / example), job_id], env=env)
+    assert again.returncode != 0 and "JobFinished" in again.stderr
+    assert len(payments_api.for_job(job_id)) == 1
