@@ -19,8 +19,10 @@ gateway that says the lease is gone (``stale-generation``, ``lease-expired``,
 ``ClientError``. The lease is the one given (``lease=``), else the current one: the lease
 whose ``with`` block is running.
 
-Bodies go with their request (no ``Expect: 100-continue``; see ``fence_s3``). The
-client sends requests unsigned by default: the worker holds no S3 credentials; the
+A body sent after ``Expect: 100-continue`` (botocore does that for file-like bodies) is
+refused before it is sent when the lease is gone; the gateway then closes that
+connection, and botocore opens another for the next request. The client sends requests
+unsigned by default: the worker holds no S3 credentials; the
 gateway sets the upstream's (see the ``s3`` upstream profile). Pass ``config=`` (merged
 over these defaults) to sign anyway. Needs the ``boto3`` extra.
 """
@@ -79,12 +81,6 @@ def fence_s3(client: S3Client, *, gateway_url: str, lease: LeaseState | None = N
         fencing = fence_for(lease)
         if fencing is None or not to_gateway(request.url, gateway_url):
             return
-        if "Expect" in request.headers:
-            # botocore sends file-like bodies after "Expect: 100-continue"; when the
-            # gateway refuses before the body (a lost lease), botocore keeps the connection
-            # without sending the body, and the next request on it is read as that body.
-            # Sent whole, the body is read and the connection stays sound.
-            del request.headers["Expect"]
         has_key = IDEMPOTENCY_KEY in request.headers
         for name, value in fencing.fencing_headers(has_key=has_key).items():
             if name in request.headers:

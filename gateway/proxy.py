@@ -103,7 +103,18 @@ class Gateway:
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: every refusal that needs no body (a stale token, a
-        declared length over the limit) is given before the client sends the body."""
+        declared length over the limit) is given before the client sends the body, with
+        ``Connection: close`` (RFC 9110 10.1.1): a client that got it never sends the
+        body, and its next request on that connection must not be read as the body."""
+        refusal = await self._refuse_before_body(request)
+        if refusal is not None:
+            refusal.force_close()
+            return refusal
+        if request.version >= aiohttp.HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    async def _refuse_before_body(self, request: web.Request) -> web.StreamResponse | None:
         ctx = Ctx(request)
         if request.headers.get("Expect", "").lower() != "100-continue":
             return await self.answers.reject(
@@ -120,8 +131,6 @@ class Gateway:
             return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
         if ctx.admission is not None:
             request[LEASE_CHECKED] = ctx.admission
-        if request.version >= aiohttp.HttpVersion11:
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
     # -- the facts: from the request, then from the database ----------------------------

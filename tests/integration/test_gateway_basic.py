@@ -66,6 +66,46 @@ async def test_expect_continue_with_stale_token_refused_before_body(
     assert upstream.received == []
 
 
+async def test_an_early_refusal_closes_the_connection_the_body_never_came_on(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    """RFC 9110 10.1.1: a final answer before the body says whether the connection stays.
+    A client that got the refusal instead of 100 Continue never sends the body, and may
+    send its next request on the same connection (botocore does): the gateway must not
+    read that request as the missing body. It answers ``Connection: close`` and closes."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    first = await stack.lease("job-c", owner="a", ttl=5)
+    clock.advance(6)
+    current = await stack.lease("job-c", owner="b", ttl=5)
+    head = (
+        "PUT /pay/files/a HTTP/1.1\r\nHost: gw\r\n"
+        f"Fencing-Token: {first['lease_token']}\r\nIdempotency-Key: k1\r\n"
+        "Content-Length: 40\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.proxy.port)
+    try:
+        writer.write(head)
+        refused = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+        assert refused.startswith(b"HTTP/1.1 409"), refused
+        assert b"connection: close" in refused.lower(), refused
+        length = int(refused.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await asyncio.wait_for(reader.readexactly(length), 2)
+        # The next request, as a client that believes the connection is still usable
+        # would send it: it never reaches the upstream as part of the first.
+        writer.write(
+            (
+                "PUT /pay/files/b HTTP/1.1\r\nHost: gw\r\n"
+                f"Fencing-Token: {current['lease_token']}\r\nIdempotency-Key: k2\r\n"
+                "Content-Length: 2\r\n\r\n{}"
+            ).encode()
+        )
+        rest = await asyncio.wait_for(reader.read(65536), 5)
+        assert rest == b"", rest[:200]  # closed: nothing more is read or answered here
+    finally:
+        writer.close()
+    assert upstream.received == []
+
+
 async def test_expect_continue_with_current_token_gets_continue(
     make_stack: Any, upstream: Upstream
 ) -> None:
