@@ -381,6 +381,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
             e["reason"],
             str(e["status"]),
             str(e["count"]),
+            e["source"] or "-",
             e["job_id"] or "-",
             _gen(e["generation"], e["highest_generation"]),
             e["upstream"] or "-",
@@ -390,7 +391,18 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         for e in items
     ]
     print_table(
-        ["AT", "REASON", "STATUS", "COUNT", "JOB", "GEN/HIGHEST", "UPSTREAM", "REQUEST", "KEY"],
+        [
+            "AT",
+            "REASON",
+            "STATUS",
+            "COUNT",
+            "SOURCE",
+            "JOB",
+            "GEN/HIGHEST",
+            "UPSTREAM",
+            "REQUEST",
+            "KEY",
+        ],
         rows,
     )
     if next_cursor:

@@ -89,6 +89,13 @@ def fingerprint(method: str, upstream: str, path: str, query: str, body: bytes) 
     return str(digest.hexdigest())
 
 
+def source_of(job_id: str) -> str:
+    """The lease source a job id belongs to: ``fencegate`` (the gateway's own leases,
+    whose ids never hold a ``/``) or the name before the ``/`` (``gateway.sources``)."""
+    source, slash, _ = job_id.partition("/")
+    return source if slash else "fencegate"
+
+
 # -- records and verdicts -----------------------------------------------------------
 
 

@@ -86,14 +86,6 @@ def namespaced(source: str, job: str) -> str | None:
     return job_id
 
 
-def source_of(job_id: str | None) -> str:
-    """The source a job id belongs to: ``fencegate`` (the gateway's own leases) or the
-    name before the ``/``."""
-    if job_id is None or "/" not in job_id:
-        return "fencegate"
-    return job_id.split("/", 1)[0]
-
-
 # -- signed tokens ------------------------------------------------------------------------
 
 
