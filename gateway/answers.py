@@ -92,6 +92,8 @@ class Answers:
 
     def _count(self, ctx: Ctx, reason: str) -> None:
         self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
+        if ctx.source_name is not None:
+            self.metrics.source_decisions.labels(ctx.source_name, reason).inc()
 
     @staticmethod
     def _problem_extra(ctx: Ctx) -> dict[str, Any]:

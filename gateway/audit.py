@@ -18,7 +18,7 @@ from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore, rfc3339
 
 from .config import GatewaySettings
-from .fence import GATEWAY_REASONS
+from .fence import GATEWAY_REASONS, source_of
 from .schema import audit
 
 log = logging.getLogger("fencegate.audit")
@@ -210,6 +210,9 @@ def entry_json(row: Any) -> dict[str, Any]:
         "reason": row["reason"],
         "status": row["status"],
         "job_id": row["job_id"],
+        # The lease source: "fencegate" (the gateway's own leases) or a [[lease_sources]]
+        # name, the prefix of its namespaced job ids; None without a lease behind it.
+        "source": None if row["job_id"] is None else source_of(row["job_id"]),
         "generation": row["generation"],
         "highest_generation": row["highest_generation"],
         "owner": row["owner"],

@@ -20,9 +20,11 @@ from . import migrate
 from .config import (
     DEFAULT_CONFIG_FILE,
     ConfigError,
+    JwtSourceSettings,
     Settings,
     env_references,
     load_settings,
+    mask_url,
     resolve_secrets,
     sqlite_folder_problem,
 )
@@ -278,6 +280,12 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
             f"(fenced: {', '.join(upstream.fenced_methods) or 'none'}; "
             f"unknown outcome: {upstream.unknown_outcome})"
         )
+    for source in settings.lease_sources:
+        if isinstance(source, JwtSourceSettings):
+            what = f"issuer {source.issuer!r}, {', '.join(source.algorithms)}"
+        else:
+            what = ", ".join(mask_url(e) for e in source.endpoints)
+        print(f"  lease source    {source.name}: {source.kind} ({what}); tokens {source.name}:...")
     for key, name, _ in env_references(settings):
         print(f"  serve needs     {name} (set) for {key}")
     return 0
@@ -381,6 +389,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
             e["reason"],
             str(e["status"]),
             str(e["count"]),
+            e["source"] or "-",
             e["job_id"] or "-",
             _gen(e["generation"], e["highest_generation"]),
             e["upstream"] or "-",
@@ -390,7 +399,18 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         for e in items
     ]
     print_table(
-        ["AT", "REASON", "STATUS", "COUNT", "JOB", "GEN/HIGHEST", "UPSTREAM", "REQUEST", "KEY"],
+        [
+            "AT",
+            "REASON",
+            "STATUS",
+            "COUNT",
+            "SOURCE",
+            "JOB",
+            "GEN/HIGHEST",
+            "UPSTREAM",
+            "REQUEST",
+            "KEY",
+        ],
         rows,
     )
     if next_cursor:

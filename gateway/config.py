@@ -3,8 +3,8 @@
 Environment variables win over the file; nested keys use ``__``
 (``FENCEGATE_LEASE__MAX_TTL_SECONDS=900``), lists and tables are JSON
 (``FENCEGATE_AUTH__ADMIN_TOKENS='["s3cret"]'``). This module is the only reader of
-``os.environ``: ``${NAME}`` in an upstream's ``set_headers`` is expanded here, by
-``resolve_secrets``, for ``serve`` only.
+``os.environ``: ``${NAME}`` in an upstream's ``set_headers`` and in a lease source's
+``public_keys`` is expanded here, by ``resolve_secrets``, for ``serve`` only.
 """
 
 from __future__ import annotations
@@ -241,6 +241,77 @@ class GatewaySettings(BaseModel):
     max_replay_body_bytes: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
 
 
+SOURCE_NAME = r"^[a-z][a-z0-9_-]{0,31}$"
+# Signatures with a public key only: a shared secret (HS256) would let every service that
+# verifies tokens mint them too, and "none" is no signature.
+JwtAlgorithm = Literal[
+    "EdDSA", "ES256", "ES384", "ES512", "RS256", "RS384", "RS512", "PS256", "PS384", "PS512"
+]
+
+
+class JwtSourceSettings(BaseModel):
+    """Signed fencing tokens (``<name>:<compact JWS>``): claims ``sub`` (the job),
+    ``gen`` (its generation), ``exp`` and ``iss`` (see docs/lease-sources.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=SOURCE_NAME)
+    kind: Literal["jwt"]
+    algorithms: list[JwtAlgorithm] = Field(min_length=1)
+    # PEM public keys; ``${NAME}`` is expanded by ``resolve_secrets``. A token verified
+    # by any of them is accepted (several during a key rotation).
+    public_keys: list[str] = Field(min_length=1, max_length=16)
+    issuer: str = Field(min_length=1, max_length=200)
+    audience: str | None = Field(None, min_length=1, max_length=200)
+    # Added to ``exp``; the expiry is judged by the database's clock, as leases are.
+    leeway_seconds: float = Field(0.0, ge=0, le=300, allow_inf_nan=False)
+
+    @field_validator("public_keys")
+    @classmethod
+    def _pem(cls, value: list[str]) -> list[str]:
+        for key in value:
+            if not ENV_REF.search(key):
+                check_public_key(key)
+        return value
+
+
+class EtcdSourceSettings(BaseModel):
+    """Locks held through etcd's lock API (``<name>:<the lock key>``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=SOURCE_NAME)
+    kind: Literal["etcd"]
+    endpoints: list[str] = Field(min_length=1, max_length=16)
+    # How long a lock key read as held is believed without asking etcd again. The fence
+    # in the database still decides: a cached answer can never admit a generation below
+    # one that has written (docs/lease-sources.md says what it can and cannot do).
+    cache_seconds: float = Field(0.5, ge=0, le=10, allow_inf_nan=False)
+    timeout_seconds: float = Field(2.0, gt=0, le=60, allow_inf_nan=False)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for endpoint in value:
+            url = URL(endpoint)
+            if url.scheme not in ("http", "https") or not url.host or url.path not in ("", "/"):
+                raise ValueError(f"{endpoint!r}: must be http(s)://host:port")
+        return [endpoint.rstrip("/") for endpoint in value]
+
+
+LeaseSourceSettings = Annotated[JwtSourceSettings | EtcdSourceSettings, Field(discriminator="kind")]
+
+
+def check_public_key(pem: str) -> None:
+    """A PEM public key that ``cryptography`` can load, or ValueError."""
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        load_pem_public_key(pem.encode("utf-8"))
+    except (ValueError, TypeError) as error:
+        raise ValueError("not a PEM public key (-----BEGIN PUBLIC KEY-----)") from error
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FENCEGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -253,6 +324,7 @@ class Settings(BaseSettings):
     lease: LeaseSettings = Field(default_factory=LeaseSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
+    lease_sources: list[LeaseSourceSettings] = Field(default_factory=list)
 
     @classmethod
     def settings_customise_sources(
@@ -289,6 +361,10 @@ class Settings(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"upstreams: duplicate name(s) {', '.join(duplicates)}")
+        sources = [s.name for s in self.lease_sources]
+        duplicates = sorted({n for n in sources if sources.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"lease_sources: duplicate name(s) {', '.join(duplicates)}")
         if not self.auth.enabled:
             for key in ("proxy_listen", "control_listen"):
                 host, _ = parse_listen(getattr(self, key))
@@ -360,10 +436,19 @@ def env_references(
     ``serve`` will read from its environment."""
     environ = os.environ if environ is None else environ
     return [
-        (f"upstreams.{index}.set_headers.{name}", ref, ref in environ)
-        for index, upstream in enumerate(settings.upstreams)
-        for name, value in upstream.set_headers.items()
-        for ref in ENV_REF.findall(value.get_secret_value())
+        *(
+            (f"upstreams.{index}.set_headers.{name}", ref, ref in environ)
+            for index, upstream in enumerate(settings.upstreams)
+            for name, value in upstream.set_headers.items()
+            for ref in ENV_REF.findall(value.get_secret_value())
+        ),
+        *(
+            (f"lease_sources.{index}.public_keys.{number}", ref, ref in environ)
+            for index, source in enumerate(settings.lease_sources)
+            if isinstance(source, JwtSourceSettings)
+            for number, key in enumerate(source.public_keys)
+            for ref in ENV_REF.findall(key)
+        ),
     ]
 
 
@@ -394,7 +479,20 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None
                     ]
                 )
         upstreams.append(upstream.model_copy(update={"set_headers": headers}))
-    return settings.model_copy(update={"upstreams": upstreams})
+    sources: list[JwtSourceSettings | EtcdSourceSettings] = []
+    for index, source in enumerate(settings.lease_sources):
+        if isinstance(source, JwtSourceSettings):
+            keys = [ENV_REF.sub(lambda m: environ[m.group(1)], key) for key in source.public_keys]
+            for number, key in enumerate(keys):
+                try:
+                    check_public_key(key)
+                except ValueError as error:
+                    raise ConfigError(
+                        [f"lease_sources.{index}.public_keys.{number}: {error}"]
+                    ) from error
+            source = source.model_copy(update={"public_keys": keys})
+        sources.append(source)
+    return settings.model_copy(update={"upstreams": upstreams, "lease_sources": sources})
 
 
 ENV_PREFIX = "FENCEGATE_"

@@ -89,6 +89,13 @@ def fingerprint(method: str, upstream: str, path: str, query: str, body: bytes) 
     return str(digest.hexdigest())
 
 
+def source_of(job_id: str) -> str:
+    """The lease source a job id belongs to: ``fencegate`` (the gateway's own leases,
+    whose ids never hold a ``/``) or the name before the ``/`` (``gateway.sources``)."""
+    source, slash, _ = job_id.partition("/")
+    return source if slash else "fencegate"
+
+
 # -- records and verdicts -----------------------------------------------------------
 
 
@@ -108,12 +115,19 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Presented:
-    """The lease behind the presented token (as granted) and the job as it is now."""
+    """The lease behind the presented token (as granted) and the job as it is now.
+
+    A lease of another source (``gateway.sources``) has no ``job`` row: ``source`` names
+    it, and ``refused`` is the verdict that the source and the job's fence gave (None:
+    current). Its generation is None when the source no longer knows it (an etcd lock
+    key that is gone)."""
 
     job_id: str
-    generation: int
+    generation: int | None
     owner: str
     job: rules.Job | None
+    source: str | None = None
+    refused: Reason | None = None
 
 
 class Action(StrEnum):
@@ -140,6 +154,9 @@ def lease_reason(presented: Presented | None, now: float) -> Reason | None:
     """None when the presented lease may write now; else why not."""
     if presented is None:
         return Reason.INVALID_FENCING_TOKEN
+    if presented.source is not None:
+        return presented.refused
+    assert presented.generation is not None
     lease = rules.Lease(presented.job_id, presented.generation, presented.owner, 0.0)
     job = presented.job
     if job is not None and rules.is_current(lease, job, now):
@@ -166,6 +183,26 @@ def record_verdict(record: Record, fingerprint: str, now: float, policy: str) ->
     if policy == "retry":
         return FORWARD
     return Verdict.reject(Reason.OUTCOME_UNKNOWN)
+
+
+def external_reason(
+    refused: Reason | None,
+    generation: int | None,
+    fence: int | None,
+    expires_at: float | None,
+    now: float,
+) -> Reason | None:
+    """Why a lease of another source may not write (None: it may), in the spec's order:
+    a generation below the job's fence is stale whatever the source says; then the
+    source's own verdict (ended, expired, a newer holder); then the expiry a signed
+    token carries, by the database's clock."""
+    if generation is not None and fence is not None and fence > generation:
+        return Reason.STALE_GENERATION
+    if refused is not None:
+        return refused
+    if expires_at is not None and expires_at <= now:
+        return Reason.LEASE_EXPIRED
+    return None
 
 
 def send_verdict(generation: int, fence: int | None, seconds_left: float) -> Reason | None:

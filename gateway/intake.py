@@ -26,6 +26,7 @@ from .config import UpstreamSettings
 from .decision import Facts
 from .fence import Record
 from .logs import REQUEST_ID
+from .sources import Source, split_token
 from .store import Admission
 
 HOP_BY_HOP = frozenset(
@@ -82,9 +83,19 @@ class Ctx:
     send_left: float | None = None  # seconds the claim still allows, judged at the send
     slot: str | None = None  # the pool whose slot this request holds
     method: str = ""  # the method as the fingerprint names it (with an override, if any)
+    # The token's lease source (``gateway.sources``) and its own token; None for the
+    # gateway's own ``fgl_`` tokens. ``source_name``: the metrics' label for either.
+    source: Source | None = None
+    source_token: str | None = None
+    source_name: str | None = None
 
 
-def intake(ctx: Ctx, upstreams: Mapping[str, UpstreamSettings], max_key_length: int) -> Facts:
+def intake(
+    ctx: Ctx,
+    upstreams: Mapping[str, UpstreamSettings],
+    max_key_length: int,
+    sources: Mapping[str, Source] | None = None,
+) -> Facts:
     """The facts the request line and headers carry (no I/O). A fact left at its
     default passes its row; the walk stops at the first refusal anyway."""
     request = ctx.request
@@ -117,7 +128,14 @@ def intake(ctx: Ctx, upstreams: Mapping[str, UpstreamSettings], max_key_length: 
     if len(presented) != 1:
         return facts
     token = presented[0].strip()
-    facts.token_well_formed = tokens.is_well_formed(token)
+    named = split_token(token, sources) if sources else None
+    if named is not None:
+        ctx.source, ctx.source_token = named
+        ctx.source_name = named[0].name
+        facts.token_well_formed = named[0].well_formed(named[1])
+    else:
+        ctx.source_name = "fencegate"
+        facts.token_well_formed = tokens.is_well_formed(token)
     facts.protected_hop_by_hop = bool(connection_named(request.headers) & PROTECTED)
     key_headers = request.headers.getall("Idempotency-Key", [])
     key = None
@@ -125,7 +143,8 @@ def intake(ctx: Ctx, upstreams: Mapping[str, UpstreamSettings], max_key_length: 
         key = fence.parse_key(key_headers[0], max_key_length)
     facts.key_acceptable = key is not None or not (key_headers or upstream.require_idempotency_key)
     ctx.key = key or fence.anonymous_key()
-    ctx.token_hash = tokens.hash_token(token) if facts.token_well_formed else None
+    if named is None and facts.token_well_formed:
+        ctx.token_hash = tokens.hash_token(token)
     return facts
 
 

@@ -33,6 +33,13 @@ class GatewayMetrics:
             ["upstream", "reason"],
             registry=r,
         )
+        self.source_decisions = Counter(
+            "fencegate_gateway_source_decisions",
+            "Decisions on fenced writes by lease source ('fencegate' for the gateway's own "
+            "leases, else the name of a [[lease_sources]] entry) and reason.",
+            ["source", "reason"],
+            registry=r,
+        )
         self.forward_seconds = Histogram(
             "fencegate_gateway_forward_seconds",
             "Time from forwarding a request to the end of the upstream's answer.",

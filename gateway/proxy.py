@@ -23,7 +23,7 @@ from aiohttp.typedefs import Handler
 from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore
 
-from . import fence
+from . import fence, sources
 from .answers import Answers
 from .audit import Audit
 from .body import BodyTimeout, read_body, start_body_clock
@@ -34,6 +34,7 @@ from .forwarding import Forwarder, upstream_url
 from .intake import Ctx, forward_headers, intake
 from .logs import request_id_middleware
 from .metrics import GatewayMetrics
+from .sources import ExternalLease
 from .store import Admission, GatewayStore, WriteRequest
 
 log = logging.getLogger("fencegate.proxy")
@@ -57,13 +58,23 @@ class Gateway:
         self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
         self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
+        # Lease sources other than the gateway's own (``[[lease_sources]]``), by name.
+        self.sources = sources.build(settings.lease_sources)
         # Slots in use per pool: fenced writes past the lease check (up to
         # max_concurrent_requests) and unfenced requests (max_concurrent_unfenced_requests).
         self.slots = {"fenced": 0, "unfenced": 0}
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""
-        for key in ("database_url", "proxy_listen", "control_listen", "auth", "lease", "gateway"):
+        for key in (
+            "database_url",
+            "proxy_listen",
+            "control_listen",
+            "auth",
+            "lease",
+            "gateway",
+            "lease_sources",
+        ):
             if getattr(settings, key) != getattr(self.settings, key):
                 log.warning("reload: %s changed; it takes effect after a restart", key)
         self.upstreams = {u.name: u for u in settings.upstreams}
@@ -72,9 +83,13 @@ class Gateway:
 
     async def start(self) -> None:
         await self.forwarder.start()
+        for source in self.sources.values():
+            await source.start()
 
     async def close(self) -> None:
         await self.forwarder.close()
+        for source in self.sources.values():
+            await source.close()
 
     # -- the request path ---------------------------------------------------------------
 
@@ -136,7 +151,9 @@ class Gateway:
     # -- the facts: from the request, then from the database ----------------------------
 
     def _intake(self, ctx: Ctx) -> Facts:
-        return intake(ctx, self.upstreams, self.settings.gateway.max_idempotency_key_length)
+        return intake(
+            ctx, self.upstreams, self.settings.gateway.max_idempotency_key_length, self.sources
+        )
 
     async def _find_out(self, ctx: Ctx, facts: Facts, step: Step) -> None:
         if step is Step.LEASE:
@@ -177,6 +194,7 @@ class Gateway:
         assert admission is not None and admission.presented is not None
         assert key is not None and send_by is not None and ctx.attempt is not None
         job_id, generation = admission.presented.job_id, admission.presented.generation
+        assert generation is not None
         claim = await self.store.claim(job_id, key, ctx.attempt)
         on_database = -1.0 if claim.deadline is None else claim.deadline - claim.now
         ctx.send_left = min(send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
@@ -186,11 +204,27 @@ class Gateway:
             ctx.admission = replace(admission, highest=highest)
 
     async def _check_lease(self, ctx: Ctx, facts: Facts) -> None:
-        if ctx.token_hash is None:
+        admission = await self._lease_now(ctx)
+        if admission is None:
             facts.lease = Reason.INVALID_FENCING_TOKEN
             return
-        ctx.admission = admission = await self.store.check_lease(ctx.token_hash)
+        ctx.admission = admission
         facts.lease = fence.lease_reason(admission.presented, admission.now)
+
+    async def _lease_now(self, ctx: Ctx) -> Admission | None:
+        """Read-only: the lease behind the token as the database (and, for a lease of
+        another source, that source) sees it now; None: no such token."""
+        if ctx.source is not None:
+            external = await self._external(ctx)
+            return None if external is None else await self.store.check_external(external)
+        if ctx.token_hash is None:
+            return None
+        return await self.store.check_lease(ctx.token_hash)
+
+    async def _external(self, ctx: Ctx) -> ExternalLease | None:
+        """What the token's source says of its lease now (no database write)."""
+        assert ctx.source is not None and ctx.source_token is not None
+        return await ctx.source.check(ctx.source_token)
 
     def _take_slot(self, ctx: Ctx, facts: Facts) -> None:
         """One of the pool's slots (fenced writes, unfenced requests), if one is free."""
@@ -226,8 +260,19 @@ class Gateway:
         """In one transaction: the lease, the fence, the key (claimed, taken over, or
         its record read) and whether an older generation's write is in flight."""
         upstream, request = ctx.upstream, ctx.request
-        assert upstream is not None and ctx.token_hash is not None
-        assert ctx.key is not None and ctx.fingerprint is not None
+        assert upstream is not None and ctx.key is not None and ctx.fingerprint is not None
+        external = None
+        if ctx.source is not None:
+            external = await self._external(ctx)
+            if external is None:
+                facts.lease = Reason.INVALID_FENCING_TOKEN
+                return
+            if external.refused is not None:  # nothing to admit: explain it
+                ctx.admission = admission = await self.store.check_external(external)
+                facts.lease = fence.lease_reason(admission.presented, admission.now)
+                return
+        else:
+            assert ctx.token_hash is not None
         deadline_in = (
             self.settings.gateway.ordering_wait_seconds
             + upstream.timeout_seconds
@@ -237,18 +282,21 @@ class Gateway:
         # The claim's deadline runs from here; past it, other replicas treat the record as
         # unknown and may move on, so this replica must not forward any more.
         ctx.send_by = time.monotonic() + deadline_in - DEADLINE_MARGIN
-        ctx.admission = admission = await self.store.admit(
-            WriteRequest(
-                token_hash=ctx.token_hash,
-                key=ctx.key,
-                fingerprint=ctx.fingerprint,
-                upstream=upstream.name,
-                method=request.method,
-                path=ctx.rest,
-                deadline_in=deadline_in,
-                retry=upstream.unknown_outcome == "retry",
-            )
+        write = WriteRequest(
+            token_hash=ctx.token_hash,
+            key=ctx.key,
+            fingerprint=ctx.fingerprint,
+            upstream=upstream.name,
+            method=request.method,
+            path=ctx.rest,
+            deadline_in=deadline_in,
+            retry=upstream.unknown_outcome == "retry",
         )
+        if external is not None:
+            admission = await self.store.admit_external(external, write)
+        else:
+            admission = await self.store.admit(write)
+        ctx.admission = admission
         facts.lease = fence.lease_reason(admission.presented, admission.now)
         if facts.lease is not None:
             return
@@ -281,12 +329,16 @@ class Gateway:
         newer generation may have been granted or admitted meanwhile."""
         admission = ctx.admission
         assert admission is not None and admission.presented is not None
-        assert ctx.token_hash is not None
         job_id, generation = admission.presented.job_id, admission.presented.generation
+        assert generation is not None
         if not await self._wait_for_older(job_id, generation):
             facts.in_order = False
             return
-        ctx.admission = now_seen = await self.store.check_lease(ctx.token_hash)
+        now_seen = await self._lease_now(ctx)
+        if now_seen is None:  # its grant was purged meanwhile
+            facts.lease, facts.in_order = Reason.INVALID_FENCING_TOKEN, True
+            return
+        ctx.admission = now_seen
         reason = fence.lease_reason(now_seen.presented, now_seen.now)
         if reason is None and (now_seen.highest or 0) > generation:
             reason = Reason.STALE_GENERATION
@@ -345,6 +397,8 @@ class Gateway:
         else:
             headers = forward_headers(ctx.request, upstream, None, None, None)
         key = None if ctx.attempt is None else _HeldKey(self, ctx)
+        if fenced and ctx.source_name is not None:
+            self.metrics.source_decisions.labels(ctx.source_name, "forwarded").inc()
         return await self.forwarder.forward(
             ctx.request,
             upstream,

@@ -21,8 +21,9 @@ from lease_core.rules import State
 from lease_core.store import LeaseStore
 
 from . import fence
-from .fence import Presented, Record, RecordState
+from .fence import Presented, Reason, Record, RecordState
 from .schema import requests
+from .sources import ExternalLease
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class WriteRequest:
-    token_hash: str
+    token_hash: str | None  # None: a lease of another source (``admit_external``)
     key: str
     fingerprint: str
     upstream: str
@@ -122,6 +123,15 @@ class GatewayStore:
             return Admission(now=now, presented=None)
         if fence.lease_reason(presented, now) is not None:  # why nothing was claimed
             return Admission(now=now, presented=presented, highest=highest)
+        return await self._claimed(row, presented, highest, attempt, write.key)
+
+    async def _claimed(
+        self, row: Any, presented: Presented, highest: int | None, attempt: str, key: str
+    ) -> Admission:
+        """An admission's answer when the lease was current: the key claimed, taken
+        over, or its record (the same columns in ``admit`` and ``admit_external``)."""
+        assert presented.generation is not None
+        now = float(row["now"])
         claimed, taken = bool(row["claimed"]), bool(row["taken"])
         record = None  # the key's record as it was before this admission
         if row["r_attempt"] is not None:
@@ -134,7 +144,7 @@ class GatewayStore:
                 }
             )
         elif not claimed:  # claimed concurrently, after this statement's snapshot was taken
-            found = await self.backend.run("record", job_id=presented.job_id, key=write.key)
+            found = await self.backend.run("record", job_id=presented.job_id, key=key)
             record = None if found is None else _record(found)
         ours = claimed or taken
         return Admission(
@@ -147,6 +157,55 @@ class GatewayStore:
             older_in_flight=ours and bool(row["older_in_flight"]),
             back_to=record if taken else None,
         )
+
+    # -- leases of other sources (gateway.sources) -----------------------------------
+
+    async def check_external(self, lease: ExternalLease) -> Admission:
+        """Read-only: may this lease of another source write now? Its job's fence and
+        the source's verdict (``fence.external_reason``)."""
+        row = await self.backend.run(
+            "external_lease", job_id=lease.job_id, generation=lease.generation or 0
+        )
+        assert row is not None
+        now, fenced = float(row["now"]), row["fence_generation"]
+        refused = fence.external_reason(
+            lease.refused, lease.generation, fenced, lease.expires_at, now
+        )
+        return Admission(
+            now=now, presented=_external(lease, refused), highest=_highest(lease, fenced)
+        )
+
+    async def admit_external(self, lease: ExternalLease, write: WriteRequest) -> Admission:
+        """Operation ``admit_external``: the job's fence raised to the lease's generation
+        unless it is above it (or the token's expiry has passed, by the database's
+        clock), then the key, as ``admit`` does. The SQL decides; this reads its
+        answer and explains a refusal."""
+        assert lease.refused is None and lease.generation is not None
+        attempt = tokens.new_serial_id()
+        row = await self.backend.run(
+            "admit_external",
+            job_id=lease.job_id,
+            generation=lease.generation,
+            expires_at=lease.expires_at,
+            key=write.key,
+            fingerprint=write.fingerprint,
+            attempt=attempt,
+            upstream=write.upstream,
+            method=write.method,
+            path=write.path,
+            deadline_in=write.deadline_in,
+            retry=write.retry,
+        )
+        assert row is not None
+        now, fenced = float(row["now"]), row["fence_generation"]
+        if row["admitted"] is None:
+            refused = fence.external_reason(None, lease.generation, fenced, lease.expires_at, now)
+            # Refused by the SQL: stale, or past its expiry; nothing else refuses.
+            refused = refused or Reason.STALE_GENERATION
+            return Admission(
+                now=now, presented=_external(lease, refused), highest=_highest(lease, fenced)
+            )
+        return await self._claimed(row, _external(lease, None), fenced, attempt, write.key)
 
     async def older_in_flight(self, job_id: str, generation: int) -> bool:
         row = await self.backend.run("older_in_flight", job_id=job_id, generation=generation)
@@ -268,6 +327,17 @@ class GatewayStore:
 
 def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:
     return None if headers is None else json.dumps([list(h) for h in headers])
+
+
+def _external(lease: ExternalLease, refused: Reason | None) -> Presented:
+    return Presented(
+        lease.job_id, lease.generation, lease.owner, None, source=lease.source, refused=refused
+    )
+
+
+def _highest(lease: ExternalLease, fenced: int | None) -> int | None:
+    known = [g for g in (fenced, lease.generation, lease.newer) if g is not None]
+    return max(known) if known else None
 
 
 def _presented(row: Any) -> tuple[Presented | None, int | None]:

@@ -26,6 +26,7 @@ from gateway.server import create_control_app
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore
 from tests.support import (
+    EtcdServer,
     FakeClock,
     Stack,
     Upstream,
@@ -55,6 +56,15 @@ def pg_database_url() -> Iterator[str]:
     migrate.upgrade(url)
     yield url
     asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real etcd for this test session (skips on a developer's machine without the
+    ``etcd`` binary, fails in CI)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +44,69 @@ def postgres_unavailable(message: str) -> None:
     if IN_CI:
         pytest.fail(f"PostgreSQL is required in CI: {message}", pytrace=False)
     pytest.skip(f"PostgreSQL not reachable: {message}")
+
+
+def etcd_unavailable(message: str) -> None:
+    if IN_CI:
+        pytest.fail(f"etcd is required in CI: {message}", pytrace=False)
+    pytest.skip(f"etcd not available: {message}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class EtcdServer:
+    """A real ``etcd`` process (Debian's etcd-server) on free ports, with its own data
+    directory; ``url`` is its client URL (the JSON gateway answers there too)."""
+
+    def __init__(self, folder: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            etcd_unavailable("no etcd binary on PATH (apt-get install etcd-server)")
+            raise AssertionError("unreachable")
+        self.url = f"http://127.0.0.1:{free_port()}"
+        peer = f"http://127.0.0.1:{free_port()}"
+        self.log = (folder / "etcd.log").open("wb")
+        self.process = subprocess.Popen(
+            [
+                binary,
+                "--name=test",
+                f"--data-dir={folder / 'data'}",
+                f"--listen-client-urls={self.url}",
+                f"--advertise-client-urls={self.url}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=test={peer}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as answer:
+                    if b"true" in answer.read():
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                etcd_unavailable(f"etcd did not start (see {folder / 'etcd.log'})")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
 
 
 async def pg_admin(sql: str) -> None:

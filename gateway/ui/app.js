@@ -356,7 +356,12 @@
             String(item.count),
           ),
           el("td", {}, item.status),
-          el("td", { className: "mono" }, jobButton(item.job_id)),
+          // A lease source's job ids are "<source>/<job>"; the source is named here too.
+          el(
+            "td",
+            { className: "mono", title: item.source ? `lease source: ${item.source}` : "" },
+            jobButton(item.job_id),
+          ),
           el("td", {}, generationText(item.generation, item.highest_generation)),
           el("td", {}, show(item.upstream)),
           el("td", { className: "mono" }, `${item.method} ${item.path}`),

@@ -362,6 +362,70 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) AS r ON true;
 
+-- name: external_lease
+-- Read only: the fence of a job of another lease source (gateway.sources; its id
+-- namespaced "<source>/<job>") and whether an older generation's write to it is still
+-- in flight; always one row (fence_generation NULL: nothing of it has written yet).
+SELECT {now} AS now, f.generation AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
+       ) AS older_in_flight
+FROM (SELECT 1 AS one) AS one
+LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text);
+
+-- name: admit_external
+-- A fenced write under a lease of another source (gateway.sources: an etcd lock, a
+-- signed token), whose job (namespaced "<source>/<job>") and generation the source
+-- vouched for. The job's fence is raised to this generation when it is not above it
+-- and the lease is not past :expires_at (NULL: the source judged its expiry); the fence
+-- row stays locked to the end of the transaction, so the admissions of one job are one
+-- at a time, as the job row's lock makes them for the gateway's own leases. admitted
+-- NULL: refused (fence_generation above the generation: stale; else expired). Then, as
+-- in admit: the fence, the key's record as it was before, whether an older
+-- generation's write is in flight, and the key claimed for this attempt, or its record
+-- taken over when its outcome is unknown and the upstream's policy is retry (:retry).
+INSERT INTO fences (job_id, generation, updated_at)
+SELECT CAST(:job_id AS text), CAST(:generation AS bigint), {now}
+WHERE CAST(:expires_at AS double precision) IS NULL
+   OR CAST(:expires_at AS double precision) > {now}
+ON CONFLICT (job_id) DO UPDATE
+    SET generation = excluded.generation, updated_at = excluded.updated_at
+    WHERE fences.generation <= excluded.generation
+RETURNING generation AS admitted;
+SELECT {now} AS now, f.generation AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
+       ) AS older_in_flight,
+       r.fingerprint, r.state AS r_state, r.generation AS r_generation,
+       r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
+FROM (SELECT 1 AS one) AS one
+LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text)
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = CAST(:job_id AS text) AND r.key = CAST(:key AS text);
+INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
+                                 upstream, method, path, deadline, created_at, updated_at)
+SELECT CAST(:job_id AS text), CAST(:key AS text), CAST(:fingerprint AS text),
+       {RecordState.IN_FLIGHT}, CAST(:generation AS bigint), CAST(:attempt AS text),
+       CAST(:upstream AS text), CAST(:method AS text), CAST(:path AS text),
+       {now} + CAST(:deadline_in AS double precision), {now}, {now}
+WHERE CAST(:admitted AS bigint) IS NOT NULL
+ON CONFLICT (job_id, key) DO NOTHING
+RETURNING 1 AS claimed;
+UPDATE idempotency_records
+SET state = {RecordState.IN_FLIGHT}, generation = CAST(:generation AS bigint),
+    attempt = CAST(:attempt AS text),
+    deadline = {now} + CAST(:deadline_in AS double precision), updated_at = {now}
+WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
+  AND CAST(:admitted AS bigint) IS NOT NULL AND CAST(:retry AS boolean)
+  AND fingerprint = CAST(:fingerprint AS text)
+  AND (state = {RecordState.UNKNOWN}
+       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+RETURNING 1 AS taken;
+
 -- name: record
 -- Read only: a key's record (an admission that found it claimed by a concurrent one
 -- after its snapshot was taken reads it here).

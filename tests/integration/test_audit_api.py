@@ -27,6 +27,7 @@ ENTRY_KEYS = {
     "reason",
     "status",
     "job_id",
+    "source",
     "generation",
     "highest_generation",
     "owner",
