@@ -188,6 +188,7 @@ class PostgresDirect(Direct):
         self._pool: Any = None
         self._opening: asyncio.Lock | None = None
         self._coalescers: dict[Batched, Coalescer[Mapping[str, Any], Row | None]] = {}
+        self._columns: dict[str, tuple[str, ...]] = {}  # of the statements of a Chain
 
     async def _get_pool(self) -> Any:
         if self._pool is not None:
@@ -285,9 +286,17 @@ class PostgresDirect(Direct):
                 chain = Chain(params)
                 for statement in statements:
                     text, names = statement.postgres(injected)
-                    prepared = await conn.prepare(text)
-                    rows = await prepared.fetch(*(chain.params[name] for name in names))
-                    columns = [attribute.name for attribute in prepared.get_attributes()]
+                    # ``fetch`` uses the connection's cache of prepared statements; the
+                    # columns of one that returned no row are read once, when first needed.
+                    rows = await conn.fetch(text, *(chain.params[name] for name in names))
+                    columns = self._columns.get(text)
+                    if columns is None:
+                        if rows:
+                            columns = tuple(rows[0].keys())
+                        else:
+                            prepared = await conn.prepare(text)
+                            columns = tuple(a.name for a in prepared.get_attributes())
+                        self._columns[text] = columns
                     chain.add(columns, rows[0] if rows else None)
                 return chain.answer()
         except Exception as error:
@@ -317,6 +326,8 @@ class Chain:
         self._answered = False
 
     def add(self, columns: Sequence[str], row: Any) -> None:
+        if not columns:
+            return
         values = dict.fromkeys(columns) if row is None else dict(zip(columns, row, strict=True))
         self._columns.update(values)
         self._answered = self._answered or row is not None
