@@ -1,5 +1,6 @@
 """The catalogue of state changes: every write Fencegate makes, by name, its SQL written
-once per dialect in ``lease_core/sql/<dialect>.sql``.
+once: in ``lease_core/sql/common.sql`` when it is the same on every dialect, else once
+per dialect in ``lease_core/sql/<dialect>.sql``.
 
 The SQL decides (each change is conditional, so a lost race matches no row); the Python
 that runs an operation only reads its answer, and explains a refusal. ``Backend`` runs
@@ -76,13 +77,27 @@ class Catalogue(Mapping[str, Operation]):
         return len(self._operations)
 
 
+COMMON = "common"  # the operations whose SQL is the same on every dialect
+
+
 @cache
 def load(dialect: str) -> Catalogue:
-    """The catalogue of ``dialect`` ("postgresql" or "sqlite")."""
+    """The catalogue of ``dialect`` ("postgresql" or "sqlite"): its own file's operations
+    and the common ones; an operation is written in exactly one of the two."""
     if dialect not in DIALECTS:
         raise CatalogueError(f"no SQL for the {dialect!r} dialect; one of {DIALECTS}")
-    path = SQL_DIR / f"{dialect}.sql"
-    return Catalogue(dialect, parse(path.read_text(encoding="utf-8"), str(path)))
+    operations = read(COMMON)
+    own = read(dialect)
+    both = sorted(set(operations) & set(own))
+    if both:
+        raise CatalogueError(f"{dialect}.sql and {COMMON}.sql both define {', '.join(both)}")
+    return Catalogue(dialect, {**operations, **own})
+
+
+def read(name: str) -> dict[str, Operation]:
+    """The operations of one file of ``SQL_DIR``."""
+    path = SQL_DIR / f"{name}.sql"
+    return parse(path.read_text(encoding="utf-8"), str(path))
 
 
 def parse(text: str, source: str = "<sql>") -> dict[str, Operation]:

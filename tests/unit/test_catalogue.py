@@ -49,6 +49,7 @@ def test_every_operation_says_what_it_does(dialect: str) -> None:
 def test_states_are_named_through_the_enums(dialect: str) -> None:
     """A state spelled as a literal in the SQL file would not follow a rename of the enum."""
     text = (catalogue.SQL_DIR / f"{dialect}.sql").read_text()
+    text += (catalogue.SQL_DIR / "common.sql").read_text()
     spelled = {value for value in [*State, *RecordState] if f"'{value}'" in text}
     assert spelled == set()
     assert "{State.LEASED}" in text and "{RecordState.IN_FLIGHT}" in text
@@ -56,6 +57,24 @@ def test_states_are_named_through_the_enums(dialect: str) -> None:
     for operation in CATALOGUES[dialect].values():
         for statement in [*operation.statements, *([operation.many] if operation.many else [])]:
             assert not re.search(r"\{(?!now\})", statement.text)
+
+
+def test_an_operation_is_written_in_one_file_only() -> None:
+    """Common operations are not written again per dialect, and a dialect's own
+    operation is not the same SQL as the other dialect's (it would belong in common)."""
+    common = set(catalogue.read(catalogue.COMMON))
+    assert common, "common.sql defines the operations that are the same on every dialect"
+    own = {dialect: catalogue.read(dialect) for dialect in catalogue.DIALECTS}
+    for ops in own.values():
+        assert common.isdisjoint(ops)
+    same = [
+        name
+        for name, op in own["sqlite"].items()
+        if op.many is None
+        and own["postgresql"][name].many is None
+        and [s.text for s in op.statements] == [s.text for s in own["postgresql"][name].statements]
+    ]
+    assert same == [], f"the same SQL in both dialect files, move it to common.sql: {same}"
 
 
 def test_the_loader_reads_statements_docs_and_batched_forms() -> None:

@@ -1,0 +1,160 @@
+-- The operations whose SQL is the same on every dialect (lease_core/catalogue.py loads
+-- this file with each dialect's own, postgresql.sql or sqlite.sql; an operation lives in
+-- exactly one of them). The format is explained at the top of postgresql.sql.
+
+-- name: fail
+-- The current lease fails its job: back to pending after :retry_in seconds, or failed
+-- when it has no attempts left. No row: the lease is not current.
+UPDATE jobs SET
+    state = CASE WHEN attempts >= max_attempts THEN {State.FAILED} ELSE {State.PENDING} END,
+    claimable_at = CASE WHEN attempts >= max_attempts THEN NULL ELSE {now} + :retry_in END,
+    error = :error, lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
+WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
+          max_attempts, payload, result, error, created_at;
+
+-- name: lease_refusal
+-- Read only: the grant behind a token and its job now, to say why the token's lease is
+-- not current (lease_core.rules.refusal_reason). No row: no such token.
+SELECT l.job_id, l.generation AS lease_generation, j.state, j.generation,
+       j.lease_expires_at, {now} AS now
+FROM leases AS l LEFT JOIN jobs AS j ON j.job_id = l.job_id
+WHERE l.token_hash = :token_hash;
+
+-- name: lease_of_token
+-- Read only: the lease behind a token, its job, the job's fence and whether an older
+-- generation's write to the job is still in flight; always one row (job_id NULL: no
+-- such token; state NULL: the job has been purged since).
+SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
+       j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
+       f.generation AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = l.job_id AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < l.generation AND o.deadline > clock.now
+       ) AS older_in_flight
+FROM (SELECT {now} AS now) AS clock
+LEFT JOIN leases AS l ON l.token_hash = :token_hash
+LEFT JOIN jobs AS j ON j.job_id = l.job_id
+LEFT JOIN fences AS f ON f.job_id = l.job_id;
+
+-- name: external_lease
+-- Read only: the fence of a job of another lease source (gateway.sources; its id
+-- namespaced "<source>/<job>") and whether an older generation's write to it is still
+-- in flight; always one row (fence_generation NULL: nothing of it has written yet).
+SELECT {now} AS now, f.generation AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
+       ) AS older_in_flight
+FROM (SELECT 1 AS one) AS one
+LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text);
+
+-- name: admit_external
+-- A fenced write under a lease of another source (gateway.sources: an etcd lock, a
+-- signed token), whose job (namespaced "<source>/<job>") and generation the source
+-- vouched for. The job's fence is raised to this generation when it is not above it
+-- and the lease is not past :expires_at (NULL: the source judged its expiry); the fence
+-- row stays locked to the end of the transaction, so the admissions of one job are one
+-- at a time, as the job row's lock makes them for the gateway's own leases. admitted
+-- NULL: refused (fence_generation above the generation: stale; else expired). Then, as
+-- in admit: the fence, the key's record as it was before, whether an older
+-- generation's write is in flight, and the key claimed for this attempt, or its record
+-- taken over when its outcome is unknown and the upstream's policy is retry (:retry).
+INSERT INTO fences (job_id, generation, updated_at)
+SELECT CAST(:job_id AS text), CAST(:generation AS bigint), {now}
+WHERE CAST(:expires_at AS double precision) IS NULL
+   OR CAST(:expires_at AS double precision) > {now}
+ON CONFLICT (job_id) DO UPDATE
+    SET generation = excluded.generation, updated_at = excluded.updated_at
+    WHERE fences.generation <= excluded.generation
+RETURNING generation AS admitted;
+SELECT {now} AS now, f.generation AS fence_generation,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
+       ) AS older_in_flight,
+       r.fingerprint, r.state AS r_state, r.generation AS r_generation,
+       r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
+FROM (SELECT 1 AS one) AS one
+LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text)
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = CAST(:job_id AS text) AND r.key = CAST(:key AS text);
+INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
+                                 upstream, method, path, deadline, created_at, updated_at)
+SELECT CAST(:job_id AS text), CAST(:key AS text), CAST(:fingerprint AS text),
+       {RecordState.IN_FLIGHT}, CAST(:generation AS bigint), CAST(:attempt AS text),
+       CAST(:upstream AS text), CAST(:method AS text), CAST(:path AS text),
+       {now} + CAST(:deadline_in AS double precision), {now}, {now}
+WHERE CAST(:admitted AS bigint) IS NOT NULL
+ON CONFLICT (job_id, key) DO NOTHING
+RETURNING 1 AS claimed;
+UPDATE idempotency_records
+SET state = {RecordState.IN_FLIGHT}, generation = CAST(:generation AS bigint),
+    attempt = CAST(:attempt AS text),
+    deadline = {now} + CAST(:deadline_in AS double precision), updated_at = {now}
+WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
+  AND CAST(:admitted AS bigint) IS NOT NULL AND CAST(:retry AS boolean)
+  AND fingerprint = CAST(:fingerprint AS text)
+  AND (state = {RecordState.UNKNOWN}
+       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+RETURNING 1 AS taken;
+
+-- name: record
+-- Read only: a key's record (an admission that found it claimed by a concurrent one
+-- after its snapshot was taken reads it here).
+SELECT fingerprint, state, generation, attempt, deadline, status, headers, body
+FROM idempotency_records WHERE job_id = :job_id AND key = :key;
+
+-- name: older_in_flight
+-- Read only: whether a write of an older generation of the job is still in flight.
+SELECT EXISTS (
+    SELECT 1 FROM idempotency_records
+    WHERE job_id = :job_id AND state = {RecordState.IN_FLIGHT}
+      AND generation < :generation AND deadline > {now}
+) AS older_in_flight;
+
+-- name: forget
+-- A write without a key completed: its record (kept only for ordering) goes.
+DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: release_claim
+-- Our attempt never reached the upstream: undo its claim.
+DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: return_claim
+-- Our attempt at a record taken over never reached the upstream: the record goes back
+-- to unknown, as the attempt it was taken from.
+UPDATE idempotency_records
+SET state = {RecordState.UNKNOWN}, attempt = :back_attempt, generation = :back_generation,
+    updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: resolve_not_applied
+-- An operator says an unknown outcome was not applied: the record goes, and the next
+-- request with this key is forwarded. No row: not (or no longer) unknown.
+DELETE FROM idempotency_records
+WHERE job_id = :job_id AND key = :key
+  AND (state = {RecordState.UNKNOWN}
+       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+RETURNING 1 AS changed;
+
+-- name: audit
+-- One entry of a request with a lease behind it.
+INSERT INTO audit_log (at, reason, status, job_id, generation, highest_generation, owner,
+                       upstream, method, path, idempotency_key, client, fingerprint, body)
+VALUES ({now}, :reason, :status, :job_id, :generation, :highest_generation, :owner,
+        :upstream, :method, :path, :idempotency_key, :client, :fingerprint, :body);
+
+-- name: audit_grouped
+-- A request without a lease behind it, counted in its group's row (gateway.audit).
+INSERT INTO audit_log (at, last_at, count, group_key, reason, status, job_id, generation,
+                       highest_generation, owner, upstream, method, path, idempotency_key,
+                       client, fingerprint, body)
+VALUES ({now}, {now}, 1, :group_key, :reason, :status, :job_id, :generation,
+        :highest_generation, :owner, :upstream, :method, :path, :idempotency_key, :client,
+        :fingerprint, NULL)
+ON CONFLICT (group_key) DO UPDATE
+    SET count = audit_log.count + 1, last_at = excluded.last_at;
