@@ -1,13 +1,19 @@
 """The files in ``examples/`` work as their README says: the config is valid, and the
 Python worker and the curl script run against a real ``fencegate serve`` using that
-config (its database, listeners and upstream URLs pointed at the test's own)."""
+config (its database, listeners and upstream URLs pointed at the test's own); the
+lease-source examples run against ``fencegate serve`` with ``lease_sources.toml`` (the
+same changes, and etcd's endpoint pointed at a real etcd)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,3 +289,108 @@ def test_client_integration_example_writes_once(
     again = run([sys.executable, str(EXAMPLES / example), job_id], env=env)
     assert again.returncode != 0 and "JobFinished" in again.stderr
     assert len(payments_api.for_job(job_id)) == 1
+
+
+# -- lease sources: examples/lease_sources.toml, signed_token_worker.py, etcd_worker.py ------
+
+SOURCES_CONFIG = EXAMPLES / "lease_sources.toml"
+SIGNED_WORKER = EXAMPLES / "signed_token_worker.py"
+ETCD_WORKER = EXAMPLES / "etcd_worker.py"
+
+
+@pytest.fixture(scope="module")
+def sources_server(
+    tmp_path_factory: pytest.TempPathFactory, payments_api: RecordingUpstream, etcd_url: str
+) -> Iterator[FencegateProcess]:
+    """``fencegate serve`` with examples/lease_sources.toml: in a copy, the upstream's URL
+    and etcd's endpoint point at the test's own; database and listeners come from the
+    environment. The signing key is the file's own (the demo key's public half)."""
+    folder = tmp_path_factory.mktemp("fencegate-sources")
+    text = SOURCES_CONFIG.read_text(encoding="utf-8")
+    for original, replacement in (
+        ('url = "http://127.0.0.1:9000"', f'url = "{payments_api.url}"'),
+        ('endpoints = ["http://127.0.0.1:2379"]', f'endpoints = ["{etcd_url}"]'),
+    ):
+        assert text.count(original) == 1, original
+        text = text.replace(original, replacement)
+    config = folder / "lease_sources.toml"
+    config.write_text(text, encoding="utf-8")
+    control_port, proxy_port = free_port(), free_port()
+    env = clean_env(
+        FENCEGATE_DATABASE_URL=f"sqlite+aiosqlite:///{folder / 'sources.db'}",
+        FENCEGATE_PROXY_LISTEN=f"127.0.0.1:{proxy_port}",
+        FENCEGATE_CONTROL_LISTEN=f"127.0.0.1:{control_port}",
+    )
+    process = FencegateProcess(config, control_port=control_port, proxy_port=proxy_port, env=env)
+    try:
+        process.start()
+        yield process
+    finally:
+        process.stop()
+
+
+def test_source_examples_default_to_the_example_config() -> None:
+    """Run without arguments, the examples talk to what lease_sources.toml configures."""
+    config = tomllib.loads(SOURCES_CONFIG.read_text(encoding="utf-8"))
+    gateway = f'default="http://{config["proxy_listen"]}"'
+    (etcd,) = (s for s in config["lease_sources"] if s["kind"] == "etcd")
+    assert gateway in SIGNED_WORKER.read_text(encoding="utf-8")
+    assert gateway in ETCD_WORKER.read_text(encoding="utf-8")
+    assert f'default="{etcd["endpoints"][0]}"' in ETCD_WORKER.read_text(encoding="utf-8")
+
+
+def test_signed_token_worker_is_fenced_by_generation(
+    sources_server: FencegateProcess, payments_api: RecordingUpstream
+) -> None:
+    done = run([sys.executable, str(SIGNED_WORKER), sources_server.proxy_url], env=clean_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    match = re.search(r"^job (order-[0-9a-f]{8}) ", done.stdout, re.MULTILINE)
+    assert match, done.stdout
+    job = f"queue/{match.group(1)}"
+    lines = done.stdout.splitlines()[1:]
+    assert lines == [
+        "A (generation 1): POST /payments/charges -> 201",
+        "B (generation 2): POST /payments/charges -> 201 (replayed)",
+        "B (generation 2): POST /payments/receipts -> 201",
+        "A (generation 1): POST /payments/receipts -> 409 stale-generation",
+    ]
+    # The upstream saw each step once, in generation order, under the namespaced job.
+    calls = payments_api.for_job(job)
+    assert [(c["path"], c["generation"], c["key"]) for c in calls] == [
+        ("/charges", "1", "charge"),
+        ("/receipts", "2", "receipt"),
+    ]
+    assert all("Fencing-Token" not in c["headers"] for c in calls)
+
+
+def test_etcd_worker_token_ends_with_the_lock(
+    sources_server: FencegateProcess, payments_api: RecordingUpstream, etcd_url: str
+) -> None:
+    done = run(
+        [sys.executable, str(ETCD_WORKER), etcd_url, sources_server.proxy_url], env=clean_env()
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    match = re.search(
+        r"^locked (/locks/order-[0-9a-f]{8}): Fencing-Token etcd:(\S+)$", done.stdout, re.MULTILINE
+    )
+    assert match, done.stdout
+    name, key = match.groups()
+    assert key.startswith(f"{name}/")  # etcd's lock key: <name>/<lease id in hex>
+    assert "POST /payments/charges (key charge) -> 201" in done.stdout
+    assert "POST /payments/charges (key receipt) -> 409 lease-ended" in done.stdout
+
+    (call,) = payments_api.for_job(f"etcd/{name}")  # the late write never reached it
+    assert call["path"] == "/charges" and call["key"] == "charge"
+    assert int(call["generation"]) > 0  # the lock key's create revision
+    # The example revoked its session: no key is left under <name>/ ("0" follows "/").
+    request = urllib.request.Request(
+        f"{etcd_url}/v3/kv/range",
+        data=json.dumps({"key": _b64(name + "/"), "range_end": _b64(name + "0")}).encode(),
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert "kvs" not in json.loads(answer.read())
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
