@@ -34,6 +34,7 @@ from tests.e2e.test_client import (
 from tests.support import RedisServer, redis_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
 WORKER_TOKEN = "celery-worker-token-0123456789"
 ADMIN_TOKEN = "celery-admin-token-0123456789"
 TASKS = "tests.e2e.celery_app"
@@ -96,6 +97,10 @@ admin_tokens = ["{ADMIN_TOKEN}"]
 
 [[upstreams]]
 name = "pay"
+url = "{upstream_api.url}"
+
+[[upstreams]]
+name = "payments"  # examples/celery_app.py's
 url = "{upstream_api.url}"
 """,
         encoding="utf-8",
@@ -357,3 +362,45 @@ def test_celery_is_not_loaded_by_the_package() -> None:
     loaded = json.loads(done.stdout)
     for library in ("celery", "kombu", "redis"):
         assert not [m for m in loaded if m == library or m.startswith(library + ".")], library
+
+
+def test_the_example_app_charges_once_and_a_second_send_is_answered_from_the_job(
+    server: FencegateProcess,
+    broker_url: str,
+    upstream_api: RecordingUpstream,
+    tmp_path: Path,
+) -> None:
+    """examples/celery_app.py as its docstring says: a worker started on it, and the file
+    run as a script to send ``charge`` and print its result."""
+    env = clean_env(
+        CELERY_BROKER_URL=broker_url,
+        CELERY_QUEUE=f"fencegate-example-{uuid.uuid4().hex[:10]}",
+        CONTROL_URL=server.control_url,
+        GATEWAY_URL=server.proxy_url,
+        WORKER_TOKEN=WORKER_TOKEN,
+    )
+    example = CeleryWorker("celery_app", env=env, log=tmp_path / "worker.log", cwd=EXAMPLES)
+    order = f"order-{uuid.uuid4().hex[:8]}"
+    send_it = [sys.executable, str(EXAMPLES / "celery_app.py"), order, "1500"]
+    example.start()
+    try:
+        done = subprocess.run(
+            send_it, env=env, capture_output=True, text=True, timeout=90, cwd=ROOT, check=False
+        )
+        assert done.returncode == 0, done.stderr + example.log()
+        printed = json.loads(done.stdout)
+        again = subprocess.run(
+            send_it, env=env, capture_output=True, text=True, timeout=90, cwd=ROOT, check=False
+        )
+        assert again.returncode == 0, again.stderr + example.log()
+    finally:
+        example.stop()
+    (call,) = upstream_api.for_job(order)
+    assert call["path"] == "/charges" and call["key"] == step_key(order, "charge")
+    assert json.loads(call["body"]) == {"amount": 1500}
+    number = upstream_api.received.index(call) + 1  # the upstream's running number
+    charge = {"id": f"ch_{number}", "number": number, "path": "/charges"}
+    assert printed == {"order": order, "charge": charge}
+    job = job_of(server, order)
+    assert job["state"] == "completed" and job["result"] == printed
+    assert json.loads(again.stdout) == printed  # not run again: the job's stored result
