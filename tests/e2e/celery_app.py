@@ -36,10 +36,12 @@ session = fence_session(requests.Session(), gateway_url=GATEWAY)
 
 
 @app.task(base=FencedTask, bind=True, fence_job="order_id", fence_ttl=5)
-def charge_order(self: FencedTask, order_id: str, amount: int) -> dict[str, Any]:
-    """A named job; one step through httpx, one through requests."""
+def charge_order(self: FencedTask, order_id: str, amount: int, pause: float = 0) -> dict[str, Any]:
+    """A named job; one step through httpx, one through requests (``pause`` seconds
+    apart)."""
     with step("charge"):
         charge = http.post(f"{GATEWAY}/pay/charges", json={"order": order_id, "amount": amount})
+    time.sleep(pause)
     with self.lease.step("receipt"):
         receipt = session.post(f"{GATEWAY}/pay/receipts", json={"order": order_id})
     return {

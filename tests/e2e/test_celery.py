@@ -116,19 +116,23 @@ url = "{upstream_api.url}"
 
 
 class CeleryWorker:
-    """``celery -A APP worker --pool=solo`` on its own queue, as a child process."""
+    """``celery -A APP worker --pool=solo`` (or ``threads``, two of them) as a child
+    process; the app names its queue."""
 
-    def __init__(self, app: str, *, env: dict[str, str], log: Path, cwd: Path = ROOT) -> None:
+    def __init__(
+        self, app: str, *, env: dict[str, str], log: Path, cwd: Path = ROOT, pool: str = "solo"
+    ) -> None:
         self.log_path = log
         self.process: subprocess.Popen[bytes] | None = None
-        self.app, self.env, self.cwd = app, env, cwd
+        self.app, self.env, self.cwd, self.pool = app, env, cwd, pool
 
     def start(self, timeout: float = 60) -> CeleryWorker:
         name = f"fg-{uuid.uuid4().hex[:8]}@%h"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "celery", "-A", self.app, "worker", "--pool=solo"),
+                    *(sys.executable, "-m", "celery", "-A", self.app, "worker"),
+                    *(f"--pool={self.pool}", "--concurrency=2"),
                     *("-n", name, "--loglevel=INFO", "--without-heartbeat"),
                     *("--without-mingle", "--without-gossip"),
                 ],
@@ -277,6 +281,40 @@ def test_a_fenced_task_writes_each_step_once_and_completes_its_named_job(
     state, again = outcome(send(sender, "charge_order", order, 700), worker)
     assert state == "SUCCESS" and again == value
     assert len(upstream_api.for_job(order)) == 2
+
+
+def test_runs_in_the_threads_pool_each_fence_with_their_own_lease(
+    server: FencegateProcess,
+    broker_url: str,
+    sender: Any,
+    upstream_api: RecordingUpstream,
+    tmp_path: Path,
+) -> None:
+    """Two runs at once in one process (``--pool=threads``): each write carries its own
+    run's lease and step key (the current lease is per thread)."""
+    queue = f"fencegate-threads-{uuid.uuid4().hex[:10]}"
+    env = worker_env(server, broker_url, queue)
+    threads = CeleryWorker(TASKS, env=env, log=tmp_path / "worker.log", pool="threads")
+    orders = [f"order-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    threads.start()
+    try:
+        results = [
+            sender.send_task(f"{TASKS}.charge_order", args=(order, 100, 1.0), queue=queue)
+            for order in orders
+        ]
+        values = [outcome(result, threads) for result in results]
+    finally:
+        threads.stop()
+    for order, (state, value) in zip(orders, values, strict=True):
+        assert state == "SUCCESS", value
+        generation = value["generation"]
+        assert writes(upstream_api, order) == [
+            ("/charges", step_key(order, "charge"), generation),
+            ("/receipts", step_key(order, "receipt"), generation),
+        ]
+    # They overlapped: each one's receipt came after both charges.
+    received = [c["job"] for c in upstream_api.received if c["job"] in orders]
+    assert sorted(received[:2]) == sorted(orders) and sorted(received[2:]) == sorted(orders)
 
 
 def test_a_run_that_outlives_its_lease_is_refused_then_retried_and_each_step_lands_once(
