@@ -40,7 +40,7 @@ A run of a ``FencedTask`` (in the worker, or ``apply()``):
    get the gateway's stored answers, so each step lands once.
 
 A job that another current lease holds (``LeaseHeld``: a copy of the task redelivered
-while the first still runs) is retried the same way; a job already completed
+while the first still runs) is retried after ``fence_ttl`` seconds; a job already completed
 (``JobFinished``: a redelivery after the job was done) is not run again: the task returns
 the job's stored result. ``fencegate_control_url`` (required), ``fencegate_gateway_url``
 and ``fencegate_token`` come from the app's configuration, or per task from
@@ -91,7 +91,8 @@ class FencedTask(celery.Task):  # type: ignore[misc]  # celery has no type infor
     fence_renew: ClassVar[bool] = True
     """Renew the lease in a thread while the task runs."""
     fence_retry_delay: ClassVar[float] = 1.0
-    """Seconds before the retry of a run whose lease was lost or held by another run."""
+    """Seconds before the retry of a run whose lease was lost (a run that found the job
+    held by another waits ``fence_ttl``)."""
     fence_control_url: ClassVar[str | None] = None
     fence_gateway_url: ClassVar[str | None] = None
     fence_token: ClassVar[str | None] = None
@@ -161,7 +162,9 @@ class FencedTask(celery.Task):  # type: ignore[misc]  # celery has no type infor
         try:
             lease = client.acquire(job_id, owner=self.fence_owner(), ttl=self.fence_ttl).take()
         except exc.LeaseHeld as held:
-            raise self.retry(exc=held, countdown=self.fence_retry_delay) from held
+            # Another run holds it: by one TTL from now it has renewed it or lost it.
+            countdown = self.fence_ttl if self.fence_ttl is not None else self.fence_retry_delay
+            raise self.retry(exc=held, countdown=countdown) from held
         except exc.JobFinished:
             job = client.get_job(job_id)
             if job["state"] != "completed":

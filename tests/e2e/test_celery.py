@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -281,6 +282,29 @@ def test_a_fenced_task_writes_each_step_once_and_completes_its_named_job(
     state, again = outcome(send(sender, "charge_order", order, 700), worker)
     assert state == "SUCCESS" and again == value
     assert len(upstream_api.for_job(order)) == 2
+
+
+def test_a_job_held_by_another_lease_is_retried_after_a_ttl(
+    worker: CeleryWorker, sender: Any, server: FencegateProcess, upstream_api: RecordingUpstream
+) -> None:
+    """Another worker holds the order's job (a 1 s lease it never renews): the run is
+    retried after the task's TTL (5 s), when that lease has lapsed, and then completes."""
+    order = f"order-{uuid.uuid4().hex[:8]}"
+    status, held = control_call(
+        server,
+        "PUT",
+        f"/v1/jobs/{order}/lease",
+        {"owner": "elsewhere", "ttl_seconds": 1},
+        token=WORKER_TOKEN,
+    )
+    assert status == 201, held
+    state, value = outcome(send(sender, "charge_order", order, 300), worker)
+    assert state == "SUCCESS", value
+    assert value["retries"] == 1 and value["generation"] > held["generation"]
+    assert [generation for *_, generation in writes(upstream_api, order)] == [
+        value["generation"]
+    ] * 2
+    assert re.search(r"Retry in 5(\.0)?s: LeaseHeld", worker.log())
 
 
 def test_runs_in_the_threads_pool_each_fence_with_their_own_lease(
