@@ -57,6 +57,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -131,10 +132,13 @@ class FencedTask(celery.Task):  # type: ignore[misc]  # celery has no type infor
         return str(bound.arguments[chosen])
 
     def fence_owner(self) -> str:
-        """The owner of this run's lease: this worker process and this task id, so that a
-        copy of the task run elsewhere at the same time is refused (``LeaseHeld``)."""
+        """The owner of this run's lease: the worker, its process, the task id and a
+        number of this run, so that no other run (a redelivered copy of the task, even in
+        this process) counts as the same owner: it is refused (``LeaseHeld``) while this
+        run's lease is current, instead of taking the job over."""
         host = self.request.hostname or socket.gethostname()
-        return f"celery:{host}:{os.getpid()}:{self.request.id or 'direct'}"[:200]
+        run = uuid.uuid4().hex[:8]
+        return f"celery:{host}:{os.getpid()}:{self.request.id or 'direct'}:{run}"[-200:]
 
     def fence_client(self) -> LeaseClient:
         """This process's lease client for the configured control and gateway URLs (one per
