@@ -8,14 +8,16 @@ writes through the gateway fenced by it.
 
 It is apart from the lease service (``lease_core``) and the gateway: nothing here imports
 them. ``aio`` is the asyncio client (aiohttp), ``sync`` the synchronous one (httpx);
-``httpx``, ``requests`` and ``boto3`` fence the HTTP clients a worker already uses.
+``httpx``, ``requests`` and ``boto3`` fence the HTTP clients a worker already uses;
+``celery`` fences Celery tasks (``FencedTask``).
 ``protocol`` (header names, step keys, the lease API's calls, a lease's state, the
 gateway's answer), ``reasons`` (every problem reason, with its status and title) and
 ``errors`` (one class per lease-API reason) do no I/O and are shared by every client.
 
 Names are loaded on first use (module ``__getattr__``): importing this package loads no
 HTTP library, so a worker needs only the one its client uses (the extras
-``fencegate[httpx]``, ``fencegate[requests]``, ``fencegate[boto3]``; aiohttp for ``aio``).
+``fencegate[httpx]``, ``fencegate[requests]``, ``fencegate[boto3]``,
+``fencegate[celery]``; aiohttp for ``aio``).
 """
 
 from __future__ import annotations

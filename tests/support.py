@@ -52,6 +52,12 @@ def etcd_unavailable(message: str) -> None:
     pytest.skip(f"etcd not available: {message}")
 
 
+def redis_unavailable(message: str) -> None:
+    if IN_CI:
+        pytest.fail(f"Redis is required in CI: {message}", pytrace=False)
+    pytest.skip(f"Redis not available: {message}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -96,6 +102,51 @@ class EtcdServer:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 etcd_unavailable(f"etcd did not start (see {folder / 'etcd.log'})")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+class RedisServer:
+    """A real ``redis-server`` (Debian's redis-server) on a free port, in memory only (no
+    RDB or AOF files), with its own working directory; ``url`` is its address."""
+
+    def __init__(self, folder: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            redis_unavailable("no redis-server binary on PATH (apt-get install redis-server)")
+            raise AssertionError("unreachable")
+        port = free_port()
+        self.url = f"redis://127.0.0.1:{port}"
+        self.log = (folder / "redis.log").open("wb")
+        self.process = subprocess.Popen(
+            [
+                *(binary, "--port", str(port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "no", "--dir", str(folder)),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                redis_unavailable(f"redis-server did not start (see {folder / 'redis.log'})")
             time.sleep(0.1)
 
     def stop(self) -> None:
