@@ -108,7 +108,11 @@ class Gateway:
                 ctx.admission = checked
                 facts.lease = fence.lease_reason(checked.presented, checked.now)
             while (verdict := decide(facts)).need is not None:
-                await self._find_out(ctx, facts, verdict.need)
+                try:
+                    await self._find_out(ctx, facts, verdict.need)
+                except lease_exc.StoreUnavailable:
+                    await self._release_unsent(ctx)
+                    raise
             return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
             return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
@@ -375,6 +379,18 @@ class Gateway:
             # ever be read as a request.
             response.force_close()
         return response
+
+    async def _release_unsent(self, ctx: Ctx) -> None:
+        """The database failed while a claimed write was still being decided on (waiting
+        for older writes, the last judgement): it was never sent, so its claim is undone
+        if the database lets us, rather than left to count as an unknown outcome once its
+        deadline passes."""
+        if ctx.attempt is None:
+            return
+        try:
+            await self._release(ctx)
+        except lease_exc.StoreUnavailable:
+            log.warning("a claim not sent could not be released (database unavailable)")
 
     async def _release(self, ctx: Ctx) -> None:
         assert ctx.attempt is not None and ctx.key is not None

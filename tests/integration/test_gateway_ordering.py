@@ -287,3 +287,59 @@ async def test_a_retried_unknown_key_is_taken_over_with_the_lease_check(
 async def _write_when_granted(stack: Any, granted: asyncio.Future[Any]) -> Any:
     lease = await granted
     return await stack.write("/pay/c", lease, key="k2")
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_write_the_database_failed_before_it_was_sent_frees_its_key(
+    make_stack: Any, upstream: Upstream, clock: FakeClock, engine: AsyncEngine
+) -> None:
+    """Generation 2's write is admitted (its key claimed) and waits for generation 1's
+    write in flight; then its connection to the database dies. It is answered 503
+    store-unavailable, and since it was never sent, its claim is undone: the retry goes
+    through. (It used to stay in flight until its deadline and then count as an unknown
+    outcome, held for an operator, though it never reached the upstream.)"""
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream, timeout_seconds=5)],
+        gateway={"ordering_wait_seconds": 5},
+    )
+    upstream.delay = 1.0
+    old = await stack.lease("job-1", owner="a", ttl=1)
+    old_write = asyncio.ensure_future(stack.write("/pay/w", old, key="old"))
+    await until_in_flight(upstream)
+    clock.advance(1.5)
+    new = await stack.lease("job-1", owner="b", ttl=30)
+    new_write = asyncio.ensure_future(stack.write("/pay/w", new, key="new"))
+    await until_admitted(engine, "job-1", "new")
+    async with engine.connect() as locker:
+        # The waiting write polls for older writes in flight: hold it inside a poll,
+        # then cut that poll's connection, as a database restart would.
+        await locker.execute(sa.text("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE"))
+        deadline = time.monotonic() + 5
+        while True:
+            waiting = (
+                (
+                    await locker.execute(
+                        sa.text(
+                            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+                        )
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            if waiting:
+                break
+            assert time.monotonic() < deadline, "the waiting write never polled"
+            await asyncio.sleep(0.01)
+        for pid in waiting:
+            await locker.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        await locker.rollback()
+    await problem(await new_write, 503, "store-unavailable")
+    await ok(await old_write)
+    assert [r["key"] for r in upstream.received] == ["old"]
+    upstream.delay = 0
+    await ok(await stack.write("/pay/w", new, key="new"))
+    assert [(r["generation"], r["key"]) for r in upstream.received] == [("1", "old"), ("2", "new")]
