@@ -40,22 +40,23 @@ class FakeClock:
         self.now += seconds
 
 
-def postgres_unavailable(message: str) -> None:
+def unavailable(service: str, message: str) -> None:
+    """A service a test needs is missing: the test fails in CI, and skips elsewhere."""
     if IN_CI:
-        pytest.fail(f"PostgreSQL is required in CI: {message}", pytrace=False)
-    pytest.skip(f"PostgreSQL not reachable: {message}")
+        pytest.fail(f"{service} is required in CI: {message}", pytrace=False)
+    pytest.skip(f"{service} not available: {message}")
+
+
+def postgres_unavailable(message: str) -> None:
+    unavailable("PostgreSQL", message)  # "PostgreSQL not available: ..." when skipped
 
 
 def etcd_unavailable(message: str) -> None:
-    if IN_CI:
-        pytest.fail(f"etcd is required in CI: {message}", pytrace=False)
-    pytest.skip(f"etcd not available: {message}")
+    unavailable("etcd", message)
 
 
 def redis_unavailable(message: str) -> None:
-    if IN_CI:
-        pytest.fail(f"Redis is required in CI: {message}", pytrace=False)
-    pytest.skip(f"Redis not available: {message}")
+    unavailable("Redis", message)
 
 
 def free_port() -> int:
