@@ -48,7 +48,7 @@ def unavailable(service: str, message: str) -> None:
 
 
 def postgres_unavailable(message: str) -> None:
-    unavailable("PostgreSQL", message)  # "PostgreSQL not available: ..." when skipped
+    unavailable("PostgreSQL", message)
 
 
 def etcd_unavailable(message: str) -> None:

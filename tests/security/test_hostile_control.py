@@ -18,7 +18,7 @@ from urllib.parse import quote
 import pytest
 
 from gateway import migrate
-from tests.support import pg_admin, pg_url_of
+from tests.support import pg_admin, pg_url_of, postgres_unavailable
 
 from ._support import (
     ADMIN_TOKEN,
@@ -33,7 +33,6 @@ from ._support import (
     request,
 )
 
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 SQL = "x'; DROP TABLE jobs;--"
 
 
@@ -531,10 +530,7 @@ def pg_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         asyncio.run(asyncio.wait_for(pg_admin(f'CREATE DATABASE "{name}"'), 10))
     except Exception as error:  # any failure to reach the server
-        message = f"PostgreSQL not reachable: {type(error).__name__}: {error}"
-        if IN_CI:
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+        postgres_unavailable(f"{type(error).__name__}: {error}")
     url = pg_url_of(name)
     srv = Stack(Path(tmp_path_factory.mktemp("security-pg")), database_url=url)
     try:
