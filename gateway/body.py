@@ -7,14 +7,18 @@ part of it an idle limit, both set when the request comes in (``BODY_TIMEOUTS``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from lease_core.problems import problem_response
 
 from .config import GatewaySettings, UpstreamSettings
-from .fence import Hasher
+from .fence import Hasher, Reason
 
 
 class BodyTimeouts(NamedTuple):
@@ -76,3 +80,35 @@ async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
         if not chunk:
             return
         yield chunk
+
+
+def body_deadline_middleware(limits: GatewaySettings) -> Middleware:
+    """The control listener's bodies (lease and admin calls, a few KiB of JSON) must
+    arrive within ``body_timeout_seconds`` too: read whole before the handler runs,
+    or answered 408 with the connection closed, so a client that sends a head and then
+    trickles its body cannot hold a connection and a handler for ever."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists and not request.content.is_eof():
+            try:
+                async with asyncio.timeout(limits.body_timeout_seconds):
+                    await request.read()  # kept by the request for the handler
+            except TimeoutError:
+                response = problem_response(
+                    status=408,
+                    reason=Reason.HTTP_ERROR,
+                    title="Request Timeout",
+                    detail="The request body did not arrive in time (body_timeout_seconds).",
+                )
+                # Sent at once, then the connection closed: aiohttp would otherwise keep
+                # reading the rest of the slow body (its lingering close) first.
+                response.force_close()
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await response.prepare(request)
+                    await response.write_eof()
+                request.protocol.force_close()
+                return response
+        return await handler(request)
+
+    return middleware

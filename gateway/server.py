@@ -26,6 +26,7 @@ from lease_core.store import LeaseStore
 
 from . import admin, dashboard, logs, migrate, tasks
 from .auth import auth_middleware
+from .body import body_deadline_middleware
 from .config import ConfigError, Settings, parse_listen
 from .logs import request_id_middleware
 from .proxy import Gateway, create_proxy_app
@@ -69,7 +70,12 @@ def create_control_app(
     logs.protect(settings.secret_values())
     gateway = gateway or Gateway(settings, store)
     app = web.Application(
-        middlewares=[request_id_middleware, problem_middleware, auth_middleware(settings.auth)],
+        middlewares=[
+            request_id_middleware,
+            problem_middleware,
+            auth_middleware(settings.auth),
+            body_deadline_middleware(settings.gateway),
+        ],
         client_max_size=CONTROL_MAX_BODY,
     )
     app[SETTINGS] = settings

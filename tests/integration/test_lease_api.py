@@ -7,9 +7,11 @@ and nothing written.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import random
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -896,3 +898,30 @@ async def test_health_needs_no_token(authed: Client) -> None:
 async def test_no_tokens_configured_needs_none(control: Client) -> None:
     await expect(await control.get("/v1/jobs"), 200)
     await expect_problem(await control.delete("/admin/jobs/x"), 404, "job-not-found")
+
+
+async def test_a_body_that_never_arrives_is_cut_off_on_the_control_listener(
+    store: LeaseStore, aiohttp_client: Any, make_settings: Any
+) -> None:
+    """A client that sends a request's head and then trickles (or never sends) its body
+    must not hold a connection and a handler of the control listener for ever: the body
+    has the proxy listener's deadline (``gateway.body_timeout_seconds``), then 408 and
+    the connection closed."""
+    settings = make_settings(gateway={"body_timeout_seconds": 0.5})
+    client = await aiohttp_client(create_control_app(settings, store))
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        started = time.monotonic()
+        writer.write(
+            b"POST /v1/jobs HTTP/1.1\r\nHost: control\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"queue": '
+        )
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(65536), 5)
+        waited = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"connection: close" in answer.lower()
+        assert 0.4 <= waited < 3
+        assert await asyncio.wait_for(reader.read(65536), 5) == b""  # closed
+    finally:
+        writer.close()
