@@ -271,7 +271,8 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     print(f"  control_listen  {settings.control_listen}")
     print(
         f"  auth            {len(settings.auth.worker_tokens)} worker token(s), "
-        f"{len(settings.auth.admin_tokens)} admin token(s)"
+        f"{len(settings.auth.admin_tokens)} admin token(s), "
+        f"{len(settings.auth.metrics_tokens)} metrics token(s)"
     )
     for name, listener in settings.tls.listeners.items():
         client = (

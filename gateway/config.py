@@ -96,8 +96,10 @@ class AuthSettings(BaseModel):
 
     worker_tokens: list[SecretStr] = Field(default_factory=list)
     admin_tokens: list[SecretStr] = Field(default_factory=list)
+    # Scrape credentials: they may read /metrics and nothing else.
+    metrics_tokens: list[SecretStr] = Field(default_factory=list)
 
-    @field_validator("worker_tokens", "admin_tokens")
+    @field_validator("worker_tokens", "admin_tokens", "metrics_tokens")
     @classmethod
     def _long_enough(cls, tokens: list[SecretStr]) -> list[SecretStr]:
         for token in tokens:
@@ -107,7 +109,7 @@ class AuthSettings(BaseModel):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.worker_tokens or self.admin_tokens)
+        return bool(self.worker_tokens or self.admin_tokens or self.metrics_tokens)
 
 
 class UpstreamSettings(BaseModel):
@@ -488,7 +490,11 @@ class Settings(BaseSettings):
     def secret_values(self) -> list[str]:
         """Every secret of this configuration: control tokens and upstream header values
         (kept out of every log line, see ``gateway.logs.protect``)."""
-        values = [t.get_secret_value() for t in (*self.auth.worker_tokens, *self.auth.admin_tokens)]
+        auth = self.auth
+        values = [
+            t.get_secret_value()
+            for t in (*auth.worker_tokens, *auth.admin_tokens, *auth.metrics_tokens)
+        ]
         for upstream in self.upstreams:
             values.extend(v.get_secret_value() for v in upstream.set_headers.values())
         return values
