@@ -345,6 +345,31 @@ class TlsSettings(BaseModel):
         )
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry spans (``gateway.tracing``), exported over OTLP/HTTP; needs the
+    ``otel`` extra."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    # Empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, as the
+    # exporter reads them, else http://localhost:4318/v1/traces.
+    otlp_endpoint: str = ""
+    service_name: str = Field("fencegate", min_length=1, max_length=200)
+    # Traces started here (no sampled parent) kept at this ratio; a worker's sampled
+    # traceparent is followed.
+    sample_ratio: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        if value:
+            url = URL(value)
+            if url.scheme not in ("http", "https") or not url.host:
+                raise ValueError("must be an http:// or https:// URL (the OTLP/HTTP traces URL)")
+        return value
+
+
 LISTENERS: tuple[Literal["proxy"], Literal["control"]] = ("proxy", "control")
 
 
@@ -431,6 +456,7 @@ class Settings(BaseSettings):
     lease: LeaseSettings = Field(default_factory=LeaseSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tls: TlsSettings = Field(default_factory=TlsSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
     lease_sources: list[LeaseSourceSettings] = Field(default_factory=list)
 

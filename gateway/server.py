@@ -25,7 +25,7 @@ from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
-from . import admin, dashboard, logs, migrate, tasks, tls
+from . import admin, dashboard, logs, migrate, tasks, tls, tracing
 from .auth import auth_middleware
 from .config import ConfigError, Settings, parse_listen
 from .logs import request_id_middleware
@@ -161,6 +161,7 @@ async def serve(
         contexts = tls.contexts(settings)
     except ConfigError as error:
         raise SystemExit(f"fencegate: {error}") from error
+    provider = tracing.configure(settings.tracing)
     sockets = {"control": bind("control_listen", settings.control_listen)}
     try:
         sockets["proxy"] = bind("proxy_listen", settings.proxy_listen)
@@ -202,6 +203,7 @@ async def serve(
                 # The proxy forwards bodies verbatim: a gzip body is never inflated.
                 auto_decompress=name != "proxy",
             )
+            tracing.instrument(app, name)
             await runner.setup()
             runners.append(runner)
             for sock in sockets[name]:
@@ -230,6 +232,10 @@ async def serve(
             for sock in bound:
                 sock.close()
         await engine.dispose()
+        if provider is not None:
+            # The spans still queued are exported (bounded by the exporter's timeout).
+            await asyncio.to_thread(provider.shutdown)
+            tracing.disable()
 
 
 def bind(setting: str, listen: str) -> list[socket.socket]:
