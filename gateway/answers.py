@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 
 from lease_core.problems import problem_response
 
-from . import fence
+from . import fence, tracing
 from .audit import Audit, AuditEntry, audit_path
 from .fence import Reason, Record
 from .intake import Ctx
@@ -91,6 +91,8 @@ class Answers:
         return response
 
     def _count(self, ctx: Ctx, reason: str) -> None:
+        if tracing.ENABLED:
+            tracing.answered(ctx, reason, replayed=reason == Reason.IDEMPOTENT_REPLAY.value)
         self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
         if ctx.source_name is not None:
             self.metrics.source_decisions.labels(ctx.source_name, reason).inc()

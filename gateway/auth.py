@@ -1,5 +1,6 @@
-"""Bearer-token auth of the control listener: worker tokens for ``/v1/``, admin tokens
-for everything; ``/healthz`` and ``/readyz`` are open."""
+"""Bearer-token auth of the control listener: worker tokens for ``/v1/``, metrics tokens
+for ``/metrics`` (a scrape credential that can read nothing else), admin tokens for
+everything; ``/healthz`` and ``/readyz`` are open."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .config import AuthSettings
 OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"}
 )
+METRICS_PATH = "/metrics"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -32,6 +34,7 @@ def _matches(presented: bytes, tokens: list[bytes]) -> bool:
 def auth_middleware(settings: AuthSettings) -> Middleware:
     admin = [t.get_secret_value().encode() for t in settings.admin_tokens]
     worker = [t.get_secret_value().encode() for t in settings.worker_tokens]
+    scrape = [t.get_secret_value().encode() for t in settings.metrics_tokens]
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -42,6 +45,10 @@ def auth_middleware(settings: AuthSettings) -> Middleware:
             raise exc.Unauthorized("send Authorization: Bearer <token>")
         token = presented.strip().encode("utf-8", "surrogateescape")
         if _matches(token, admin):
+            return await handler(request)
+        if _matches(token, scrape):
+            if request.path != METRICS_PATH:
+                raise exc.Forbidden("metrics tokens may only read /metrics")
             return await handler(request)
         if not _matches(token, worker):
             raise exc.Unauthorized("unknown bearer token")

@@ -253,8 +253,11 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     # What serve would run with: the ${NAME} of set_headers resolved here too (only serve
     # and this command read them), named with whether this shell has them, never shown.
+    from . import tls
+
     try:
         resolve_secrets(settings)
+        contexts = tls.contexts(settings)  # the certificate files load, keys fit
     except ConfigError as error:
         problems = [
             f"{p} (serve needs it; the other commands do not)" if p.endswith("is not set") else p
@@ -268,8 +271,18 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     print(f"  control_listen  {settings.control_listen}")
     print(
         f"  auth            {len(settings.auth.worker_tokens)} worker token(s), "
-        f"{len(settings.auth.admin_tokens)} admin token(s)"
+        f"{len(settings.auth.admin_tokens)} admin token(s), "
+        f"{len(settings.auth.metrics_tokens)} metrics token(s)"
     )
+    for name, listener in settings.tls.listeners.items():
+        client = (
+            ""
+            if listener.client_certs == "none"
+            else f", client certificates {listener.client_certs}"
+        )
+        print(f"  tls             {name} listener: {listener.cert_file}{client}")
+    if not contexts:
+        print("  tls             off (both listeners speak plain HTTP)")
     print(
         f"  lease           default ttl {settings.lease.default_ttl_seconds:g}s, "
         f"max ttl {settings.lease.max_ttl_seconds:g}s"

@@ -96,8 +96,10 @@ class AuthSettings(BaseModel):
 
     worker_tokens: list[SecretStr] = Field(default_factory=list)
     admin_tokens: list[SecretStr] = Field(default_factory=list)
+    # Scrape credentials: they may read /metrics and nothing else.
+    metrics_tokens: list[SecretStr] = Field(default_factory=list)
 
-    @field_validator("worker_tokens", "admin_tokens")
+    @field_validator("worker_tokens", "admin_tokens", "metrics_tokens")
     @classmethod
     def _long_enough(cls, tokens: list[SecretStr]) -> list[SecretStr]:
         for token in tokens:
@@ -107,7 +109,7 @@ class AuthSettings(BaseModel):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.worker_tokens or self.admin_tokens)
+        return bool(self.worker_tokens or self.admin_tokens or self.metrics_tokens)
 
 
 class UpstreamSettings(BaseModel):
@@ -241,6 +243,136 @@ class GatewaySettings(BaseModel):
     max_replay_body_bytes: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
 
 
+ClientCerts = Literal["none", "optional", "required"]
+
+
+class ListenerTlsSettings(BaseModel):
+    """``[tls.proxy]`` / ``[tls.control]``: what differs for one listener; a key left
+    empty is taken from ``[tls]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+    client_certs: Literal["", "none", "optional", "required"] = ""
+
+
+class ListenerTls(BaseModel):
+    """The TLS of one listener, ``[tls]`` and its ``[tls.<listener>]`` merged."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    listener: Literal["proxy", "control"]
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None
+    client_certs: ClientCerts
+
+
+class TlsSettings(BaseModel):
+    """TLS of the listeners: ``[tls]`` for both, ``[tls.proxy]`` / ``[tls.control]`` for
+    one. A listener with a certificate speaks only TLS; one without speaks plain HTTP.
+    ``client_certs``: ``"none"`` asks for no client certificate, ``"optional"`` verifies
+    one when the client sends it, ``"required"`` refuses a handshake without a
+    certificate signed by ``client_ca_file``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+    client_certs: ClientCerts = "none"
+    proxy: ListenerTlsSettings = Field(default_factory=ListenerTlsSettings)
+    control: ListenerTlsSettings = Field(default_factory=ListenerTlsSettings)
+
+    def listener(self, name: Literal["proxy", "control"]) -> ListenerTls | None:
+        """The merged settings of ``name``, or None when it speaks plain HTTP."""
+        own: ListenerTlsSettings = getattr(self, name)
+        cert = own.cert_file or self.cert_file
+        key = own.key_file or self.key_file
+        if not cert and not key:
+            return None
+        if not cert or not key:
+            raise ValueError(f"tls.{name}: cert_file and key_file go together; one is missing")
+        client_ca = own.client_ca_file or self.client_ca_file
+        client_certs = own.client_certs or self.client_certs
+        if client_certs != "none" and not client_ca:
+            raise ValueError(
+                f"tls.{name}: client_certs = {client_certs!r} needs client_ca_file (the CA "
+                "that signs the workers' certificates)"
+            )
+        return ListenerTls(
+            listener=name,
+            cert_file=Path(cert),
+            key_file=Path(key),
+            client_ca_file=Path(client_ca) if client_ca else None,
+            client_certs=client_certs,
+        )
+
+    @property
+    def listeners(self) -> dict[str, ListenerTls]:
+        """The listeners that speak TLS, by name."""
+        out: dict[str, ListenerTls] = {}
+        for name in LISTENERS:
+            listener = self.listener(name)
+            if listener is not None:
+                out[name] = listener
+        return out
+
+    @model_validator(mode="after")
+    def _complete(self) -> TlsSettings:
+        for name in LISTENERS:
+            self.listener(name)
+        return self
+
+    def resolved(self, base: Path) -> TlsSettings:
+        """Relative file names resolved against ``base`` (the config file's folder)."""
+
+        def fix(model: BaseModel) -> dict[str, str]:
+            return {
+                key: str(base / value)
+                for key in ("cert_file", "key_file", "client_ca_file")
+                if (value := getattr(model, key)) and not Path(value).is_absolute()
+            }
+
+        return self.model_copy(
+            update={
+                **fix(self),
+                "proxy": self.proxy.model_copy(update=fix(self.proxy)),
+                "control": self.control.model_copy(update=fix(self.control)),
+            }
+        )
+
+
+class TracingSettings(BaseModel):
+    """OpenTelemetry spans (``gateway.tracing``), exported over OTLP/HTTP; needs the
+    ``otel`` extra."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    # Empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, as the
+    # exporter reads them, else http://localhost:4318/v1/traces.
+    otlp_endpoint: str = ""
+    service_name: str = Field("fencegate", min_length=1, max_length=200)
+    # Traces started here (no sampled parent) kept at this ratio; a worker's sampled
+    # traceparent is followed.
+    sample_ratio: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        if value:
+            url = URL(value)
+            if url.scheme not in ("http", "https") or not url.host:
+                raise ValueError("must be an http:// or https:// URL (the OTLP/HTTP traces URL)")
+        return value
+
+
+LISTENERS: tuple[Literal["proxy"], Literal["control"]] = ("proxy", "control")
+
+
 SOURCE_NAME = r"^[a-z][a-z0-9_-]{0,31}$"
 # Signatures with a public key only: a shared secret (HS256) would let every service that
 # verifies tokens mint them too, and "none" is no signature.
@@ -323,6 +455,8 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     lease: LeaseSettings = Field(default_factory=LeaseSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    tls: TlsSettings = Field(default_factory=TlsSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
     lease_sources: list[LeaseSourceSettings] = Field(default_factory=list)
 
@@ -382,7 +516,11 @@ class Settings(BaseSettings):
     def secret_values(self) -> list[str]:
         """Every secret of this configuration: control tokens and upstream header values
         (kept out of every log line, see ``gateway.logs.protect``)."""
-        values = [t.get_secret_value() for t in (*self.auth.worker_tokens, *self.auth.admin_tokens)]
+        auth = self.auth
+        values = [
+            t.get_secret_value()
+            for t in (*auth.worker_tokens, *auth.admin_tokens, *auth.metrics_tokens)
+        ]
         for upstream in self.upstreams:
             values.extend(v.get_secret_value() for v in upstream.set_headers.values())
         return values
@@ -426,7 +564,8 @@ def load_settings(
     except SettingsError as error:  # e.g. malformed JSON in a FENCEGATE_* variable
         cause = f" ({error.__cause__})" if error.__cause__ else ""
         raise ConfigError([f"environment: {error}{cause}"]) from error
-    return _resolve_sqlite(settings, base)
+    settings = _resolve_sqlite(settings, base)
+    return settings.model_copy(update={"tls": settings.tls.resolved(base)})
 
 
 def env_references(

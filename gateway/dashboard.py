@@ -79,8 +79,9 @@ async def asset(request: web.Request) -> web.StreamResponse:
 
 async def refusals_over_time(request: web.Request) -> web.Response:
     """``GET /admin/ui/api/refusals-over-time?since=&until=&window_seconds=&bucket_seconds=
-    &upstream=&job_id=``: audit entries per bucket and reason. ``until`` defaults to the
-    database's now, ``since`` to ``window_seconds`` (default a day) before it."""
+    &upstream=&job_id=``: refusals per bucket and reason, replays counted apart.
+    ``until`` defaults to the database's now, ``since`` to ``window_seconds`` (default a
+    day) before it."""
     lease_store = request.app[DASHBOARD_GATEWAY].audit.lease_store
     q = request.query
     since, until = _time(q, "since"), _time(q, "until")

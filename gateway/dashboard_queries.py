@@ -92,8 +92,9 @@ async def refusals_over_time(
     upstream: str | None = None,
     job_id: str | None = None,
 ) -> dict[str, Any]:
-    """Audit entries of ``[since, until)`` per bucket and reason, every bucket present
-    (empty ones with no counts) so a chart can draw them as they come."""
+    """Refusals audited in ``[since, until)`` per bucket and reason, every bucket present
+    (empty ones with no counts) so a chart can draw them as they come; replays
+    (``idempotent-replay``) are counted apart, per bucket and in all."""
     bucket = _bucket_number(lease_store, window.bucket_seconds).label("bucket")
     stmt = (
         # A grouped entry stands for ``count`` requests.
@@ -110,11 +111,22 @@ async def refusals_over_time(
 
     size = window.bucket_seconds
     first = window.first_bucket
+    replay = fence.Reason.IDEMPOTENT_REPLAY.value
     counts: list[dict[str, int]] = [{} for _ in range(window.bucket_count)]
+    replays = [0] * window.bucket_count
     totals: dict[str, int] = {}
+    replay_total = 0
     for number, reason, n in rows:
         index = int(number) - first
-        if 0 <= index < len(counts):
+        inside = 0 <= index < len(counts)
+        # A replay is the stored answer of a write that was forwarded once: the worker
+        # got what it asked for, nothing was refused. Counted apart, never charted.
+        if reason == replay:
+            replay_total += int(n)
+            if inside:
+                replays[index] += int(n)
+            continue
+        if inside:
             counts[index][reason] = counts[index].get(reason, 0) + int(n)
         totals[reason] = totals.get(reason, 0) + int(n)
     known = [r.value for r in fence.GATEWAY_REASONS]
@@ -124,15 +136,19 @@ async def refusals_over_time(
         "since": rfc3339(window.since),
         "until": rfc3339(window.until),
         "bucket_seconds": size,
+        # Refusals only: ``reasons``, ``totals`` and each bucket's ``counts``/``total``.
         "reasons": present,
+        # Every reason the audit can hold (the table's filter), replays included.
         "known_reasons": known,
         "totals": {r: totals[r] for r in present},
+        "replays": replay_total,
         "buckets": [
             {
                 "start": rfc3339((first + i) * size),
                 "end": rfc3339((first + i + 1) * size),
                 "counts": {r: c[r] for r in present if r in c},
                 "total": sum(c.values()),
+                "replays": replays[i],
             }
             for i, c in enumerate(counts)
         ],

@@ -21,7 +21,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from lease_core import tokens
 
-from . import fence
+from . import fence, tracing
 from .config import UpstreamSettings
 from .decision import Facts
 from .fence import Record
@@ -242,4 +242,6 @@ def forward_headers(
     out["X-Request-Id"] = REQUEST_ID.get()
     for name, secret in upstream.set_headers.items():
         out[name] = secret.get_secret_value()
+    if tracing.ENABLED:
+        tracing.forwarding(out, job_id, generation)
     return out

@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -24,7 +25,7 @@ from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
-from . import admin, dashboard, logs, migrate, tasks
+from . import admin, dashboard, logs, migrate, tasks, tls, tracing
 from .auth import auth_middleware
 from .body import body_deadline_middleware
 from .config import ConfigError, Settings, parse_listen
@@ -160,8 +161,13 @@ async def serve(
     exists then (modules, the app, the engine) out of the garbage collector's sight.
     They live as long as the process anyway, and scanning them in every full collection
     stalled the event loop for tens of milliseconds (docs/performance.md: p99 halved)."""
-    # Both ports first: a taken one is named before anything else exists (no database
-    # file, no migration, no other listener left bound).
+    # The certificates first, then both ports: a bad file or a taken port is named
+    # before anything else exists (no database file, no migration, no listener bound).
+    try:
+        contexts = tls.contexts(settings)
+    except ConfigError as error:
+        raise SystemExit(f"fencegate: {error}") from error
+    provider = tracing.configure(settings.tracing)
     sockets = {"control": bind("control_listen", settings.control_listen)}
     try:
         sockets["proxy"] = bind("proxy_listen", settings.proxy_listen)
@@ -183,7 +189,9 @@ async def serve(
         gateway = Gateway(settings, store)
         if reload_settings is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(signal.SIGHUP, lambda: _reload(gateway, reload_settings))
+                loop.add_signal_handler(
+                    signal.SIGHUP, lambda: _reload(gateway, contexts, reload_settings)
+                )
         for name, app in (
             ("control", create_control_app(settings, store, gateway)),
             ("proxy", create_proxy_app(gateway)),
@@ -201,12 +209,17 @@ async def serve(
                 # The proxy forwards bodies verbatim: a gzip body is never inflated.
                 auto_decompress=name != "proxy",
             )
+            tracing.instrument(app, name)
             await runner.setup()
             runners.append(runner)
             for sock in sockets[name]:
-                await web.SockSite(runner, sock, backlog=1024).start()
+                await web.SockSite(
+                    runner, sock, backlog=1024, ssl_context=contexts.get(name)
+                ).start()
             addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
         log.info("fencegate listening: %s", " ".join(addresses))
+        if contexts:
+            log.info("TLS on the %s listener(s)", " and ".join(sorted(contexts)))
         if freeze_gc:
             gc.collect()
             gc.freeze()
@@ -225,6 +238,10 @@ async def serve(
             for sock in bound:
                 sock.close()
         await engine.dispose()
+        if provider is not None:
+            # The spans still queued are exported (bounded by the exporter's timeout).
+            await asyncio.to_thread(provider.shutdown)
+            tracing.disable()
 
 
 def bind(setting: str, listen: str) -> list[socket.socket]:
@@ -259,8 +276,13 @@ def bind(setting: str, listen: str) -> list[socket.socket]:
     return bound
 
 
-def _reload(gateway: Gateway, reload_settings: Callable[[], Settings]) -> None:
-    """SIGHUP: new upstreams take effect for the next request; connections stay open."""
+def _reload(
+    gateway: Gateway,
+    contexts: dict[str, ssl.SSLContext],
+    reload_settings: Callable[[], Settings],
+) -> None:
+    """SIGHUP: new upstreams take effect for the next request, new certificates for the
+    next handshake; connections stay open."""
     try:
         new = reload_settings()
     except ConfigError as error:
@@ -268,6 +290,7 @@ def _reload(gateway: Gateway, reload_settings: Callable[[], Settings]) -> None:
         return
     logs.protect(new.secret_values())
     gateway.reload(new)
+    tls.reload(contexts, new)
 
 
 def _addresses(runner: web.AppRunner) -> list[str]:

@@ -12,6 +12,10 @@ from aiohttp import web
 
 log = logging.getLogger("fencegate.tasks")
 
+# At shutdown, how long a step in progress may finish before it is cancelled (part of
+# the worst-case stop that deploy/kubernetes's grace period must cover).
+STOP_TIMEOUT_SECONDS = 10
+
 
 def every(
     app: web.Application, name: str, interval: float, step: Callable[[], Awaitable[object]]
@@ -39,7 +43,7 @@ def every(
         yield
         stop.set()
         try:
-            await asyncio.wait_for(asyncio.shield(task), 10)
+            await asyncio.wait_for(asyncio.shield(task), STOP_TIMEOUT_SECONDS)
         except TimeoutError:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

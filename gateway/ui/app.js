@@ -271,7 +271,8 @@
     for (const reason of series.reasons) {
       if (bucket.counts[reason]) lines.push(`${reason}: ${bucket.counts[reason]}`);
     }
-    if (lines.length === 1) lines.push("nothing");
+    if (lines.length === 1) lines.push("no refusals");
+    if (bucket.replays) lines.push(`(replays, not charted: ${bucket.replays})`);
     tip.textContent = lines.join("\n");
     tip.hidden = false;
     // Beside the pointer, on whichever side keeps it inside the chart.
@@ -287,9 +288,11 @@
     const series = await api(`/admin/ui/api/refusals-over-time?${params}`);
     state.series = series;
     fillReasons(series.known_reasons);
+    // Replays are stored answers of writes forwarded once, not refusals: counted apart.
     const total = Object.values(series.totals).reduce((a, b) => a + b, 0);
     $("chart-summary").textContent =
-      `${total} answer(s) by the gateway itself; buckets of ${series.bucket_seconds} s (UTC)`;
+      `${total} refusal(s); ${series.replays} replay(s) of stored answers, not charted; ` +
+      `buckets of ${series.bucket_seconds} s (UTC)`;
     drawChart();
     renderLegend();
   }
@@ -363,6 +366,8 @@
             jobButton(item.job_id),
           ),
           el("td", {}, generationText(item.generation, item.highest_generation)),
+          // The lease's owner (a label the worker chose), when a lease was behind it.
+          el("td", { className: "owner" }, show(item.owner)),
           el("td", {}, show(item.upstream)),
           el("td", { className: "mono" }, `${item.method} ${item.path}`),
           el("td", { className: "mono" }, show(item.idempotency_key)),
@@ -373,7 +378,7 @@
     state.rows += page.items.length;
     state.cursor = page.next_cursor;
     if (state.rows === 0) {
-      body.append(el("tr", {}, el("td", { colSpan: 10, className: "empty" }, "No entries match.")));
+      body.append(el("tr", {}, el("td", { colSpan: 11, className: "empty" }, "No entries match.")));
     }
     $("refusals-count").textContent = `${state.rows} shown, newest first`;
     $("refusals-more").hidden = !state.cursor;

@@ -49,6 +49,12 @@ WORKER_LABEL = ("app.kubernetes.io/role", "worker")
 UID = 10001
 
 MANIFESTS = kubernetes_manifests()
+# Custom resources: their schemas are not among the Kubernetes ones, so they are checked
+# structurally (below); each is an optional file, outside kustomization.yaml's
+# resources, since applying it fails on a cluster without its CRD.
+CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
+OPTIONAL_FILES = {"servicemonitor.yaml"}
+BUILT_IN = [m for m in MANIFESTS if m[1]["kind"] not in CUSTOM_KINDS]
 
 
 def _id(item: tuple[Path, dict[str, Any]]) -> str:
@@ -113,6 +119,7 @@ def test_manifests_found() -> None:
         [
             "ConfigMap",
             "Secret",
+            "Secret",
             "Job",
             "Deployment",
             "Service",
@@ -120,11 +127,12 @@ def test_manifests_found() -> None:
             "HorizontalPodAutoscaler",
             "NetworkPolicy",
             "NetworkPolicy",
+            "ServiceMonitor",
         ]
     )
 
 
-@pytest.mark.parametrize("item", MANIFESTS, ids=[_id(m) for m in MANIFESTS])
+@pytest.mark.parametrize("item", BUILT_IN, ids=[_id(m) for m in BUILT_IN])
 def test_manifest_matches_kubernetes_schema(item: tuple[Path, dict[str, Any]]) -> None:
     _, doc = item
     try:
@@ -317,7 +325,7 @@ def test_every_referenced_configmap_and_secret_exists() -> None:
 
 
 def test_secret_provides_every_variable_the_config_needs() -> None:
-    secret = one("Secret")
+    secret = named("Secret", "fencegate-secrets")
     keys = set(secret["stringData"])
     assert keys >= GATEWAY_SECRETS | env_refs(CONFIG.read_text(encoding="utf-8"))
     # Each key must be a valid environment variable name, since it arrives by envFrom.
@@ -330,7 +338,7 @@ def test_secret_placeholders_are_refused_until_replaced(
     """Applying the example Secret unchanged must not give a running gateway with known
     tokens: its placeholders fail validation. Replaced by real tokens, the same
     configuration (the ConfigMap's) is valid and takes the Secret's values."""
-    placeholders = dict(one("Secret")["stringData"])
+    placeholders = dict(named("Secret", "fencegate-secrets")["stringData"])
     config = tmp_path / "fencegate.toml"
     config.write_text(one("ConfigMap")["data"]["fencegate.toml"], encoding="utf-8")
     for key, value in placeholders.items():
@@ -396,6 +404,80 @@ def test_network_policies() -> None:
         )
 
 
+# -- the ServiceMonitor (Prometheus Operator) -----------------------------------------
+
+
+def test_custom_resources_are_optional_files() -> None:
+    for path, doc in MANIFESTS:
+        if doc["kind"] in CUSTOM_KINDS:
+            assert doc["apiVersion"] == CUSTOM_KINDS[doc["kind"]], path.name
+            assert path.name in OPTIONAL_FILES, f"{path.name}: keep CRD kinds optional"
+
+
+def test_servicemonitor_scrapes_every_replica_with_the_scrape_token() -> None:
+    """The CRD's schema is not in kubernetes-validate: its shape is checked here, and
+    what it refers to: the Service (by labels and port name), the path, the Secret and
+    key of the bearer token, and that the Deployment hands the same key to the gateway
+    as auth.metrics_tokens."""
+    monitor = one("ServiceMonitor")
+    assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+    assert set(monitor["metadata"]) <= {"name", "labels", "annotations"}
+    spec = monitor["spec"]
+    assert set(spec) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
+    service = one("Service")
+    assert selects(match_labels(spec["selector"]), service["metadata"]["labels"])
+    (endpoint,) = spec["endpoints"]
+    allowed = {"port", "path", "scheme", "interval", "scrapeTimeout", "authorization"}
+    assert set(endpoint) <= allowed, set(endpoint) - allowed
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    deployment = one("Deployment")
+    assert port_number(deployment, ports[endpoint["port"]]["targetPort"]) == 8081
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["scheme"] in ("http", "https")
+    for key in ("interval", "scrapeTimeout"):
+        assert re.fullmatch(r"\d+(ms|s|m)", endpoint[key]), (key, endpoint[key])
+    authorization = endpoint["authorization"]
+    assert authorization["type"] == "Bearer"
+    assert set(authorization["credentials"]) == {"name", "key"}
+    secret = named("Secret", authorization["credentials"]["name"])
+    assert authorization["credentials"]["key"] in secret["stringData"]
+    # Not the gateway's Secret: Prometheus may be allowed to read this one alone.
+    assert secret["metadata"]["name"] != "fencegate-secrets"
+    env = {e["name"]: e for e in container(deployment)["env"]}
+    source = env["METRICS_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert (source["name"], source["key"]) == (
+        secret["metadata"]["name"],
+        authorization["credentials"]["key"],
+    )
+    names = list(env)
+    assert names.index("METRICS_TOKEN") < names.index("FENCEGATE_AUTH__METRICS_TOKENS")
+    assert env["FENCEGATE_AUTH__METRICS_TOKENS"]["value"] == '["$(METRICS_TOKEN)"]'
+
+
+def test_scrape_token_placeholder_is_refused_until_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "fencegate.toml"
+    config.write_text(one("ConfigMap")["data"]["fencegate.toml"], encoding="utf-8")
+    for key, value in named("Secret", "fencegate-secrets")["stringData"].items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FENCEGATE_AUTH__WORKER_TOKENS", '["worker-token-0123456789abcdef"]')
+    monkeypatch.setenv("FENCEGATE_AUTH__ADMIN_TOKENS", '["admin-token-0123456789abcdef"]')
+    env = {e["name"]: e for e in container(one("Deployment"))["env"]}
+    template = env["FENCEGATE_AUTH__METRICS_TOKENS"]["value"]
+    placeholder = named("Secret", "fencegate-metrics")["stringData"]["token"]
+    monkeypatch.setenv(
+        "FENCEGATE_AUTH__METRICS_TOKENS", template.replace("$(METRICS_TOKEN)", placeholder)
+    )
+    with pytest.raises(ConfigError) as error:
+        load_settings(config)
+    assert [p.split(":")[0] for p in error.value.problems] == ["auth.metrics_tokens"]
+    real = "0123456789abcdef0123456789abcdef"
+    monkeypatch.setenv("FENCEGATE_AUTH__METRICS_TOKENS", template.replace("$(METRICS_TOKEN)", real))
+    settings = load_settings(config)
+    assert [t.get_secret_value() for t in settings.auth.metrics_tokens] == [real]
+
+
 # -- kustomize -------------------------------------------------------------------------
 
 
@@ -407,7 +489,7 @@ def kustomization() -> dict[str, Any]:
 def test_kustomization_lists_every_manifest() -> None:
     resources = kustomization()["resources"]
     assert len(resources) == len(set(resources))
-    assert sorted(resources) == [p.name for p in kubernetes_files()]
+    assert sorted(resources) == [p.name for p in kubernetes_files() if p.name not in OPTIONAL_FILES]
 
 
 def test_kustomization_sets_the_image_of_the_workloads() -> None:
@@ -427,7 +509,7 @@ def test_kustomize_builds() -> None:
     assert result.returncode == 0, result.stderr
     built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     assert sorted((d["kind"], d["metadata"]["name"]) for d in built) == sorted(
-        (d["kind"], d["metadata"]["name"]) for _, d in MANIFESTS
+        (d["kind"], d["metadata"]["name"]) for p, d in MANIFESTS if p.name not in OPTIONAL_FILES
     )
     for doc in built:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)

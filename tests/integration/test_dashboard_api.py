@@ -6,13 +6,16 @@ a job's timeline, bad parameters, and the admin token on every path under /admin
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gateway import dashboard
 from tests.support import FakeClock, Upstream, upstream_config
 
 PROBLEM = "application/problem+json"
@@ -118,6 +121,9 @@ async def test_counts_per_bucket_match_the_audit_of_real_refusals(
         ),
     }
 
+    # Replays are not refusals: counted apart, never among the charted reasons.
+    replays = {i: c.pop("idempotent-replay", 0) for i, c in expected.items()}
+    assert replays == {0: 0, 1: 1}
     doc = await over_time(stack, since=T0, until=T0 + 120, bucket_seconds=60)
     assert doc["bucket_seconds"] == 60
     assert (doc["since"], doc["until"]) == (rfc3339(T0), rfc3339(T0 + 120))
@@ -126,7 +132,10 @@ async def test_counts_per_bucket_match_the_audit_of_real_refusals(
     for index, bucket in enumerate(doc["buckets"]):
         assert bucket["counts"] == dict(expected[index])
         assert bucket["total"] == sum(expected[index].values())
+        assert bucket["replays"] == replays[index]
     assert doc["totals"] == dict(expected[0] + expected[1])
+    assert "idempotent-replay" not in doc["reasons"]
+    assert doc["replays"] == 1
     # Reasons in the gateway's table order, the same order every time (stable colours).
     assert doc["reasons"] == [r for r in doc["known_reasons"] if r in doc["totals"]]
     assert {"stale-generation", "outcome-unknown", "idempotent-replay"} <= set(doc["known_reasons"])
@@ -139,11 +148,8 @@ async def test_counts_per_bucket_match_the_audit_of_real_refusals(
     assert empty["totals"] == {}
     job = await over_time(stack, since=T0, until=T0 + 120, bucket_seconds=60, job_id="job-1")
     # (A missing key is refused before the token is looked at: no job in that entry.)
-    assert job["totals"] == {
-        "stale-generation": 2,
-        "idempotent-replay": 1,
-        "idempotency-key-reused": 1,
-    }
+    assert job["totals"] == {"stale-generation": 2, "idempotency-key-reused": 1}
+    assert job["replays"] == 1
 
     # No window named: the last day up to the store's clock, every entry in it.
     clock.advance(1)
@@ -151,11 +157,47 @@ async def test_counts_per_bucket_match_the_audit_of_real_refusals(
     assert epoch(default["until"]) == pytest.approx(clock.now, abs=0.01)
     assert epoch(default["since"]) == pytest.approx(clock.now - 86400, abs=0.01)
     assert default["bucket_seconds"] == 900
-    assert sum(default["totals"].values()) == len(entries)
+    replayed = sum(1 for e in entries if e["reason"] == "idempotent-replay")
+    assert replayed == default["replays"] == 1
+    assert sum(default["totals"].values()) == len(entries) - replayed
     assert len(default["buckets"]) <= 120
-    assert sum(b["total"] for b in default["buckets"]) == len(entries)
+    assert sum(b["total"] for b in default["buckets"]) == len(entries) - replayed
+    assert sum(b["replays"] for b in default["buckets"]) == replayed
     recent = await over_time(stack, window_seconds=60)
     assert recent["totals"] == {"missing-fencing-token": 1}
+
+
+async def test_the_audit_table_shows_the_owner(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    """The dashboard's table reads ``/admin/rejections`` (as app.js does) and shows each
+    entry's owner: the lease's owner where a lease was behind it, none where not."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    first = await stack.lease("job-o", owner="worker-a", ttl=5)
+    assert (await stack.write("/pay/charges", first, key="k1")).status == 201
+    clock.advance(10)
+    second = await stack.lease("job-o", owner="worker-b", ttl=300)  # reclaimed: first is stale
+    assert (await stack.write("/pay/charges", first, key="k2")).status == 409
+    assert (await stack.write("/pay/charges", second, key="k1")).status == 201  # replay
+    assert (await stack.write("/pay/charges", None)).status == 428
+    resp = await stack.control.get("/admin/rejections", params={"limit": "10"})
+    assert resp.status == 200
+    owners = {(i["reason"], i["owner"]) for i in (await resp.json())["items"]}
+    assert owners == {
+        ("stale-generation", "worker-a"),
+        ("idempotent-replay", "worker-b"),
+        ("missing-fencing-token", None),
+    }
+    ui = Path(dashboard.__file__).parent / "ui"
+    header = re.findall(r"<th>([^<]+)</th>", (ui / "index.html").read_text(encoding="utf-8"))
+    script = (ui / "app.js").read_text(encoding="utf-8")
+    # The refusals table: one header per cell app.js fills in, the owner among them.
+    table = header[: header.index("Client") + 1]
+    assert "Owner" in table and "show(item.owner)" in script
+    row = script[script.index("async function loadRefusals") :]
+    row = row[: row.index("state.rows +=")]
+    assert len(re.findall(r'el\(\s*"td"', row)) == len(table)
+    assert f'colSpan: {len(table)}, className: "empty"' in script
 
 
 async def test_bucket_boundaries(make_stack: Any, clock: FakeClock) -> None:

@@ -895,6 +895,66 @@ async def test_health_needs_no_token(authed: Client) -> None:
     await expect(resp, 200)
 
 
+SCRAPE = "scrape-token-0123456789ab"
+
+
+@pytest.fixture
+async def scraped(
+    store: LeaseStore,
+    aiohttp_client: Callable[..., Awaitable[Client]],
+    make_settings: Callable[..., Any],
+) -> Client:
+    settings = make_settings(
+        auth={"worker_tokens": [WORKER], "admin_tokens": [ADMIN], "metrics_tokens": [SCRAPE]}
+    )
+    return await aiohttp_client(create_control_app(settings, store))
+
+
+async def test_metrics_token_reads_metrics_and_nothing_else(
+    scraped: Client, store: LeaseStore, subtests: pytest.Subtests
+) -> None:
+    await store.enqueue(queue="q", job_id="keep")
+    for token in (SCRAPE, ADMIN):  # admin tokens keep reading /metrics
+        resp = await scraped.get("/metrics", headers=bearer(token))
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        assert "fencegate_lease_grants_total" in await resp.text()
+    before = await db_snapshot(store)
+    for method, path in (
+        ("GET", "/v1/jobs"),
+        ("POST", "/v1/jobs"),
+        ("POST", "/v1/queues/q/claim"),
+        ("GET", "/v1/jobs/keep"),
+        ("GET", "/admin/rejections"),
+        ("DELETE", "/admin/jobs/keep"),
+        ("GET", "/admin/ui/api/refusals-over-time"),
+        ("GET", "/metrics/"),
+        ("GET", "/metricsx"),
+    ):
+        with subtests.test(f"{method} {path}"):
+            resp = await scraped.request(method, path, json={"owner": "w"}, headers=bearer(SCRAPE))
+            await expect_problem(resp, 403, "forbidden")
+    assert await db_snapshot(store) == before
+    # A worker token still cannot scrape, and a near miss of the scrape token is unknown.
+    await expect_problem(await scraped.get("/metrics", headers=bearer(WORKER)), 403, "forbidden")
+    resp = await scraped.get("/metrics", headers=bearer(SCRAPE[:-1]))
+    await expect_problem(resp, 401, "unauthorized")
+
+
+async def test_metrics_tokens_alone_turn_auth_on(
+    store: LeaseStore,
+    aiohttp_client: Callable[..., Awaitable[Client]],
+    make_settings: Callable[..., Any],
+) -> None:
+    """A scrape token configured without worker or admin tokens still means tokens are
+    required: nothing is open that was closed before."""
+    settings = make_settings(auth={"metrics_tokens": [SCRAPE]})
+    client = await aiohttp_client(create_control_app(settings, store))
+    assert (await client.get("/metrics", headers=bearer(SCRAPE))).status == 200
+    await expect_problem(await client.get("/v1/jobs"), 401, "unauthorized")
+    await expect_problem(await client.get("/metrics"), 401, "unauthorized")
+
+
 async def test_no_tokens_configured_needs_none(control: Client) -> None:
     await expect(await control.get("/v1/jobs"), 200)
     await expect_problem(await control.delete("/admin/jobs/x"), 404, "job-not-found")

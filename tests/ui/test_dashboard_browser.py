@@ -30,6 +30,8 @@ from playwright.async_api import Page, async_playwright, expect
 
 from tests.support import IN_CI
 
+ROOT = Path(__file__).resolve().parents[2]
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -195,6 +197,9 @@ REASONS = {
     "invalid-fencing-token",
     "outcome-unknown",
 }
+# What the chart draws: the refusals, not the replays (stored answers of forwarded writes).
+REPLAY = "idempotent-replay"
+CHARTED = REASONS - {REPLAY}
 
 
 # -- PNG, read with the standard library ---------------------------------------------------
@@ -327,6 +332,11 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             await page.select_option("#filter-reason", "stale-generation")
             await expect(rows).to_have_count(1)
             assert await rows_of(page, "#refusals-table tbody tr", "reason") == ["stale-generation"]
+            # The table shows the owner of the lease behind the entry.
+            header = page.locator("#refusals-table thead th")
+            owner_column = (await header.all_inner_texts()).index("Owner")
+            owner = rows.first.locator("td").nth(owner_column)
+            await expect(owner).to_have_text("worker-a")
 
             # A job's timeline, from the job in that row.
             await rows.first.get_by_role("button", name="job-1").click()
@@ -364,12 +374,18 @@ async def check_chart(page: Page, tmp_path: Path) -> None:
     chart = page.locator("#chart")
     await expect(chart).not_to_have_attribute("data-drawn", "0")
     legend = page.locator("#legend li[data-reason]")
-    await expect(legend).to_have_count(len(REASONS))
+    await expect(legend).to_have_count(len(CHARTED))
     colours: dict[str, str] = dict(
         await legend.evaluate_all("items => items.map(i => [i.dataset.reason, i.dataset.colour])")
     )
-    assert set(colours) == REASONS
-    assert len(set(colours.values())) == len(REASONS)  # one colour per reason
+    assert set(colours) == CHARTED  # no replay among the refusals
+    assert len(set(colours.values())) == len(CHARTED)  # one colour per reason
+    summary = page.locator("#chart-summary")
+    await expect(summary).to_contain_text(f"{len(CHARTED)} refusal(s); 1 replay(s)")
+    # The replay's colour (app.js COLOURS) is painted nowhere on the canvas.
+    replay_colour = "#7f7f7f"
+    assert replay_colour in (ROOT / "gateway" / "ui" / "app.js").read_text(encoding="utf-8")
+    assert (await page.evaluate(CANVAS_COUNTS, [replay_colour]))["counts"] == [0]
 
     # The canvas itself: every reason's colour is painted.
     reasons = sorted(colours)

@@ -140,6 +140,7 @@ def test_invalid_toml_is_an_error(tmp_path: Path) -> None:
         ("proxy_listen = '127.0.0.1'\n", "proxy_listen", "host:port"),
         ("control_listen = '127.0.0.1:99999'\n", "control_listen", "host:port"),
         ("[auth]\nadmin_tokens = ['short']\n", "auth.admin_tokens", "at least 16"),
+        ("[auth]\nmetrics_tokens = ['short']\n", "auth.metrics_tokens", "at least 16"),
         (
             "[[upstreams]]\nname = 'p'\nurl = 'ftp://example.com'\n",
             "upstreams.0.url",
@@ -378,3 +379,11 @@ def test_header_value_with_a_line_break_is_refused(tmp_path: Path) -> None:
         )
     assert "upstreams.0.set_headers" in problems(excinfo)
     assert "x\r\nX-Evil" not in str(excinfo.value)
+
+
+def test_metrics_tokens_are_secrets_of_the_configuration() -> None:
+    """Kept out of every log line like the other tokens (``Settings.secret_values``)."""
+    settings = Settings(auth={"metrics_tokens": ["scrape-token-0123456789"]})
+    assert "scrape-token-0123456789" in settings.secret_values()
+    assert "scrape-token-0123456789" not in repr(settings)
+    assert settings.auth.enabled
