@@ -115,18 +115,18 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
     _check(result, "pip wheel --no-deps")
     (wheel,) = wheels.glob("fencegate-*.whl")
     # A venv without its own pip (creating one with pip costs seconds); this pip installs
-    # into it, wheel and dependencies, as the image's `pip install ...[postgres]` does.
+    # into it, wheel and dependencies, as the image's `pip install ...[postgres,otel]` does.
     venv = work / "venv"
     result = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
     _check(result, "python -m venv")
     result = _run(
         [
             *(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")),
-            *("install", "-q", f"{wheel}[postgres]"),
+            *("install", "-q", f"{wheel}[postgres,otel]"),
         ],
         timeout=300,
     )
-    _check(result, "pip install fencegate[postgres]")
+    _check(result, "pip install fencegate[postgres,otel]")
     home = work / "home"
     home.mkdir()
     return Image(venv, home)

@@ -611,7 +611,7 @@ def test_dockerfile_is_multi_stage_on_python_slim() -> None:
     assert "pip wheel --no-deps" in runs
     final = len(froms) - 1
     final_runs = " ".join(i.value for i in instructions if i.keyword == "RUN" and i.stage == final)
-    assert "[postgres]" in final_runs
+    assert "[postgres,otel]" in final_runs  # the drivers and tracing ([tracing])
 
 
 def test_dockerfile_runs_as_non_root_and_serves() -> None:
