@@ -42,6 +42,8 @@ from yarl import URL
 from lease_core.config import LeaseSettings
 from lease_core.direct import IN_MEMORY, is_in_memory
 
+from .profiles import PROFILES, Profile
+
 DEFAULT_CONFIG_FILE = "fencegate.toml"
 TOKEN_CHARS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -110,6 +112,36 @@ class AuthSettings(BaseModel):
         return bool(self.worker_tokens or self.admin_tokens)
 
 
+class DedupSettings(BaseModel):
+    """What the upstream guarantees by itself (``[upstreams.dedup]``; a profile fills
+    the defaults, ``gateway.profiles``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The header in which the upstream reads an idempotency key; the gateway sends its
+    # own key there (``profiles.upstream_key``). None: the upstream reads no key.
+    header: str | None = None
+    # How long the upstream remembers a key: a held write is re-sent only inside it.
+    window_seconds: float = Field(86400.0, gt=0, le=90 * 86400, allow_inf_nan=False)
+    # The upstream's answer that a key was used before with other parameters: this
+    # status, and (when set) this text in its body.
+    mismatch_status: int | None = Field(None, ge=100, le=599)
+    mismatch_contains: str | None = Field(None, min_length=1, max_length=200)
+
+    @field_validator("header")
+    @classmethod
+    def _header(cls, value: str | None) -> str | None:
+        if value is not None and not TOKEN_CHARS.fullmatch(value):
+            raise ValueError(f"{value!r} is not a header name")
+        if value is not None and value.lower() in _GATEWAY_HEADERS:
+            raise ValueError(f"{value} is set by the gateway itself")
+        return value
+
+
+# Headers the gateway sets on every fenced write; no dedup header may be one of them.
+_GATEWAY_HEADERS = frozenset({"fencing-token", "fencing-job", "fencing-generation", "host"})
+
+
 class UpstreamSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -121,7 +153,11 @@ class UpstreamSettings(BaseModel):
     connect_timeout_seconds: float = Field(5.0, gt=0, le=600, allow_inf_nan=False)
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=0, le=2**34)
     set_headers: dict[str, SecretStr] = Field(default_factory=dict)
-    unknown_outcome: Literal["hold", "retry"] = "hold"
+    # "resolve": the gateway re-sends a held write itself (docs/profiles.md); only
+    # where the upstream deduplicates by key or a precondition makes it safe.
+    unknown_outcome: Literal["hold", "retry", "resolve"] = "hold"
+    profile: Profile = "generic"
+    dedup: DedupSettings | None = None
     # Answers that mean "not processed, try later": the worker gets them, but they are
     # not the key's answer, so the key stays free for the next attempt.
     not_processed_statuses: list[Annotated[int, Field(ge=100, le=599)]] = Field(
@@ -141,6 +177,8 @@ class UpstreamSettings(BaseModel):
             "timeout_seconds": self.timeout_seconds,
             "max_body_bytes": self.max_body_bytes,
             "unknown_outcome": self.unknown_outcome,
+            "profile": self.profile,
+            "dedup": None if self.dedup is None else self.dedup.model_dump(),
             "not_processed_statuses": self.not_processed_statuses,
             "audit_query_params": self.audit_query_params,
             "set_headers": sorted(self.set_headers),
@@ -148,7 +186,36 @@ class UpstreamSettings(BaseModel):
 
     @cached_property
     def set_header_names(self) -> frozenset[str]:
-        return frozenset(name.lower() for name in self.set_headers)
+        """Headers the gateway sets itself for this upstream (a client's are dropped)."""
+        names = {name.lower() for name in self.set_headers}
+        if self.dedup_header is not None:
+            names.add(self.dedup_header.lower())
+        return frozenset(names)
+
+    @property
+    def dedup_header(self) -> str | None:
+        return None if self.dedup is None else self.dedup.header
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_defaults(cls, data: Any) -> Any:
+        """The profile's ``[upstreams.dedup]`` defaults under what the file says."""
+        if not isinstance(data, dict):
+            return data
+        defaults = PROFILES.get(str(data.get("profile", "generic")))
+        given = data.get("dedup")
+        if defaults is None or (given is not None and not isinstance(given, dict)):
+            return data
+        return {**data, "dedup": {**defaults, **(given or {})}}
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> UpstreamSettings:
+        if self.unknown_outcome == "resolve" and (self.dedup is None or self.dedup.header is None):
+            raise ValueError(
+                'unknown_outcome = "resolve" needs an upstream that deduplicates by key '
+                "([upstreams.dedup] header, or a profile that sets it)"
+            )
+        return self
 
     @cached_property
     def not_processed(self) -> frozenset[int]:
