@@ -306,6 +306,11 @@ class GatewaySettings(BaseModel):
     # Answers up to this size are stored for replay; a duplicate of a larger one gets
     # 409 replay-unavailable (the write was applied; its body was not kept).
     max_replay_body_bytes: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
+    # Unknown outcomes of upstreams with ``unknown_outcome = "resolve"``: how often the
+    # background task looks for them, and how many re-sends one gets before it is left to
+    # an operator. Their requests are kept up to ``max_replay_body_bytes``.
+    resolve_interval_seconds: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
+    resolve_max_attempts: int = Field(5, ge=1, le=100)
 
 
 SOURCE_NAME = r"^[a-z][a-z0-9_-]{0,31}$"

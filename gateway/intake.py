@@ -88,6 +88,7 @@ class Ctx:
     source: Source | None = None
     source_token: str | None = None
     source_name: str | None = None
+    forwarded: CIMultiDict[str] | None = None  # the headers a fenced write went with
 
 
 def intake(
