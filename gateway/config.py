@@ -138,6 +138,25 @@ class DedupSettings(BaseModel):
         return value
 
 
+class SigningSettings(BaseModel):
+    """The gateway's own AWS credentials for ``profile = "s3"``: it signs every request
+    it forwards there with AWS Signature Version 4 (botocore's signer). ``${NAME}`` is
+    expanded from the environment by ``resolve_secrets``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    access_key_id: SecretStr
+    secret_access_key: SecretStr
+    session_token: SecretStr | None = None
+    region: str = Field("us-east-1", pattern=r"^[a-z0-9-]{1,40}$")
+
+    def secrets(self) -> dict[str, SecretStr]:
+        found = {"access_key_id": self.access_key_id, "secret_access_key": self.secret_access_key}
+        if self.session_token is not None:
+            found["session_token"] = self.session_token
+        return found
+
+
 # Headers the gateway sets on every fenced write; no dedup header may be one of them.
 _GATEWAY_HEADERS = frozenset({"fencing-token", "fencing-job", "fencing-generation", "host"})
 
@@ -158,6 +177,8 @@ class UpstreamSettings(BaseModel):
     unknown_outcome: Literal["hold", "retry", "resolve"] = "hold"
     profile: Profile = "generic"
     dedup: DedupSettings | None = None
+    # profile = "s3" only, and required there: the credentials the gateway signs with.
+    signing: SigningSettings | None = None
     # Answers that mean "not processed, try later": the worker gets them, but they are
     # not the key's answer, so the key stays free for the next attempt.
     not_processed_statuses: list[Annotated[int, Field(ge=100, le=599)]] = Field(
@@ -209,11 +230,24 @@ class UpstreamSettings(BaseModel):
         return {**data, "dedup": {**defaults, **(given or {})}}
 
     @model_validator(mode="after")
+    def _signing(self) -> UpstreamSettings:
+        if self.profile == "s3" and self.signing is None:
+            raise ValueError(
+                'profile = "s3" needs [upstreams.signing] access_key_id and secret_access_key '
+                "(the gateway signs every request with them; workers hold no credentials)"
+            )
+        if self.profile != "s3" and self.signing is not None:
+            raise ValueError('[upstreams.signing] is for profile = "s3" only')
+        return self
+
+    @model_validator(mode="after")
     def _resolvable(self) -> UpstreamSettings:
-        if self.unknown_outcome == "resolve" and (self.dedup is None or self.dedup.header is None):
+        if self.unknown_outcome == "resolve" and (
+            self.dedup is None or (self.dedup.header is None and self.profile != "s3")
+        ):
             raise ValueError(
                 'unknown_outcome = "resolve" needs an upstream that deduplicates by key '
-                "([upstreams.dedup] header, or a profile that sets it)"
+                "([upstreams.dedup] header, or a profile that sets it), or profile = s3"
             )
         return self
 
@@ -457,6 +491,8 @@ class Settings(BaseSettings):
         values = [t.get_secret_value() for t in (*self.auth.worker_tokens, *self.auth.admin_tokens)]
         for upstream in self.upstreams:
             values.extend(v.get_secret_value() for v in upstream.set_headers.values())
+            if upstream.signing is not None:
+                values.extend(v.get_secret_value() for v in upstream.signing.secrets().values())
         return values
 
     def upstream(self, name: str) -> UpstreamSettings | None:
@@ -515,6 +551,13 @@ def env_references(
             for ref in ENV_REF.findall(value.get_secret_value())
         ),
         *(
+            (f"upstreams.{index}.signing.{name}", ref, ref in environ)
+            for index, upstream in enumerate(settings.upstreams)
+            if upstream.signing is not None
+            for name, value in upstream.signing.secrets().items()
+            for ref in ENV_REF.findall(value.get_secret_value())
+        ),
+        *(
             (f"lease_sources.{index}.public_keys.{number}", ref, ref in environ)
             for index, source in enumerate(settings.lease_sources)
             if isinstance(source, JwtSourceSettings)
@@ -550,7 +593,14 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None
                         "line break or NUL"
                     ]
                 )
-        upstreams.append(upstream.model_copy(update={"set_headers": headers}))
+        update: dict[str, Any] = {"set_headers": headers}
+        if upstream.signing is not None:
+            expanded = {
+                name: SecretStr(ENV_REF.sub(lambda m: environ[m.group(1)], v.get_secret_value()))
+                for name, v in upstream.signing.secrets().items()
+            }
+            update["signing"] = upstream.signing.model_copy(update=expanded)
+        upstreams.append(upstream.model_copy(update=update))
     sources: list[JwtSourceSettings | EtcdSourceSettings] = []
     for index, source in enumerate(settings.lease_sources):
         if isinstance(source, JwtSourceSettings):

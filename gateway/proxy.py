@@ -23,7 +23,7 @@ from aiohttp.typedefs import Handler
 from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore
 
-from . import fence, sources
+from . import fence, profiles, s3, sources
 from .answers import Answers
 from .audit import Audit
 from .body import BodyTimeout, read_body, start_body_clock
@@ -405,16 +405,32 @@ class Gateway:
             headers = forward_headers(
                 ctx.request, upstream, presented.job_id, presented.generation, ctx.key
             )
+            if upstream.signing is not None:
+                s3.drop_metadata(headers)  # only the gateway writes the fencing metadata
+            if (
+                upstream.signing is not None
+                and presented.generation is not None
+                and ctx.key is not None
+                and not fence.is_anonymous(ctx.key)
+                and s3.is_object_write(ctx.request.method, ctx.rest, ctx.query)
+            ):
+                key_upstream = profiles.upstream_key(presented.job_id, ctx.key)
+                s3.stamp(headers, presented.job_id, presented.generation, key_upstream)
         else:
             headers = forward_headers(ctx.request, upstream, None, None, None)
-        ctx.forwarded = headers
+        url = upstream_url(upstream, ctx.rest, ctx.query)
+        if upstream.signing is not None and not fenced:
+            s3.drop_metadata(headers)
+        ctx.forwarded = headers.copy()  # as kept for a re-send: unsigned
+        if upstream.signing is not None:
+            s3.sign(headers, ctx.request.method, url, ctx.body.getvalue(), upstream.signing)
         key = None if ctx.attempt is None else _HeldKey(self, ctx)
         if fenced and ctx.source_name is not None:
             self.metrics.source_decisions.labels(ctx.source_name, "forwarded").inc()
         return await self.forwarder.forward(
             ctx.request,
             upstream,
-            upstream_url(upstream, ctx.rest, ctx.query),
+            url,
             headers,
             ctx.body,
             key=key,
@@ -488,6 +504,10 @@ class _HeldKey:
             or ctx.body is None
         ):
             return None
+        if upstream.signing is not None and not s3.is_object_write(
+            ctx.request.method, ctx.rest, ctx.query
+        ):
+            return None  # S3: only an object write can be checked by its metadata
         with ctx.body.getbuffer() as view:
             size = view.nbytes
         if size > self._gateway.settings.gateway.max_replay_body_bytes:

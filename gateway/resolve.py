@@ -20,21 +20,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from . import s3
 from .audit import Audit, AuditEntry
 from .config import GatewaySettings, UpstreamSettings
 from .fence import Reason, RecordState
 from .forwarding import DROP_FROM_UPSTREAM, UNKNOWN_STATUSES, Forwarder, upstream_url
 from .intake import connection_named
 from .metrics import GatewayMetrics
-from .profiles import is_mismatch
+from .profiles import is_mismatch, upstream_key
 from .store import GatewayStore, KeptRequest, Resolution
 
 log = logging.getLogger("fencegate.resolve")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectState:
+    """What a HEAD says of the object a held S3 write was for."""
+
+    written: bool  # its metadata names this write's key and generation
+    headers: list[tuple[str, str]]  # its ETag and version id: the stored answer's
+    precondition: dict[str, str]  # for a re-send: If-None-Match: * or If-Match: <etag>
+
 
 # Seconds between two re-sends of one record (its claim's ``pause``).
 PAUSE = 1.0
@@ -99,34 +111,27 @@ class Resolver:
                 outcome="superseded",
             )
             return 0
-        assert self.forwarder.session is not None
-        headers = _headers(claimed.request, upstream)
-        timeout = aiohttp.ClientTimeout(
-            total=upstream.timeout_seconds, sock_connect=upstream.connect_timeout_seconds
-        )
-        url = upstream_url(upstream, claimed.path, claimed.request.query)
-        try:
-            async with self.forwarder.session.request(
-                claimed.method.split(" as ")[0],
-                URL(url, encoded=True),
-                headers=headers,
-                data=claimed.request.body,
-                allow_redirects=False,
-                timeout=timeout,
-            ) as response:
-                status = response.status
-                body = await response.read()
-                named = connection_named(response.headers)
-                answer_headers = [
-                    (k, v)
-                    for k, v in response.headers.items()
-                    if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
-                ]
-        except (TimeoutError, aiohttp.ClientError) as error:
-            await self._unknown(
-                upstream, claimed, f"re-sent, no answer: {type(error).__name__}", keep=True
-            )
+        extra: dict[str, str] = {}
+        if upstream.signing is not None:
+            found = await self._object_state(upstream, claimed)
+            if isinstance(found, str):
+                await self._unknown(upstream, claimed, found, keep=True)
+                return 0
+            if found.written:
+                return await self._completed(
+                    upstream,
+                    claimed,
+                    200,
+                    found.headers,
+                    b"",
+                    "the object carries this write's fencing metadata (HEAD)",
+                )
+            extra = found.precondition
+        answer = await self._send(upstream, claimed, extra)
+        if isinstance(answer, str):
+            await self._unknown(upstream, claimed, answer, keep=True)
             return 0
+        status, answer_headers, body = answer
         dedup = upstream.dedup
         assert dedup is not None
         if is_mismatch(status, body, dedup.mismatch_status, dedup.mismatch_contains):
@@ -140,11 +145,99 @@ class Resolver:
                 outcome="mismatch",
             )
             return 0
+        if extra and status == 412:
+            # The object changed between the HEAD and the conditional re-send.
+            await self._unknown(
+                upstream, claimed, "re-sent; the object changed meanwhile (412)", keep=True
+            )
+            return 0
         if status in UNKNOWN_STATUSES or status in upstream.not_processed:
             await self._unknown(
                 upstream, claimed, f"re-sent; the upstream answered {status}", keep=True
             )
             return 0
+        return await self._completed(
+            upstream, claimed, status, answer_headers, body, f"re-sent ({status})"
+        )
+
+    async def _send(
+        self, upstream: UpstreamSettings, claimed: Resolution, extra: Mapping[str, str]
+    ) -> tuple[int, list[tuple[str, str]], bytes] | str:
+        """Re-send the kept request (signed again for S3, with ``extra`` headers: a
+        precondition); its answer, or why there is none."""
+        headers = _headers(claimed.request, upstream)
+        for name, value in extra.items():
+            headers.setdefault(name, value)  # a worker's own precondition stays
+        method = claimed.method.split(" as ")[0]
+        return await self._exchange(upstream, method, claimed, headers, claimed.request.body)
+
+    async def _exchange(
+        self,
+        upstream: UpstreamSettings,
+        method: str,
+        claimed: Resolution,
+        headers: CIMultiDict[str],
+        body: bytes,
+    ) -> tuple[int, list[tuple[str, str]], bytes] | str:
+        assert self.forwarder.session is not None
+        url = upstream_url(upstream, claimed.path, claimed.request.query)
+        if upstream.signing is not None:
+            s3.sign(headers, method, url, body, upstream.signing)
+        timeout = aiohttp.ClientTimeout(
+            total=upstream.timeout_seconds, sock_connect=upstream.connect_timeout_seconds
+        )
+        try:
+            async with self.forwarder.session.request(
+                method,
+                URL(url, encoded=True),
+                headers=headers,
+                data=body or None,
+                allow_redirects=False,
+                timeout=timeout,
+            ) as response:
+                content = await response.read()
+                named = connection_named(response.headers)
+                answer_headers = [
+                    (k, v)
+                    for k, v in response.headers.items()
+                    if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
+                ]
+                return response.status, answer_headers, content
+        except (TimeoutError, aiohttp.ClientError) as error:
+            return f"{method} sent again, no answer: {type(error).__name__}"
+
+    async def _object_state(
+        self, upstream: UpstreamSettings, claimed: Resolution
+    ) -> ObjectState | str:
+        """HEAD of the object a kept S3 write was for: written by this write (its key
+        and generation in the metadata), or the precondition for a safe re-send."""
+        answer = await self._exchange(upstream, "HEAD", claimed, CIMultiDict(), b"")
+        if isinstance(answer, str):
+            return answer
+        status, headers, _ = answer
+        found = CIMultiDict(headers)
+        if status == 404:
+            return ObjectState(False, [], {"If-None-Match": "*"})
+        if status != 200:
+            return f"HEAD of the object answered {status}"
+        expected = upstream_key(claimed.job_id, claimed.key)
+        written = found.get(s3.META_KEY) == expected and found.get(s3.META_GENERATION) == str(
+            claimed.generation
+        )
+        kept = [(k, v) for k, v in headers if k.lower() in ("etag", "x-amz-version-id")]
+        etag = found.get("ETag")
+        return ObjectState(written, kept, {"If-Match": etag} if etag else {})
+
+    async def _completed(
+        self,
+        upstream: UpstreamSettings,
+        claimed: Resolution,
+        status: int,
+        answer_headers: list[tuple[str, str]],
+        body: bytes,
+        how: str,
+    ) -> int:
+        """Store the answer as the key's, audited ``auto-resolved``; 1 when stored."""
         kept = body if len(body) <= self.limits.max_replay_body_bytes else None
         settled = await self.store.settle_resolution(
             claimed,
@@ -152,7 +245,7 @@ class Resolver:
             status=status,
             headers=answer_headers,
             body=kept,
-            note=f"resolved by the gateway after {claimed.attempts} re-send(s)",
+            note=f"resolved by the gateway ({how}; attempt {claimed.attempts})",
             keep_request=False,
         )
         if not settled:

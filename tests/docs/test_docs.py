@@ -36,7 +36,7 @@ from typing import Any
 
 import annotated_types
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 from gateway import fence
@@ -509,7 +509,7 @@ def type_word(annotation: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
         return type_word(inner)
-    words = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    words = {bool: "boolean", int: "integer", float: "number", str: "string", SecretStr: "string"}
     return words[annotation]
 
 

@@ -33,7 +33,7 @@ def test_generic_is_todays_behaviour() -> None:
     ],
 )
 def test_a_profile_fills_its_defaults(profile: str, header: str | None, window: float) -> None:
-    settings = up(profile=profile)
+    settings = up(profile=profile, **(SIGNING if profile == "s3" else {}))
     assert settings.dedup is not None
     assert settings.dedup.header == header and settings.dedup.window_seconds == window
     if header is not None:
@@ -63,13 +63,24 @@ def test_unknown_profile_and_bad_header_are_refused() -> None:
     [
         {},
         {"profile": "generic"},
-        {"profile": "s3"},
         {"profile": "stripe", "dedup": {"header": None}},
     ],
 )
 def test_resolve_is_refused_where_a_resend_is_not_safe(extra: dict[str, Any]) -> None:
     with pytest.raises(ValidationError, match="resolve"):
         up(unknown_outcome="resolve", **extra)
+
+
+SIGNING: dict[str, Any] = {"signing": {"access_key_id": "AKID", "secret_access_key": "s"}}
+
+
+def test_s3_needs_the_gateways_own_credentials_and_only_s3_takes_them() -> None:
+    with pytest.raises(ValidationError, match="signing"):
+        up(profile="s3")
+    with pytest.raises(ValidationError, match="s3"):
+        up(profile="stripe", **SIGNING)
+    settings = up(profile="s3", unknown_outcome="resolve", **SIGNING)
+    assert settings.signing is not None and settings.signing.region == "us-east-1"
 
 
 def test_resolve_is_allowed_where_the_upstream_deduplicates() -> None:
