@@ -134,3 +134,23 @@ def test_mismatch_answers() -> None:
     assert not is_mismatch(409, body, 400, "idempotency_error")
     assert is_mismatch(409, b"", 409, None)
     assert not is_mismatch(409, b"", None, None)
+
+
+def test_signing_credentials_come_from_the_environment_and_stay_secret() -> None:
+    from gateway.config import ConfigError, Settings, env_references, resolve_secrets
+
+    signing = {"access_key_id": "${AK}", "secret_access_key": "${SK}"}
+    settings = Settings(
+        upstreams=[
+            {"name": "files", "url": "http://127.0.0.1:9", "profile": "s3", "signing": signing}
+        ]
+    )
+    assert {ref for _, ref, _ in env_references(settings, {})} == {"AK", "SK"}
+    with pytest.raises(ConfigError, match="SK"):
+        resolve_secrets(settings, {"AK": "AKIDEXAMPLE"})
+    resolved = resolve_secrets(settings, {"AK": "AKIDEXAMPLE", "SK": "wJalrXUtnFEMI"})
+    [files] = resolved.upstreams
+    assert files.signing is not None
+    assert files.signing.secret_access_key.get_secret_value() == "wJalrXUtnFEMI"
+    assert "wJalrXUtnFEMI" in resolved.secret_values()
+    assert "wJalrXUtnFEMI" not in repr(files) and "wJalrXUtnFEMI" not in str(files.summary())
