@@ -200,6 +200,8 @@ class UpstreamSettings(BaseModel):
             "unknown_outcome": self.unknown_outcome,
             "profile": self.profile,
             "dedup": None if self.dedup is None else self.dedup.model_dump(),
+            # Where it signs, never with what.
+            "signing": None if self.signing is None else {"region": self.signing.region},
             "not_processed_statuses": self.not_processed_statuses,
             "audit_query_params": self.audit_query_params,
             "set_headers": sorted(self.set_headers),
