@@ -44,6 +44,10 @@ class Reason(StrEnum):
     OVERLOADED = "gateway-overloaded"
     REPLAY_UNAVAILABLE = "replay-unavailable"
     IDEMPOTENT_REPLAY = "idempotent-replay"  # not a problem: audited with the stored status
+    # Not a problem either: an unknown outcome that the gateway settled itself by
+    # re-sending the write (``unknown_outcome = "resolve"``), audited with the answer's
+    # status, which is stored as the key's answer.
+    AUTO_RESOLVED = "auto-resolved"
     # The control listener's only (the lease and admin API).
     INTERNAL_ERROR = "internal-error"
     UNAUTHORIZED = "unauthorized"
@@ -197,13 +201,16 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
     }
 )
 """Every reason whose status and title are fixed. Not here: ``idempotent-replay`` (the
-stored answer's status), ``http-error`` (aiohttp's status and reason phrase) and
+stored answer's status), ``auto-resolved`` (the status of the answer it stored),
+``http-error`` (aiohttp's status and reason phrase) and
 ``invalid-response`` (the client's own)."""
 
+AUDIT_ONLY: frozenset[Reason] = frozenset({Reason.IDEMPOTENT_REPLAY, Reason.AUTO_RESOLVED})
+"""The gateway's audit reasons that are no problem document: each is audited with the
+status of a stored answer."""
+
 GATEWAY_REASONS: tuple[Reason, ...] = tuple(
-    r
-    for r in Reason
-    if r is Reason.IDEMPOTENT_REPLAY or (r in REASONS and Layer.GATEWAY in REASONS[r].layers)
+    r for r in Reason if r in AUDIT_ONLY or (r in REASONS and Layer.GATEWAY in REASONS[r].layers)
 )
 """Every reason the gateway answers or audits, in ``Reason``'s order: what the audit can
 be filtered by and the dashboard shows."""

@@ -44,7 +44,7 @@ async def unknown_outcomes(request: web.Request) -> web.Response:
     rows = await request.app[GATEWAY_STATE].store.list_unknown(
         query_limit(request.query.get("limit"), default=100)
     )
-    items = [{**row, "state": "unknown", "updated_at": rfc3339(row["updated_at"])} for row in rows]
+    items = [{**row, "updated_at": rfc3339(row["updated_at"])} for row in rows]
     return web.json_response({"items": items})
 
 

@@ -510,13 +510,28 @@ def cmd_outcomes(args: argparse.Namespace, settings: Settings) -> int:
             )
             return 0
         print_table(
-            ["JOB", "KEY", "GEN", "UPSTREAM", "REQUEST", "STATUS", "NOTE", "SINCE"],
+            [
+                "JOB",
+                "KEY",
+                "GEN",
+                "UPSTREAM",
+                "STATE",
+                "WAITS FOR",
+                "REQUEST",
+                "STATUS",
+                "NOTE",
+                "SINCE",
+            ],
             [
                 [
                     i["job_id"],
                     i["key"],
                     str(i["generation"]),
                     i["upstream"],
+                    f"{i['state']} ({i['resolve_attempts']} re-sent)"
+                    if i["resolve_attempts"]
+                    else i["state"],
+                    "gateway" if i["state"] == "resolving" or i["resolvable"] else "operator",
                     f"{i['method']} /{i['path']}",
                     str(i["status"] or "-"),
                     i["note"] or "-",

@@ -42,6 +42,8 @@ from yarl import URL
 from lease_core.config import LeaseSettings
 from lease_core.direct import IN_MEMORY, is_in_memory
 
+from .profiles import PROFILES, Profile
+
 DEFAULT_CONFIG_FILE = "fencegate.toml"
 TOKEN_CHARS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -112,6 +114,55 @@ class AuthSettings(BaseModel):
         return bool(self.worker_tokens or self.admin_tokens or self.metrics_tokens)
 
 
+class DedupSettings(BaseModel):
+    """What the upstream guarantees by itself (``[upstreams.dedup]``; a profile fills
+    the defaults, ``gateway.profiles``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The header in which the upstream reads an idempotency key; the gateway sends its
+    # own key there (``profiles.upstream_key``). None: the upstream reads no key.
+    header: str | None = None
+    # How long the upstream remembers a key: a held write is re-sent only inside it.
+    window_seconds: float = Field(86400.0, gt=0, le=90 * 86400, allow_inf_nan=False)
+    # The upstream's answer that a key was used before with other parameters: this
+    # status, and (when set) this text in its body.
+    mismatch_status: int | None = Field(None, ge=100, le=599)
+    mismatch_contains: str | None = Field(None, min_length=1, max_length=200)
+
+    @field_validator("header")
+    @classmethod
+    def _header(cls, value: str | None) -> str | None:
+        if value is not None and not TOKEN_CHARS.fullmatch(value):
+            raise ValueError(f"{value!r} is not a header name")
+        if value is not None and value.lower() in _GATEWAY_HEADERS:
+            raise ValueError(f"{value} is set by the gateway itself")
+        return value
+
+
+class SigningSettings(BaseModel):
+    """The gateway's own AWS credentials for ``profile = "s3"``: it signs every request
+    it forwards there with AWS Signature Version 4 (botocore's signer). ``${NAME}`` is
+    expanded from the environment by ``resolve_secrets``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    access_key_id: SecretStr
+    secret_access_key: SecretStr
+    session_token: SecretStr | None = None
+    region: str = Field("us-east-1", pattern=r"^[a-z0-9-]{1,40}$")
+
+    def secrets(self) -> dict[str, SecretStr]:
+        found = {"access_key_id": self.access_key_id, "secret_access_key": self.secret_access_key}
+        if self.session_token is not None:
+            found["session_token"] = self.session_token
+        return found
+
+
+# Headers the gateway sets on every fenced write; no dedup header may be one of them.
+_GATEWAY_HEADERS = frozenset({"fencing-token", "fencing-job", "fencing-generation", "host"})
+
+
 class UpstreamSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -123,7 +174,13 @@ class UpstreamSettings(BaseModel):
     connect_timeout_seconds: float = Field(5.0, gt=0, le=600, allow_inf_nan=False)
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=0, le=2**34)
     set_headers: dict[str, SecretStr] = Field(default_factory=dict)
-    unknown_outcome: Literal["hold", "retry"] = "hold"
+    # "resolve": the gateway re-sends a held write itself (docs/profiles.md); only
+    # where the upstream deduplicates by key or a precondition makes it safe.
+    unknown_outcome: Literal["hold", "retry", "resolve"] = "hold"
+    profile: Profile = "generic"
+    dedup: DedupSettings | None = None
+    # profile = "s3" only, and required there: the credentials the gateway signs with.
+    signing: SigningSettings | None = None
     # Answers that mean "not processed, try later": the worker gets them, but they are
     # not the key's answer, so the key stays free for the next attempt.
     not_processed_statuses: list[Annotated[int, Field(ge=100, le=599)]] = Field(
@@ -143,6 +200,10 @@ class UpstreamSettings(BaseModel):
             "timeout_seconds": self.timeout_seconds,
             "max_body_bytes": self.max_body_bytes,
             "unknown_outcome": self.unknown_outcome,
+            "profile": self.profile,
+            "dedup": None if self.dedup is None else self.dedup.model_dump(),
+            # Where it signs, never with what.
+            "signing": None if self.signing is None else {"region": self.signing.region},
             "not_processed_statuses": self.not_processed_statuses,
             "audit_query_params": self.audit_query_params,
             "set_headers": sorted(self.set_headers),
@@ -150,7 +211,49 @@ class UpstreamSettings(BaseModel):
 
     @cached_property
     def set_header_names(self) -> frozenset[str]:
-        return frozenset(name.lower() for name in self.set_headers)
+        """Headers the gateway sets itself for this upstream (a client's are dropped)."""
+        names = {name.lower() for name in self.set_headers}
+        if self.dedup_header is not None:
+            names.add(self.dedup_header.lower())
+        return frozenset(names)
+
+    @property
+    def dedup_header(self) -> str | None:
+        return None if self.dedup is None else self.dedup.header
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_defaults(cls, data: Any) -> Any:
+        """The profile's ``[upstreams.dedup]`` defaults under what the file says."""
+        if not isinstance(data, dict):
+            return data
+        defaults = PROFILES.get(str(data.get("profile", "generic")))
+        given = data.get("dedup")
+        if defaults is None or (given is not None and not isinstance(given, dict)):
+            return data
+        return {**data, "dedup": {**defaults, **(given or {})}}
+
+    @model_validator(mode="after")
+    def _signing(self) -> UpstreamSettings:
+        if self.profile == "s3" and self.signing is None:
+            raise ValueError(
+                'profile = "s3" needs [upstreams.signing] access_key_id and secret_access_key '
+                "(the gateway signs every request with them; workers hold no credentials)"
+            )
+        if self.profile != "s3" and self.signing is not None:
+            raise ValueError('[upstreams.signing] is for profile = "s3" only')
+        return self
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> UpstreamSettings:
+        if self.unknown_outcome == "resolve" and (
+            self.dedup is None or (self.dedup.header is None and self.profile != "s3")
+        ):
+            raise ValueError(
+                'unknown_outcome = "resolve" needs an upstream that deduplicates by key '
+                "([upstreams.dedup] header, or a profile that sets it), or profile = s3"
+            )
+        return self
 
     @cached_property
     def not_processed(self) -> frozenset[int]:
@@ -241,6 +344,11 @@ class GatewaySettings(BaseModel):
     # Answers up to this size are stored for replay; a duplicate of a larger one gets
     # 409 replay-unavailable (the write was applied; its body was not kept).
     max_replay_body_bytes: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
+    # Unknown outcomes of upstreams with ``unknown_outcome = "resolve"``: how often the
+    # background task looks for them, and how many re-sends one gets before it is left to
+    # an operator. Their requests are kept up to ``max_replay_body_bytes``.
+    resolve_interval_seconds: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
+    resolve_max_attempts: int = Field(5, ge=1, le=100)
 
 
 ClientCerts = Literal["none", "optional", "required"]
@@ -523,6 +631,8 @@ class Settings(BaseSettings):
         ]
         for upstream in self.upstreams:
             values.extend(v.get_secret_value() for v in upstream.set_headers.values())
+            if upstream.signing is not None:
+                values.extend(v.get_secret_value() for v in upstream.signing.secrets().values())
         return values
 
     def upstream(self, name: str) -> UpstreamSettings | None:
@@ -582,6 +692,13 @@ def env_references(
             for ref in ENV_REF.findall(value.get_secret_value())
         ),
         *(
+            (f"upstreams.{index}.signing.{name}", ref, ref in environ)
+            for index, upstream in enumerate(settings.upstreams)
+            if upstream.signing is not None
+            for name, value in upstream.signing.secrets().items()
+            for ref in ENV_REF.findall(value.get_secret_value())
+        ),
+        *(
             (f"lease_sources.{index}.public_keys.{number}", ref, ref in environ)
             for index, source in enumerate(settings.lease_sources)
             if isinstance(source, JwtSourceSettings)
@@ -617,7 +734,14 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None
                         "line break or NUL"
                     ]
                 )
-        upstreams.append(upstream.model_copy(update={"set_headers": headers}))
+        update: dict[str, Any] = {"set_headers": headers}
+        if upstream.signing is not None:
+            expanded = {
+                name: SecretStr(ENV_REF.sub(lambda m: environ[m.group(1)], v.get_secret_value()))
+                for name, v in upstream.signing.secrets().items()
+            }
+            update["signing"] = upstream.signing.model_copy(update=expanded)
+        upstreams.append(upstream.model_copy(update=update))
     sources: list[JwtSourceSettings | EtcdSourceSettings] = []
     for index, source in enumerate(settings.lease_sources):
         if isinstance(source, JwtSourceSettings):

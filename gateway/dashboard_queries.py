@@ -38,6 +38,12 @@ MAX_TIMELINE = 2000
 # refusals that it causes.
 _KIND_ORDER = {"grant": 0, "forward": 1, "refusal": 2, "replay": 2}
 
+# The audit entries that are not refusals, by the kind the timeline shows.
+KINDS = {
+    fence.Reason.IDEMPOTENT_REPLAY.value: "replay",
+    fence.Reason.AUTO_RESOLVED.value: "resolution",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Window:
@@ -245,7 +251,7 @@ async def job_timeline(lease_store: LeaseStore, job_id: str, limit: int) -> dict
             )
         )
     for a in answers:
-        kind = "replay" if a["reason"] == fence.Reason.IDEMPOTENT_REPLAY.value else "refusal"
+        kind = KINDS.get(a["reason"], "refusal")
         events.append(
             _event(
                 a["at"],

@@ -21,7 +21,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from lease_core import tokens
 
-from . import fence, tracing
+from . import fence, profiles, tracing
 from .config import UpstreamSettings
 from .decision import Facts
 from .fence import Record
@@ -88,6 +88,7 @@ class Ctx:
     source: Source | None = None
     source_token: str | None = None
     source_name: str | None = None
+    forwarded: CIMultiDict[str] | None = None  # the headers a fenced write went with
 
 
 def intake(
@@ -230,11 +231,21 @@ def forward_headers(
         if "_" in lower and _controlled(lower.replace("_", "-"), upstream):
             continue
         out.add(name, value)
+    dedup_header = upstream.dedup_header
+    if dedup_header is not None:
+        # The upstream's key is the gateway's to set, never the worker's.
+        out.popall(dedup_header, None)
+        out.popall("Idempotency-Key", None)
     if job_id is not None and generation is not None:
         out["Fencing-Job"] = job_id
         out["Fencing-Generation"] = str(generation)
         if key is not None and not fence.is_anonymous(key):
-            out["Idempotency-Key"] = fence.canonical_key(key)
+            if dedup_header is None:
+                out["Idempotency-Key"] = fence.canonical_key(key)
+            else:
+                # The upstream's own key, stable per (job, key): the same for every
+                # retry of the step, whichever generation or replica sends it.
+                out[dedup_header] = profiles.upstream_key(job_id, key)
     previous = incoming.get("X-Forwarded-For")
     remote = request.remote or "unknown"
     out["X-Forwarded-For"] = f"{previous}, {remote}" if previous else remote

@@ -54,6 +54,15 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.resolutions = Counter(
+            "fencegate_gateway_resolutions",
+            'Re-sends of unknown outcomes by the gateway (unknown_outcome = "resolve"), by '
+            "upstream and outcome: resolved (the answer stored), unknown (to be re-sent "
+            "again), mismatch (the upstream says the key was used with other parameters) "
+            "and superseded (a newer generation wrote since); the last two go to an operator.",
+            ["upstream", "outcome"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "fencegate_gateway_in_flight_writes",
             "Fenced writes being forwarded right now.",

@@ -23,7 +23,7 @@ from aiohttp.typedefs import Handler
 from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore
 
-from . import fence, sources
+from . import fence, profiles, s3, sources
 from .answers import Answers
 from .audit import Audit
 from .body import BodyTimeout, read_body, start_body_clock
@@ -34,8 +34,9 @@ from .forwarding import Forwarder, upstream_url
 from .intake import Ctx, forward_headers, intake
 from .logs import request_id_middleware
 from .metrics import GatewayMetrics
+from .resolve import Resolver, kept_request
 from .sources import ExternalLease
-from .store import Admission, GatewayStore, WriteRequest
+from .store import Admission, GatewayStore, KeptRequest, WriteRequest
 
 log = logging.getLogger("fencegate.proxy")
 
@@ -58,6 +59,16 @@ class Gateway:
         self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
         self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
+        # Unknown outcomes of upstreams with unknown_outcome = "resolve" (gateway.resolve),
+        # re-sent by a background task of ``fencegate serve`` through this session.
+        self.resolver = Resolver(
+            settings.gateway,
+            self.store,
+            self.forwarder,
+            self.audit,
+            self.metrics,
+            lambda: self.upstreams,
+        )
         # Lease sources other than the gateway's own (``[[lease_sources]]``), by name.
         self.sources = sources.build(settings.lease_sources)
         # Slots in use per pool: fenced writes past the lease check (up to
@@ -410,15 +421,32 @@ class Gateway:
             headers = forward_headers(
                 ctx.request, upstream, presented.job_id, presented.generation, ctx.key
             )
+            if upstream.signing is not None:
+                s3.drop_metadata(headers)  # only the gateway writes the fencing metadata
+            if (
+                upstream.signing is not None
+                and presented.generation is not None
+                and ctx.key is not None
+                and not fence.is_anonymous(ctx.key)
+                and s3.is_object_write(ctx.request.method, ctx.rest, ctx.query)
+            ):
+                key_upstream = profiles.upstream_key(presented.job_id, ctx.key)
+                s3.stamp(headers, presented.job_id, presented.generation, key_upstream)
         else:
             headers = forward_headers(ctx.request, upstream, None, None, None)
+        url = upstream_url(upstream, ctx.rest, ctx.query)
+        if upstream.signing is not None and not fenced:
+            s3.drop_metadata(headers)
+        ctx.forwarded = headers.copy()  # as kept for a re-send: unsigned
+        if upstream.signing is not None:
+            s3.sign(headers, ctx.request.method, url, ctx.body.getvalue(), upstream.signing)
         key = None if ctx.attempt is None else _HeldKey(self, ctx)
         if fenced and ctx.source_name is not None:
             self.metrics.source_decisions.labels(ctx.source_name, "forwarded").inc()
         return await self.forwarder.forward(
             ctx.request,
             upstream,
-            upstream_url(upstream, ctx.rest, ctx.query),
+            url,
             headers,
             ctx.body,
             key=key,
@@ -454,6 +482,19 @@ class _HeldKey:
         body: bytes | None,
         note: str | None,
     ) -> None:
+        kept = self._kept() if state is RecordState.UNKNOWN else None
+        if kept is not None:
+            await self._gateway.store.hold_for_resolution(
+                self._job_id,
+                self._key,
+                self._attempt,
+                status=status,
+                headers=headers,
+                body=body,
+                note=note,
+                request=kept,
+            )
+            return
         await self._gateway.store.settle(
             self._job_id,
             self._key,
@@ -464,6 +505,30 @@ class _HeldKey:
             body=body,
             note=note,
         )
+
+    def _kept(self) -> KeptRequest | None:
+        """The request to keep for a re-send by the gateway: only for an upstream that
+        resolves unknown outcomes, a write with a key, and a body within
+        ``gateway.max_replay_body_bytes`` (a larger one goes to the operator)."""
+        ctx = self._ctx
+        upstream = ctx.upstream
+        if (
+            upstream is None
+            or upstream.unknown_outcome != "resolve"
+            or fence.is_anonymous(self._key)
+            or ctx.forwarded is None
+            or ctx.body is None
+        ):
+            return None
+        if upstream.signing is not None and not s3.is_object_write(
+            ctx.request.method, ctx.rest, ctx.query
+        ):
+            return None  # S3: only an object write can be checked by its metadata
+        with ctx.body.getbuffer() as view:
+            size = view.nbytes
+        if size > self._gateway.settings.gateway.max_replay_body_bytes:
+            return None
+        return kept_request(ctx.forwarded, upstream, ctx.query, ctx.body.getvalue())
 
 
 def create_proxy_app(gateway: Gateway) -> web.Application:

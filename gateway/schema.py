@@ -37,6 +37,12 @@ requests = sa.Table(
     sa.Column("headers", sa.JSON),
     sa.Column("body", sa.LargeBinary),
     sa.Column("note", sa.Text),
+    # An unknown outcome the gateway may resolve itself (``unknown_outcome = "resolve"``):
+    # the request as it was forwarded (its query and headers, without the configured
+    # secrets; its body) and how many times the gateway has re-sent it.
+    sa.Column("request_head", sa.JSON),
+    sa.Column("request_body", sa.LargeBinary),
+    sa.Column("resolve_attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
     # The writes in flight, by job: the ordering barrier's "an older generation is still

@@ -94,6 +94,11 @@ def create_control_app(
         settings.gateway.purge_interval_seconds,
         lambda: upkeep(settings, store, gateway),
     )
+    # Unknown outcomes the gateway resolves itself (unknown_outcome = "resolve"); a round
+    # with no such upstream does nothing.
+    tasks.every(
+        app, "resolve", settings.gateway.resolve_interval_seconds, gateway.resolver.run_once
+    )
     return app
 
 

@@ -65,6 +65,31 @@ class WriteRequest:
     retry: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class KeptRequest:
+    """A forwarded request as kept for a re-send: its query, its headers as forwarded
+    without the upstream's configured ones (secrets, set again at the re-send), its body."""
+
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """An unknown outcome claimed for a re-send by the gateway (``gateway.resolve``)."""
+
+    job_id: str
+    key: str
+    attempt: str  # the claim's: the record is ours under it
+    generation: int
+    fingerprint: str
+    method: str
+    path: str
+    request: KeptRequest
+    attempts: int  # re-sends so far, this one included
+
+
 class GatewayStore:
     """The gateway's operations of the catalogue (``lease_core/sql``), run by the lease
     store's backend; the listings read through SQLAlchemy."""
@@ -241,6 +266,104 @@ class GatewayStore:
             note=note,
         )
 
+    async def hold_for_resolution(
+        self,
+        job_id: str,
+        key: str,
+        attempt: str,
+        *,
+        status: int | None,
+        headers: list[tuple[str, str]] | None,
+        body: bytes | None,
+        note: str | None,
+        request: KeptRequest,
+    ) -> None:
+        """Our attempt's outcome is unknown, and the gateway may resolve it: settle it
+        unknown with the request kept for the re-send (operation ``hold_for_resolution``)."""
+        await self.backend.run(
+            "hold_for_resolution",
+            job_id=job_id,
+            key=key,
+            attempt=attempt,
+            status=status,
+            headers=_headers_json(headers),
+            body=body,
+            note=note,
+            request_head=json.dumps(
+                {"query": request.query, "headers": [list(h) for h in request.headers]}
+            ),
+            request_body=request.body,
+        )
+
+    async def claim_resolution(
+        self,
+        upstream: str,
+        *,
+        window: float,
+        max_attempts: int,
+        pause: float,
+        deadline_in: float,
+    ) -> Resolution | None:
+        """Claim one of the upstream's unknown outcomes to re-send (operation
+        ``claim_resolution``: one conditional statement, so replicas never claim one
+        record twice); None: nothing to resolve now."""
+        attempt = tokens.new_serial_id()
+        row = await self.backend.run(
+            "claim_resolution",
+            upstream=upstream,
+            attempt=attempt,
+            window=float(window),
+            max_attempts=max_attempts,
+            pause=float(pause),
+            deadline_in=float(deadline_in),
+        )
+        if row is None or row["job_id"] is None:
+            return None
+        head = row["request_head"]
+        head = json.loads(head) if isinstance(head, str | bytes) else head
+        return Resolution(
+            job_id=row["job_id"],
+            key=row["key"],
+            attempt=attempt,
+            generation=int(row["generation"]),
+            fingerprint=row["fingerprint"],
+            method=row["method"],
+            path=row["path"],
+            request=KeptRequest(
+                query=str(head["query"]),
+                headers=[(str(k), str(v)) for k, v in head["headers"]],
+                body=bytes(row["request_body"]),
+            ),
+            attempts=int(row["resolve_attempts"]),
+        )
+
+    async def settle_resolution(
+        self,
+        resolution: Resolution,
+        *,
+        state: RecordState,
+        status: int | None,
+        headers: list[tuple[str, str]] | None,
+        body: bytes | None,
+        note: str,
+        keep_request: bool,
+    ) -> bool:
+        """The end of a re-send: its answer, or unknown again (with the request kept
+        for another re-send, or left to an operator). False: no longer ours."""
+        row = await self.backend.run(
+            "settle_resolution",
+            job_id=resolution.job_id,
+            key=resolution.key,
+            attempt=resolution.attempt,
+            state=state.value,
+            status=status,
+            headers=_headers_json(headers),
+            body=body,
+            note=note,
+            keep_request=keep_request,
+        )
+        return row is not None
+
     async def release(self, job_id: str, key: str, attempt: str, back_to: Record | None) -> None:
         """Our attempt did not reach the upstream: undo the claim (or return the record to
         the state it had before we took it over)."""
@@ -259,7 +382,11 @@ class GatewayStore:
     # -- operators: unknown outcomes ---------------------------------------------------
 
     async def list_unknown(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Keys whose outcome is unknown (including in-flight ones past their deadline)."""
+        """Keys whose outcome is unknown (including in-flight ones past their deadline),
+        and those the gateway is re-sending right now (``state`` "resolving").
+        ``resolvable``: the request is kept, so the gateway may re-send it (inside the
+        upstream's window, up to ``gateway.resolve_max_attempts`` times); else it waits
+        for an operator."""
         now = self.dialect.now()
         stmt = (
             sa.select(
@@ -272,6 +399,9 @@ class GatewayStore:
                 requests.c.path,
                 requests.c.status,
                 requests.c.note,
+                requests.c.resolve_attempts,
+                (requests.c.request_body.is_not(None)).label("resolvable"),
+                (requests.c.deadline > now).label("running"),
                 requests.c.updated_at,
             )
             .where(
@@ -279,7 +409,7 @@ class GatewayStore:
                     requests.c.state == RecordState.UNKNOWN.value,
                     sa.and_(
                         requests.c.state == RecordState.IN_FLIGHT.value,
-                        requests.c.deadline <= now,
+                        sa.or_(requests.c.deadline <= now, requests.c.resolve_attempts > 0),
                     ),
                 )
             )
@@ -288,7 +418,15 @@ class GatewayStore:
         )
         async with self.lease_store.transaction() as conn:
             rows = (await conn.execute(stmt)).mappings().all()
-        return [dict(row) for row in rows]
+        items = []
+        for row in rows:
+            item = dict(row)
+            running = bool(item.pop("running"))
+            resolving = item["state"] == RecordState.IN_FLIGHT.value and running
+            item["state"] = "resolving" if resolving else RecordState.UNKNOWN.value
+            item["resolvable"] = bool(item["resolvable"])
+            items.append(item)
+        return items
 
     async def resolve(
         self,

@@ -24,6 +24,7 @@
     "missing-idempotency-key": "#e377c2",
     "idempotency-key-reused": "#17becf",
     "idempotent-replay": "#7f7f7f",
+    "auto-resolved": "#2ca02c",
     "outcome-unknown": "#1f77b4",
     "request-in-progress": "#aec7e8",
     "ordering-timeout": "#ffbb78",
@@ -400,6 +401,8 @@
       }
       case "replay":
         return [`${event.method} ${event.path}${key}`, `replayed ${event.status}`];
+      case "resolution":
+        return [`${event.method} ${event.path}${key}`, `resolved by the gateway: ${event.status}`];
       default:
         return [`${event.reason}: ${event.method} ${event.path}${key}`, `refused ${event.status}`];
     }

@@ -367,6 +367,64 @@ FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text
 WHERE r.job_id = v.job_id AND r.key = v.key AND r.attempt = v.attempt
 RETURNING v.n;
 
+-- name: hold_for_resolution
+-- Our attempt's outcome is unknown and the gateway may resolve it itself (the upstream's
+-- unknown_outcome is "resolve"): as settle, keeping the request as it was forwarded (its
+-- query and headers without the configured secrets, its body) for the re-send.
+UPDATE idempotency_records
+SET state = {RecordState.UNKNOWN}, status = :status, headers = CAST(:headers AS json),
+    body = :body, note = :note, request_head = CAST(:request_head AS json),
+    request_body = :request_body, updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: claim_resolution
+-- Claim one unknown outcome of :upstream for a re-send by the gateway (gateway.resolve):
+-- its request kept, first sent less than :window seconds ago, re-sent fewer than
+-- :max_attempts times and not in the last :pause seconds, and no newer generation of its
+-- job admitted (the fence not above its generation). It becomes in flight under
+-- :attempt until :deadline_in from now, so a newer generation's write waits for it and a
+-- worker's retry is told it is in progress; its re-sends are counted. Replicas never
+-- claim one record twice: the record and the job's fence row are locked, and what
+-- another transaction holds is skipped. No row: nothing to resolve now.
+WITH clock AS (SELECT {now} AS now),
+found AS (
+    SELECT r.job_id, r.key
+    FROM idempotency_records AS r
+    JOIN fences AS f ON f.job_id = r.job_id AND f.generation <= r.generation
+    CROSS JOIN clock
+    WHERE r.upstream = CAST(:upstream AS text)
+      AND (r.state = {RecordState.UNKNOWN}
+           OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= clock.now))
+      AND r.request_body IS NOT NULL
+      AND r.created_at > clock.now - CAST(:window AS double precision)
+      AND r.resolve_attempts < CAST(:max_attempts AS integer)
+      AND r.updated_at <= clock.now - CAST(:pause AS double precision)
+    ORDER BY r.updated_at
+    LIMIT 1
+    FOR UPDATE OF r, f SKIP LOCKED
+)
+UPDATE idempotency_records AS r
+SET state = {RecordState.IN_FLIGHT}, attempt = CAST(:attempt AS text),
+    deadline = clock.now + CAST(:deadline_in AS double precision),
+    resolve_attempts = r.resolve_attempts + 1, updated_at = clock.now
+FROM found CROSS JOIN clock
+WHERE r.job_id = found.job_id AND r.key = found.key
+RETURNING r.job_id, r.key, r.generation, r.fingerprint, r.method, r.path,
+          CAST(r.request_head AS text) AS request_head, r.request_body, r.resolve_attempts;
+
+-- name: settle_resolution
+-- The end of a re-send by the gateway, while the record is still our attempt: its
+-- answer (completed), or unknown again; the kept request stays only for another
+-- re-send (:keep_request), else it goes. No row: the record is no longer ours.
+UPDATE idempotency_records
+SET state = :state, status = :status, headers = CAST(:headers AS json), body = :body,
+    note = :note,
+    request_head = CASE WHEN CAST(:keep_request AS boolean) THEN request_head END,
+    request_body = CASE WHEN CAST(:keep_request AS boolean) THEN request_body END,
+    updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+RETURNING 1 AS changed;
+
 -- name: resolve_applied
 -- An operator says an unknown outcome was applied: later duplicates replay this answer.
 -- No row: the key's outcome is not (or no longer) unknown.

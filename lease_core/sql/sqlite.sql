@@ -215,6 +215,57 @@ SET state = :state, status = :status, headers = :headers, body = :body, note = :
     updated_at = {now}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
+-- name: hold_for_resolution
+-- Our attempt's outcome is unknown and the gateway may resolve it itself (the upstream's
+-- unknown_outcome is "resolve"): as settle, keeping the request as it was forwarded (its
+-- query and headers without the configured secrets, its body) for the re-send.
+UPDATE idempotency_records
+SET state = {RecordState.UNKNOWN}, status = :status, headers = :headers, body = :body,
+    note = :note, request_head = :request_head, request_body = :request_body,
+    updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+
+-- name: claim_resolution
+-- Claim one unknown outcome of :upstream for a re-send by the gateway (gateway.resolve):
+-- its request kept, first sent less than :window seconds ago, re-sent fewer than
+-- :max_attempts times and not in the last :pause seconds, and no newer generation of its
+-- job admitted (the fence not above its generation). It becomes in flight under
+-- :attempt until :deadline_in from now, so a newer generation's write waits for it and a
+-- worker's retry is told it is in progress; its re-sends are counted. The IMMEDIATE
+-- transaction keeps every other writer out, so no two claims take one record. No row:
+-- nothing to resolve now.
+UPDATE idempotency_records
+SET state = {RecordState.IN_FLIGHT}, attempt = :attempt, deadline = {now} + :deadline_in,
+    resolve_attempts = resolve_attempts + 1, updated_at = {now}
+WHERE (job_id, key) = (
+    SELECT r.job_id, r.key
+    FROM idempotency_records AS r
+    JOIN fences AS f ON f.job_id = r.job_id AND f.generation <= r.generation
+    WHERE r.upstream = :upstream
+      AND (r.state = {RecordState.UNKNOWN}
+           OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= {now}))
+      AND r.request_body IS NOT NULL
+      AND r.created_at > {now} - :window
+      AND r.resolve_attempts < :max_attempts
+      AND r.updated_at <= {now} - :pause
+    ORDER BY r.updated_at
+    LIMIT 1
+)
+RETURNING job_id, key, generation, fingerprint, method, path, request_head, request_body,
+          resolve_attempts;
+
+-- name: settle_resolution
+-- The end of a re-send by the gateway, while the record is still our attempt: its
+-- answer (completed), or unknown again; the kept request stays only for another
+-- re-send (:keep_request), else it goes. No row: the record is no longer ours.
+UPDATE idempotency_records
+SET state = :state, status = :status, headers = :headers, body = :body, note = :note,
+    request_head = CASE WHEN :keep_request THEN request_head END,
+    request_body = CASE WHEN :keep_request THEN request_body END,
+    updated_at = {now}
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+RETURNING 1 AS changed;
+
 -- name: resolve_applied
 -- An operator says an unknown outcome was applied: later duplicates replay this answer.
 -- No row: the key's outcome is not (or no longer) unknown.

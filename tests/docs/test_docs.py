@@ -36,7 +36,7 @@ from typing import Any
 
 import annotated_types
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 from gateway import fence
@@ -444,6 +444,9 @@ def test_every_command_and_option_named_in_the_docs_exists() -> None:
 
 
 def nested_model(annotation: Any) -> type[BaseModel] | None:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional table
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return nested_model(inner[0]) if len(inner) == 1 else None
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) is list:
@@ -506,7 +509,7 @@ def type_word(annotation: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
         return type_word(inner)
-    words = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    words = {bool: "boolean", int: "integer", float: "number", str: "string", SecretStr: "string"}
     return words[annotation]
 
 
@@ -523,6 +526,8 @@ def test_each_setting_has_the_code_default_type_and_bounds(key: str) -> None:
     default = row["default"].strip()
     if info.is_required():
         assert default == "required", (key, default)
+    elif info.get_default(call_default_factory=True) is None:
+        assert default.startswith("none"), (key, default)  # TOML has no null
     else:
         literal = backticked(default)
         assert literal is not None, f"{key}: write the default as a TOML literal in backticks"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fencegate_client import errors, reasons
-from fencegate_client.reasons import GATEWAY_REASONS, REASONS, Layer, Reason
+from fencegate_client.reasons import AUDIT_ONLY, GATEWAY_REASONS, REASONS, Layer, Reason
 from gateway import fence
 from lease_core import exceptions as lease_exc
 from lease_core import rules
@@ -44,6 +44,7 @@ WIRE: dict[str, tuple[int | None, str]] = {
     "upstream-unavailable": (502, "gateway"),
     "upstream-timeout": (504, "gateway"),
     "idempotent-replay": (None, "gateway"),  # audited with the stored status
+    "auto-resolved": (None, "gateway"),  # audited with the status of the answer it stored
     # the gateway's beyond the spec's table
     "invalid-request": (400, "both"),
     "body-timeout": (408, "gateway"),
@@ -110,7 +111,7 @@ def test_the_gateway_reasons_are_its_rows_and_the_replay() -> None:
         Reason(v) for v, (_, who) in WIRE.items() if who in ("gateway", "both")
     }
     assert list(GATEWAY_REASONS) == [r for r in Reason if r in GATEWAY_REASONS]  # enum order
-    assert set(fence.REASONS) == set(GATEWAY_REASONS) - {Reason.IDEMPOTENT_REPLAY}
+    assert set(fence.REASONS) == set(GATEWAY_REASONS) - AUDIT_ONLY
     assert fence.Reason is Reason
     for reason, info in fence.REASONS.items():
         assert info is REASONS[reason]

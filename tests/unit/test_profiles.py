@@ -1,0 +1,156 @@
+"""Upstream profiles: the defaults each fills, what the file overrides, which
+configurations may resolve unknown outcomes, and the key the upstream gets."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from gateway.config import UpstreamSettings
+from gateway.profiles import PROFILES, is_mismatch, upstream_key
+
+
+def up(**extra: Any) -> UpstreamSettings:
+    return UpstreamSettings(**{"name": "pay", "url": "http://127.0.0.1:9", **extra})
+
+
+def test_generic_is_todays_behaviour() -> None:
+    assert up().profile == "generic" and up().dedup is None and up().dedup_header is None
+
+
+@pytest.mark.parametrize(
+    ("profile", "header", "window"),
+    [
+        ("stripe", "Idempotency-Key", 86400),
+        ("paypal", "PayPal-Request-Id", 21600),
+        ("checkout", "Cko-Idempotency-Key", 86400),
+        ("s3", None, 86400),
+    ],
+)
+def test_a_profile_fills_its_defaults(profile: str, header: str | None, window: float) -> None:
+    settings = up(profile=profile, **(SIGNING if profile == "s3" else {}))
+    assert settings.dedup is not None
+    assert settings.dedup.header == header and settings.dedup.window_seconds == window
+    if header is not None:
+        assert header.lower() in settings.set_header_names  # a worker's is dropped
+
+
+def test_the_file_overrides_a_profiles_defaults() -> None:
+    settings = up(profile="stripe", dedup={"window_seconds": 3600})
+    assert settings.dedup is not None
+    assert settings.dedup.window_seconds == 3600
+    assert settings.dedup.header == "Idempotency-Key"  # the rest from the profile
+    generic = up(dedup={"header": "X-Dedup", "window_seconds": 60})
+    assert generic.dedup_header == "X-Dedup"
+
+
+def test_unknown_profile_and_bad_header_are_refused() -> None:
+    with pytest.raises(ValidationError, match="profile"):
+        up(profile="adyen-ish")
+    with pytest.raises(ValidationError, match="header"):
+        up(dedup={"header": "Bad Header"})
+    with pytest.raises(ValidationError, match="set by the gateway"):
+        up(dedup={"header": "Fencing-Job"})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"profile": "generic"},
+        {"profile": "stripe", "dedup": {"header": None}},
+    ],
+)
+def test_resolve_is_refused_where_a_resend_is_not_safe(extra: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="resolve"):
+        up(unknown_outcome="resolve", **extra)
+
+
+SIGNING: dict[str, Any] = {"signing": {"access_key_id": "AKID", "secret_access_key": "s"}}
+
+
+def test_s3_needs_the_gateways_own_credentials_and_only_s3_takes_them() -> None:
+    with pytest.raises(ValidationError, match="signing"):
+        up(profile="s3")
+    with pytest.raises(ValidationError, match="s3"):
+        up(profile="stripe", **SIGNING)
+    settings = up(profile="s3", unknown_outcome="resolve", **SIGNING)
+    assert settings.signing is not None and settings.signing.region == "us-east-1"
+
+
+def test_resolve_is_allowed_where_the_upstream_deduplicates() -> None:
+    assert up(unknown_outcome="resolve", profile="stripe").unknown_outcome == "resolve"
+    assert up(unknown_outcome="resolve", dedup={"header": "X-Key"}).dedup_header == "X-Key"
+
+
+def test_every_profile_is_documented_with_its_source() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "profiles.md").read_text()
+    for name in PROFILES:
+        assert f"`{name}`" in doc
+    for source in (
+        "docs.stripe.com",
+        "developer.paypal.com",
+        "checkout.com",
+        "docs.aws.amazon.com",
+    ):
+        assert source in doc
+
+
+KEY = re.compile(r"fg-[0-9a-f]{61}")
+
+
+@given(st.text(min_size=1, max_size=200), st.text(min_size=1, max_size=255))
+def test_the_upstream_key_is_stable_and_fits_every_profile(job: str, key: str) -> None:
+    derived = upstream_key(job, key)
+    assert KEY.fullmatch(derived) and len(derived) == 64
+    assert upstream_key(job, key) == derived
+
+
+@given(
+    st.tuples(st.text(max_size=20), st.text(max_size=20)),
+    st.tuples(st.text(max_size=20), st.text(max_size=20)),
+)
+def test_different_job_key_pairs_get_different_keys(a: tuple[str, str], b: tuple[str, str]) -> None:
+    if a != b:
+        assert upstream_key(*a) != upstream_key(*b)
+
+
+def test_length_prefixes_keep_the_parts_apart() -> None:
+    assert upstream_key("job-1", "2") != upstream_key("job-", "12")
+    assert upstream_key("a", "bc") != upstream_key("ab", "c")
+
+
+def test_mismatch_answers() -> None:
+    body = b'{"error": {"type": "idempotency_error"}}'
+    assert is_mismatch(400, body, 400, "idempotency_error")
+    assert not is_mismatch(400, b'{"error": {"type": "card_error"}}', 400, "idempotency_error")
+    assert not is_mismatch(409, body, 400, "idempotency_error")
+    assert is_mismatch(409, b"", 409, None)
+    assert not is_mismatch(409, b"", None, None)
+
+
+def test_signing_credentials_come_from_the_environment_and_stay_secret() -> None:
+    from gateway.config import ConfigError, Settings, env_references, resolve_secrets
+
+    signing = {"access_key_id": "${AK}", "secret_access_key": "${SK}"}
+    settings = Settings(
+        upstreams=[
+            {"name": "files", "url": "http://127.0.0.1:9", "profile": "s3", "signing": signing}
+        ]
+    )
+    assert {ref for _, ref, _ in env_references(settings, {})} == {"AK", "SK"}
+    with pytest.raises(ConfigError, match="SK"):
+        resolve_secrets(settings, {"AK": "AKIDEXAMPLE"})
+    resolved = resolve_secrets(settings, {"AK": "AKIDEXAMPLE", "SK": "wJalrXUtnFEMI"})
+    [files] = resolved.upstreams
+    assert files.signing is not None
+    assert files.signing.secret_access_key.get_secret_value() == "wJalrXUtnFEMI"
+    assert "wJalrXUtnFEMI" in resolved.secret_values()
+    assert "wJalrXUtnFEMI" not in repr(files) and "wJalrXUtnFEMI" not in str(files.summary())
