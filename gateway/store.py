@@ -64,6 +64,19 @@ class WriteRequest:
     # is unknown is taken over in the admission itself, under the same lease check.
     retry: bool = False
 
+    def params(self, attempt: str) -> dict[str, Any]:
+        """The write's parameters of ``admit`` and ``admit_external``, for ``attempt``."""
+        return {
+            "key": self.key,
+            "fingerprint": self.fingerprint,
+            "attempt": attempt,
+            "upstream": self.upstream,
+            "method": self.method,
+            "path": self.path,
+            "deadline_in": self.deadline_in,
+            "retry": self.retry,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class KeptRequest:
@@ -129,18 +142,7 @@ class GatewayStore:
         an older generation's write is still in flight. The SQL decides; this reads its
         answer."""
         attempt = tokens.new_serial_id()
-        row = await self.backend.run(
-            "admit",
-            token_hash=write.token_hash,
-            key=write.key,
-            fingerprint=write.fingerprint,
-            attempt=attempt,
-            upstream=write.upstream,
-            method=write.method,
-            path=write.path,
-            deadline_in=write.deadline_in,
-            retry=write.retry,
-        )
+        row = await self.backend.run("admit", token_hash=write.token_hash, **write.params(attempt))
         assert row is not None
         now = float(row["now"])
         presented, highest = _presented(row)
@@ -212,14 +214,7 @@ class GatewayStore:
             job_id=lease.job_id,
             generation=lease.generation,
             expires_at=lease.expires_at,
-            key=write.key,
-            fingerprint=write.fingerprint,
-            attempt=attempt,
-            upstream=write.upstream,
-            method=write.method,
-            path=write.path,
-            deadline_in=write.deadline_in,
-            retry=write.retry,
+            **write.params(attempt),
         )
         assert row is not None
         now, fenced = float(row["now"]), row["fence_generation"]

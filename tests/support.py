@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,19 +67,71 @@ def free_port() -> int:
         return port
 
 
-class EtcdServer:
+class ServiceProcess:
+    """A real server process a test starts (etcd, redis-server), its output in a log file
+    of ``folder``; started once ``ready()`` says so, or the test fails in CI (skips
+    elsewhere) with the log's name."""
+
+    service = ""
+    binary_name = ""
+    package = ""
+
+    def start(self, folder: Path, argv: list[str], ready: Callable[[], bool]) -> None:
+        log_name = f"{self.binary_name}.log"
+        self.log = (folder / log_name).open("wb")
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if ready():
+                    return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                unavailable(
+                    self.service, f"{self.binary_name} did not start (see {folder / log_name})"
+                )
+            time.sleep(0.1)
+
+    def binary(self) -> str:
+        found = shutil.which(self.binary_name)
+        if found is None:
+            unavailable(
+                self.service,
+                f"no {self.binary_name} binary on PATH (apt-get install {self.package})",
+            )
+            raise AssertionError("unreachable")
+        return found
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+class EtcdServer(ServiceProcess):
     """A real ``etcd`` process (Debian's etcd-server) on free ports, with its own data
     directory; ``url`` is its client URL (the JSON gateway answers there too)."""
 
+    service, binary_name, package = "etcd", "etcd", "etcd-server"
+
     def __init__(self, folder: Path) -> None:
-        binary = shutil.which("etcd")
-        if binary is None:
-            etcd_unavailable("no etcd binary on PATH (apt-get install etcd-server)")
-            raise AssertionError("unreachable")
+        binary = self.binary()
         self.url = f"http://127.0.0.1:{free_port()}"
         peer = f"http://127.0.0.1:{free_port()}"
-        self.log = (folder / "etcd.log").open("wb")
-        self.process = subprocess.Popen(
+
+        def ready() -> bool:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as answer:
+                return b"true" in answer.read()
+
+        self.start(
+            folder,
             [
                 binary,
                 "--name=test",
@@ -89,76 +142,34 @@ class EtcdServer:
                 f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=test={peer}",
             ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            ready,
         )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as answer:
-                    if b"true" in answer.read():
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                etcd_unavailable(f"etcd did not start (see {folder / 'etcd.log'})")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
-class RedisServer:
+class RedisServer(ServiceProcess):
     """A real ``redis-server`` (Debian's redis-server) on a free port, in memory only (no
     RDB or AOF files), with its own working directory; ``url`` is its address."""
 
+    service, binary_name, package = "Redis", "redis-server", "redis-server"
+
     def __init__(self, folder: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            redis_unavailable("no redis-server binary on PATH (apt-get install redis-server)")
-            raise AssertionError("unreachable")
+        binary = self.binary()
         port = free_port()
         self.url = f"redis://127.0.0.1:{port}"
-        self.log = (folder / "redis.log").open("wb")
-        self.process = subprocess.Popen(
+
+        def ready() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+
+        self.start(
+            folder,
             [
                 *(binary, "--port", str(port), "--bind", "127.0.0.1"),
                 *("--save", "", "--appendonly", "no", "--dir", str(folder)),
             ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            ready,
         )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                redis_unavailable(f"redis-server did not start (see {folder / 'redis.log'})")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
 async def pg_admin(sql: str) -> None:
