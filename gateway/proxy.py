@@ -214,6 +214,13 @@ class Gateway:
         on_database = -1.0 if claim.deadline is None else claim.deadline - claim.now
         ctx.send_left = min(send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
         facts.at_send = fence.send_verdict(generation, claim.fence, ctx.send_left)
+        if facts.at_send is None and claim.older_in_flight:
+            # An older write went in flight after the admission's snapshot (the
+            # resolver re-claimed one): wait for it as for any older write, then judge
+            # again. Each of the two reads its own snapshot after the other's commit
+            # or before it, so either this read sees its claim or the resolver sees
+            # our fence and does not re-send.
+            facts.in_order = facts.at_send = UNKNOWN
         if facts.at_send is Reason.STALE_GENERATION:
             highest = max(claim.fence or 0, admission.highest or 0)
             ctx.admission = replace(admission, highest=highest)

@@ -49,6 +49,7 @@ class Claim:
     now: float
     fence: int | None  # the job's fence: the highest generation admitted
     deadline: float | None  # None: the claim is no longer ours (released, taken over)
+    older_in_flight: bool  # an older generation's write to the job is in flight now
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +123,9 @@ class GatewayStore:
         return Admission(now=float(row["now"]), presented=presented, highest=highest)
 
     async def claim(self, job_id: str, key: str, attempt: str) -> Claim:
-        """Read-only, right before a claimed write is sent: the job's fence, and the
-        claim's deadline while the record is still our attempt, in flight."""
+        """Read-only, right before a claimed write is sent: the job's fence, the claim's
+        deadline while the record is still our attempt, in flight, and whether an older
+        generation's write is in flight now."""
         row = await self.backend.run("claim_state", job_id=job_id, key=key, attempt=attempt)
         assert row is not None
         deadline = row["deadline"]
@@ -131,6 +133,7 @@ class GatewayStore:
             now=float(row["now"]),
             fence=row["fence_generation"],
             deadline=None if deadline is None else float(deadline),
+            older_in_flight=bool(row["older_in_flight"]),
         )
 
     # -- admitting a write ----------------------------------------------------------

@@ -329,9 +329,16 @@ LEFT JOIN LATERAL (
 ) AS r ON true;
 
 -- name: claim_state
--- Read only, right before a claimed write is sent: the job's fence and, while the record
--- is still this attempt's and in flight, its deadline; always one row.
-SELECT clock.now, f.generation AS fence_generation, r.deadline
+-- Read only, right before a claimed write is sent: the job's fence; while the record is
+-- still this attempt's and in flight, its deadline; and whether an older generation's
+-- write to the job is in flight (one the admission's snapshot could not see: the
+-- gateway's resolver may have claimed an older record since); always one row.
+SELECT clock.now, f.generation AS fence_generation, r.deadline,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = :job_id AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < r.generation AND o.deadline > clock.now
+       ) AS older_in_flight
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN fences AS f ON f.job_id = :job_id
 LEFT JOIN idempotency_records AS r
@@ -339,7 +346,12 @@ LEFT JOIN idempotency_records AS r
    AND r.state = {RecordState.IN_FLIGHT};
 
 -- name: claim_state (many)
-SELECT i.n, clock.now, f.generation AS fence_generation, r.deadline
+SELECT i.n, clock.now, f.generation AS fence_generation, r.deadline,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = i.job_id AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < r.generation AND o.deadline > clock.now
+       ) AS older_in_flight
 FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]))
      WITH ORDINALITY AS i(job_id, key, attempt, n)
 CROSS JOIN (SELECT {now} AS now) AS clock

@@ -198,9 +198,16 @@ WHERE idempotency_records.job_id = j.job_id AND idempotency_records.key = :key
 RETURNING 1 AS taken;
 
 -- name: claim_state
--- Read only, right before a claimed write is sent: the job's fence and, while the record
--- is still this attempt's and in flight, its deadline; always one row.
-SELECT clock.now, f.generation AS fence_generation, r.deadline
+-- Read only, right before a claimed write is sent: the job's fence; while the record is
+-- still this attempt's and in flight, its deadline; and whether an older generation's
+-- write to the job is in flight (one the admission's snapshot could not see: the
+-- gateway's resolver may have claimed an older record since); always one row.
+SELECT clock.now, f.generation AS fence_generation, r.deadline,
+       EXISTS (
+           SELECT 1 FROM idempotency_records AS o
+           WHERE o.job_id = :job_id AND o.state = {RecordState.IN_FLIGHT}
+             AND o.generation < r.generation AND o.deadline > clock.now
+       ) AS older_in_flight
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN fences AS f ON f.job_id = :job_id
 LEFT JOIN idempotency_records AS r

@@ -298,3 +298,70 @@ async def test_two_replicas_resolve_a_record_once(
     stripe.gate.set()
     assert sorted(await asyncio.gather(*rounds)) == [0, 0, 1]
     assert len(stripe.received) == 2 and stripe.charges == 1
+
+
+async def test_a_resolution_claimed_during_a_newer_admission_is_waited_for(
+    make_stack: Any, stripe: StripeLike, clock: FakeClock, engine: Any, backend: str
+) -> None:
+    """The seam between the resolver's claim and a newer generation's admission: the
+    admission's statement has read the job's records (the older one unknown, not in
+    flight) but not yet committed when the resolver claims the older record and reads
+    the fence (not raised yet), so the resolver re-sends. The newer write must then wait
+    for the re-send rather than go out beside it. On PostgreSQL the admission is held
+    after its snapshot by a lock on the job's row (the admission locks it FOR SHARE;
+    the resolver's claim does not touch it); SQLite's one writer serializes the two."""
+    stack = await make_stack(
+        upstreams=[config(stripe, timeout_seconds=5)], gateway={"ordering_wait_seconds": 5}
+    )
+    lease = await stack.lease("job-1")
+    stripe.lose = "cut"
+    resp = await stack.write("/pay/v1/charges", lease, key="charge-1", body={"amount": 500})
+    assert resp.status == 502
+    clock.advance(2)
+    newer = await stack.lease("job-1")
+    stripe.gate = asyncio.Event()
+    resolver = gateway_of(stack).resolver
+    resolving: asyncio.Task[int] | None = None
+    if backend == "postgres":
+        from sqlalchemy import text
+
+        async with engine.connect() as holder:
+            await holder.execute(text("SELECT 1 FROM jobs WHERE job_id = 'job-1' FOR UPDATE"))
+            later = asyncio.create_task(
+                stack.write("/pay/v1/refunds", newer, key="refund-1", body={"charge": "ch_1"})
+            )
+            for _ in range(500):  # until the admission waits for the job's row
+                waiting = await holder.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND datname = current_database()"
+                    )
+                )
+                if waiting.scalar_one():
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the admission never waited for the job's row")
+            resolving = asyncio.create_task(resolver.run_once())
+            while len(stripe.received) < 2 and not resolving.done():
+                await asyncio.sleep(0.01)
+            await holder.rollback()
+    else:
+        resolving = asyncio.create_task(resolver.run_once())
+        while len(stripe.received) < 2 and not resolving.done():
+            await asyncio.sleep(0.01)
+        later = asyncio.create_task(
+            stack.write("/pay/v1/refunds", newer, key="refund-1", body={"charge": "ch_1"})
+        )
+    assert len(stripe.received) == 2  # the older charge re-sent, held at the upstream
+    await asyncio.sleep(0.5)
+    # The newer write waits for the older one's re-send; it has not gone out beside it.
+    assert not later.done() and len(stripe.received) == 2
+    stripe.gate.set()
+    assert await resolving == 1
+    assert (await later).status == 200
+    assert [r["key"] for r in stripe.received] == [
+        upstream_key("job-1", "charge-1"),
+        upstream_key("job-1", "charge-1"),
+        upstream_key("job-1", "refund-1"),
+    ]
