@@ -42,7 +42,7 @@ from yarl import URL
 from lease_core.config import LeaseSettings
 from lease_core.direct import IN_MEMORY, is_in_memory
 
-from .profiles import PROFILES, Profile
+from .profiles import PROFILES, Answer, Profile, answer_of, statuses
 
 DEFAULT_CONFIG_FILE = "fencegate.toml"
 TOKEN_CHARS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -129,6 +129,21 @@ class DedupSettings(BaseModel):
     # status, and (when set) this text in its body.
     mismatch_status: int | None = Field(None, ge=100, le=599)
     mismatch_contains: str | None = Field(None, min_length=1, max_length=200)
+    # The answers the upstream keeps as the key's (statuses, or classes such as "2xx");
+    # any other answer leaves the key free, as ``not_processed_statuses`` do. None:
+    # every whole answer is final but those. 502 and 504 stay unknown outcomes.
+    final_statuses: list[int | str] | None = Field(None, max_length=600)
+
+    @field_validator("final_statuses")
+    @classmethod
+    def _final(cls, value: list[int | str] | None) -> list[int | str] | None:
+        if value is not None:
+            statuses(value)
+        return value
+
+    @cached_property
+    def final(self) -> frozenset[int] | None:
+        return None if self.final_statuses is None else statuses(self.final_statuses)
 
     @field_validator("header")
     @classmethod
@@ -258,6 +273,15 @@ class UpstreamSettings(BaseModel):
     @cached_property
     def not_processed(self) -> frozenset[int]:
         return frozenset(self.not_processed_statuses)
+
+    def answer_of(self, status: int, *, whole: bool = True) -> Answer:
+        """What this upstream's answer (``whole``: read to its end) does to the key."""
+        return answer_of(
+            status,
+            whole=whole,
+            not_processed=self.not_processed,
+            final=None if self.dedup is None else self.dedup.final,
+        )
 
     @property
     def display_url(self) -> str:

@@ -24,13 +24,12 @@ from .config import GatewaySettings, UpstreamSettings
 from .fence import Reason, RecordState
 from .intake import HOP_BY_HOP, connection_named
 from .metrics import GatewayMetrics
+from .profiles import Answer
 
 # The proxy listener's one logger, as docs/operations.md names it.
 log = logging.getLogger("fencegate.proxy")
 
 DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
-# Upstream answers that do not tell whether the side effect happened.
-UNKNOWN_STATUSES = frozenset({502, 504})
 LARGE_BODY = 1024 * 1024  # above this, hand aiohttp a stream, not bytes
 
 
@@ -256,12 +255,13 @@ class Forwarder:
                 log.warning("upstream %s cut its answer short: %s", upstream.name, error)
             finally:
                 status = upstream_response.status
-                if key is not None and complete and status in upstream.not_processed:
+                answer = upstream.answer_of(status, whole=complete)
+                if key is not None and answer is Answer.NOT_PROCESSED:
                     # "Not processed, try later": not the key's answer. The key is free
                     # again (or back to its earlier unknown outcome), as if not sent.
                     await _settle_quietly(key.release())
                 elif key is not None:
-                    known = complete and status not in UNKNOWN_STATUSES
+                    known = answer is Answer.FINAL
                     await _settle_quietly(
                         key.settle(
                             RecordState.COMPLETED if known else RecordState.UNKNOWN,

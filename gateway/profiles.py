@@ -14,6 +14,9 @@ two jobs never share one.
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Iterable
+from enum import StrEnum
 from typing import Any, Final, Literal
 
 Profile = Literal["generic", "stripe", "paypal", "checkout", "s3"]
@@ -21,31 +24,40 @@ Profile = Literal["generic", "stripe", "paypal", "checkout", "s3"]
 # The defaults of each profile's ``[upstreams.dedup]`` table (None: no table).
 PROFILES: Final[dict[str, dict[str, Any] | None]] = {
     "generic": None,
-    # https://docs.stripe.com/api/idempotent_requests: ``Idempotency-Key``, up to 255
-    # characters; keys are removed "after they're at least 24 hours old"; the same key
-    # with other parameters is refused with an ``idempotency_error``.
+    # https://docs.stripe.com/idempotency: ``Idempotency-Key``, up to 255 characters;
+    # keys are removed "after they're at least 24 hours old"; the same key with other
+    # parameters is refused with an ``idempotency_error``. Stripe saves an answer "only
+    # after the execution of an endpoint begins", 500s included; a request that failed
+    # validation (400) or ran into a concurrent one with its key (409) is not saved.
     "stripe": {
         "header": "Idempotency-Key",
         "window_seconds": 86400.0,
         "mismatch_status": 400,
         "mismatch_contains": "idempotency_error",
+        "final_statuses": ["2xx", 402, 424, 500],
     },
     # https://developer.paypal.com/api/rest/reference/idempotency/: ``PayPal-Request-Id``;
-    # how long a request id is kept depends on the API (the shortest is used here).
+    # how long an id is kept depends on the API: the Orders API keeps it 6 hours (72 on
+    # request), the shortest documented, used here. An id used for another request is
+    # refused with 422 ``PAYPAL_REQUEST_ID_PREVIOUSLY_USED``.
     "paypal": {
         "header": "PayPal-Request-Id",
         "window_seconds": 6 * 3600.0,
-        "mismatch_status": None,
-        "mismatch_contains": None,
+        "mismatch_status": 422,
+        "mismatch_contains": "PAYPAL_REQUEST_ID_PREVIOUSLY_USED",
+        "final_statuses": ["2xx"],
     },
     # https://www.checkout.com/docs/developer-resources/api/idempotency:
-    # ``Cko-Idempotency-Key``, kept 24 hours; a key used with another request is refused
-    # with 409.
+    # ``Cko-Idempotency-Key``, kept 24 hours in production (120 seconds in the sandbox);
+    # the answer is kept only when the request "was processed successfully" (not after a
+    # validation error); a concurrent request with the key is answered 429. No answer
+    # for "key used with another request" is documented.
     "checkout": {
         "header": "Cko-Idempotency-Key",
         "window_seconds": 86400.0,
-        "mismatch_status": 409,
+        "mismatch_status": None,
         "mismatch_contains": None,
+        "final_statuses": ["2xx"],
     },
     # S3 deduplicates nothing by key: the key goes into the object's metadata, and an
     # unknown outcome is settled by reading it back (docs/profiles.md).
@@ -54,8 +66,50 @@ PROFILES: Final[dict[str, dict[str, Any] | None]] = {
         "window_seconds": 86400.0,
         "mismatch_status": None,
         "mismatch_contains": None,
+        "final_statuses": None,
     },
 }
+
+# Upstream answers that do not tell whether the side effect happened (a proxy in front
+# of the upstream gave up on it): unknown, whatever ``final_statuses`` say.
+UNKNOWN_STATUSES: Final = frozenset({502, 504})
+_STATUS_CLASS: Final = re.compile(r"[1-5][xX][xX]")
+
+
+class Answer(StrEnum):
+    """What an upstream's answer means for the write's key."""
+
+    FINAL = "final"  # the key's answer: kept, and replayed to every retry
+    NOT_PROCESSED = "not-processed"  # the upstream did not act: the key is free again
+    UNKNOWN = "unknown"  # whether the upstream acted is not known
+
+
+def statuses(entries: Iterable[int | str]) -> frozenset[int]:
+    """``[201, "2xx"]`` as the set of statuses it names; ValueError for anything else."""
+    found: set[int] = set()
+    for entry in entries:
+        if isinstance(entry, int) and not isinstance(entry, bool) and 100 <= entry <= 599:
+            found.add(entry)
+        elif isinstance(entry, str) and _STATUS_CLASS.fullmatch(entry):
+            base = int(entry[0]) * 100
+            found.update(range(base, base + 100))
+        else:
+            raise ValueError(f'{entry!r} is not a status (100 to 599) or a class such as "2xx"')
+    return frozenset(found)
+
+
+def answer_of(
+    status: int, *, whole: bool, not_processed: frozenset[int], final: frozenset[int] | None
+) -> Answer:
+    """The one rule for what an answer does to the key: cut short or a proxy's 502/504,
+    unknown; one of ``not_processed_statuses``, or (where the upstream says which
+    answers it keeps) not one of ``final_statuses``: not processed; else final."""
+    if not whole or status in UNKNOWN_STATUSES:
+        return Answer.UNKNOWN
+    if status in not_processed or (final is not None and status not in final):
+        return Answer.NOT_PROCESSED
+    return Answer.FINAL
+
 
 UPSTREAM_KEY_PREFIX: Final = "fg-"
 UPSTREAM_KEY_HEX: Final = 61  # 244 bits; with the prefix, 64 characters of [a-z0-9-]

@@ -30,10 +30,10 @@ from . import s3
 from .audit import Audit, AuditEntry
 from .config import GatewaySettings, UpstreamSettings
 from .fence import Reason, RecordState
-from .forwarding import DROP_FROM_UPSTREAM, UNKNOWN_STATUSES, Forwarder, upstream_url
+from .forwarding import DROP_FROM_UPSTREAM, Forwarder, upstream_url
 from .intake import connection_named
 from .metrics import GatewayMetrics
-from .profiles import is_mismatch, upstream_key
+from .profiles import Answer, is_mismatch, upstream_key
 from .store import GatewayStore, KeptRequest, Resolution
 
 log = logging.getLogger("fencegate.resolve")
@@ -151,7 +151,7 @@ class Resolver:
                 upstream, claimed, "re-sent; the object changed meanwhile (412)", keep=True
             )
             return 0
-        if status in UNKNOWN_STATUSES or status in upstream.not_processed:
+        if upstream.answer_of(status) is not Answer.FINAL:
             await self._unknown(
                 upstream, claimed, f"re-sent; the upstream answered {status}", keep=True
             )

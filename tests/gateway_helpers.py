@@ -38,6 +38,14 @@ async def ok(resp: Any, status: int = 201) -> bytes:
     return body
 
 
+async def replayed(resp: Any, status: int = 201) -> bytes:
+    """The body of an answer the gateway replayed from the key's record."""
+    body: bytes = await resp.read()
+    assert resp.status == status, body
+    assert resp.headers.get("Idempotent-Replayed") == "true"
+    return body
+
+
 async def until_in_flight(upstream: Upstream, count: int = 1, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while upstream.in_flight < count:

@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.admin import GATEWAY_STATE
 from gateway.server import SETTINGS, upkeep
 from lease_core.api import STORE
-from tests.gateway_helpers import PROBLEM, ok, problem, until_in_flight
+from tests.gateway_helpers import PROBLEM, ok, problem, replayed, until_in_flight
 from tests.support import FakeClock, Upstream, upstream_config
 
 
@@ -32,13 +32,6 @@ async def problem_from(
     doc: dict[str, Any] = json.loads(body)
     assert doc["reason"] == reason and doc["status"] == expect
     return doc
-
-
-async def replayed(resp: Any, status: int = 201) -> bytes:
-    body: bytes = await resp.read()
-    assert resp.status == status, body
-    assert resp.headers.get("Idempotent-Replayed") == "true"
-    return body
 
 
 async def upstream_idle(upstream: Upstream, timeout: float = 5.0) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gateway.profiles import upstream_key
-from tests.gateway_helpers import ok
+from tests.gateway_helpers import ok, replayed
 from tests.support import Upstream, upstream_config
 
 
@@ -76,3 +78,62 @@ async def test_generic_forwards_the_workers_key(make_stack: Any, upstream: Upstr
     lease = await stack.lease("job-1")
     await ok(await stack.write("/pay/charges", lease, key='"pay-1"'))
     assert upstream.received[0]["headers"]["Idempotency-Key"] == "pay-1"
+
+
+async def test_an_answer_the_profile_calls_not_final_leaves_the_key_free(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """Stripe saves a key's answer only once the endpoint began executing: a request that
+    failed validation (400) is not the key's answer, so the retry under the same key is
+    sent again (and Stripe, had it kept one, would answer with it: the gateway's key is
+    the same)."""
+    stack = await make_stack(upstreams=[upstream_config(upstream, profile="stripe")])
+    lease = await stack.lease("job-1")
+    upstream.status = 400
+    await ok(await stack.write("/pay/charges", lease, key="pay-1"), 400)
+    upstream.status = 402  # a declined card: the endpoint ran, the answer is final
+    await ok(await stack.write("/pay/charges", lease, key="pay-1"), 402)
+    await replayed(await stack.write("/pay/charges", lease, key="pay-1"), 402)
+    assert len(upstream.received) == 2
+    keys = {r["headers"]["Idempotency-Key"] for r in upstream.received}
+    assert keys == {upstream_key("job-1", "pay-1")}
+
+
+@pytest.mark.parametrize(
+    ("final", "status", "stored"),
+    [
+        (["2xx"], 422, False),
+        (["2xx"], 201, True),
+        (["2xx", 409], 409, True),
+        (["4XX"], 404, True),
+        (["5xx"], 500, True),
+        (["2xx"], 429, False),  # not_processed_statuses are never final
+    ],
+)
+async def test_final_statuses_decide_which_answers_are_stored(
+    make_stack: Any, upstream: Upstream, final: list[Any], status: int, stored: bool
+) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream, dedup={"final_statuses": final})])
+    lease = await stack.lease("job-1")
+    upstream.status = status
+    await ok(await stack.write("/pay/charges", lease, key="pay-1"), status)
+    again = await stack.write("/pay/charges", lease, key="pay-1")
+    if stored:
+        await replayed(again, status)
+        assert len(upstream.received) == 1
+    else:
+        await ok(again, status)
+        assert len(upstream.received) == 2
+
+
+async def test_an_unknown_status_stays_unknown_whatever_final_statuses_say(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream, dedup={"final_statuses": ["5xx"]})]
+    )
+    lease = await stack.lease("job-1")
+    upstream.status = 504
+    assert (await stack.write("/pay/charges", lease, key="pay-1")).status == 504
+    [held] = (await (await stack.control.get("/admin/unknown-outcomes")).json())["items"]
+    assert held["state"] == "unknown" and held["status"] == 504

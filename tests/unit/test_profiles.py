@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gateway.config import UpstreamSettings
-from gateway.profiles import PROFILES, is_mismatch, upstream_key
+from gateway.profiles import PROFILES, Answer, is_mismatch, statuses, upstream_key
 
 
 def up(**extra: Any) -> UpstreamSettings:
@@ -134,6 +134,52 @@ def test_mismatch_answers() -> None:
     assert not is_mismatch(409, body, 400, "idempotency_error")
     assert is_mismatch(409, b"", 409, None)
     assert not is_mismatch(409, b"", None, None)
+
+
+def test_status_lists_name_statuses_and_classes() -> None:
+    assert statuses([201, "4xx", "5XX"]) == {201} | set(range(400, 600))
+    assert statuses([]) == frozenset()
+    for bad in (99, 600, "6xx", "2x", "20x", "201", True, 2.5):
+        with pytest.raises(ValueError, match="is not a status"):
+            statuses([bad])  # type: ignore[list-item]
+
+
+def test_bad_final_statuses_are_refused_by_the_config() -> None:
+    with pytest.raises(ValidationError, match="is not a status"):
+        up(dedup={"final_statuses": ["2xx", "7xx"]})
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "whole", "answer"),
+    [
+        ({}, 201, True, Answer.FINAL),
+        ({}, 500, True, Answer.FINAL),
+        ({}, 201, False, Answer.UNKNOWN),  # cut short
+        ({}, 502, True, Answer.UNKNOWN),
+        ({}, 429, True, Answer.NOT_PROCESSED),
+        ({"profile": "stripe"}, 400, True, Answer.NOT_PROCESSED),  # failed validation
+        ({"profile": "stripe"}, 409, True, Answer.NOT_PROCESSED),  # a concurrent request
+        ({"profile": "stripe"}, 402, True, Answer.FINAL),  # declined: the endpoint ran
+        ({"profile": "stripe"}, 500, True, Answer.FINAL),  # Stripe saves 500s
+        ({"profile": "stripe"}, 504, True, Answer.UNKNOWN),
+        ({"profile": "checkout"}, 422, True, Answer.NOT_PROCESSED),
+        ({"profile": "checkout"}, 429, True, Answer.NOT_PROCESSED),
+        ({"profile": "s3"}, 412, True, Answer.FINAL),
+        ({"dedup": {"final_statuses": ["5xx"]}}, 503, True, Answer.NOT_PROCESSED),
+        (
+            {"dedup": {"final_statuses": ["5xx"]}, "not_processed_statuses": []},
+            503,
+            True,
+            Answer.FINAL,
+        ),
+    ],
+)
+def test_what_an_answer_does_to_the_key(
+    extra: dict[str, Any], status: int, whole: bool, answer: Answer
+) -> None:
+    if extra.get("profile") == "s3":
+        extra = {**extra, "signing": {"access_key_id": "a", "secret_access_key": "b"}}
+    assert up(**extra).answer_of(status, whole=whole) is answer
 
 
 def test_signing_credentials_come_from_the_environment_and_stay_secret() -> None:
