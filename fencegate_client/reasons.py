@@ -40,6 +40,8 @@ class Reason(StrEnum):
     ORDERING_TIMEOUT = "ordering-timeout"
     UPSTREAM_UNAVAILABLE = "upstream-unavailable"
     UPSTREAM_TIMEOUT = "upstream-timeout"
+    # An S3 upstream refused the write's own precondition (If-None-Match: *, If-Match).
+    PRECONDITION_FAILED = "precondition-failed"
     STORE_UNAVAILABLE = "store-unavailable"
     OVERLOADED = "gateway-overloaded"
     REPLAY_UNAVAILABLE = "replay-unavailable"
@@ -172,6 +174,14 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
         ),
         Reason.UPSTREAM_TIMEOUT: ReasonInfo(
             504, "Upstream timeout", _GW, "The upstream did not answer in time."
+        ),
+        Reason.PRECONDITION_FAILED: ReasonInfo(
+            412,
+            "Precondition failed",
+            _GW,
+            "The upstream refused this write's precondition (If-None-Match: * or "
+            "If-Match): the object exists, or has changed. Nothing was written; the "
+            "key stays free.",
         ),
         Reason.OVERLOADED: ReasonInfo(
             503,

@@ -123,6 +123,12 @@ class Forwarder:
             answer = await self._request(request, upstream, url, headers, body, key, send_left)
             if isinstance(answer, Reason):
                 return await refuse(answer)
+            if key is not None and _precondition_refused(upstream, headers, answer.status):
+                # Not applied (RFC 9110 13.1): not the key's answer, and the worker is
+                # told so in the gateway's words rather than in S3's XML.
+                answer.close()
+                await key.release()
+                return await refuse(Reason.PRECONDITION_FAILED)
             try:
                 return await self._stream(request, upstream, answer, key)
             finally:
@@ -285,6 +291,18 @@ class Forwarder:
                 elif request.transport is not None:
                     request.transport.close()  # the client must not take a cut body as whole
             return out
+
+
+def _precondition_refused(
+    upstream: UpstreamSettings, headers: CIMultiDict[str], status: int
+) -> bool:
+    """An S3 upstream's 412 to a write that asked for a precondition of its own (a
+    create only once: ``If-None-Match: *``; an update of a known version: ``If-Match``)."""
+    return (
+        status == 412
+        and upstream.profile == "s3"
+        and ("If-None-Match" in headers or "If-Match" in headers)
+    )
 
 
 def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:

@@ -292,3 +292,45 @@ async def test_an_object_write_with_a_lost_answer_is_resolved_by_its_metadata(
     [entry] = await stack.audit(reason="auto-resolved")
     assert entry["job_id"] == "export-9" and entry["status"] == 200
     assert len(cutter.seen) == (2 if cut == "after" else 3)
+
+
+async def test_a_create_only_once_is_refused_clearly_when_the_object_exists(
+    make_stack: Callable[..., Any], moto: dict[str, str]
+) -> None:
+    """A step that must create its object only once sends ``If-None-Match: *``; when the
+    object exists, S3's 412 becomes the gateway's ``precondition-failed`` (nothing was
+    written). It is not the key's answer: the key stays free, so the same step may try
+    again (and is refused again while the object exists)."""
+    stack = await make_stack(upstreams=[s3_upstream(moto)], use_clock=False)
+    lease = await stack.lease("export-once")
+    s3 = gateway_client(stack)
+    name = f"once-{uuid.uuid4().hex}.csv"  # moto lives as long as the module
+    fenced(s3, lease, "create-1")
+    await asyncio.to_thread(
+        s3.put_object, Bucket="reports", Key=name, Body=b"first", IfNoneMatch="*"
+    )
+    for _ in range(2):
+        resp = await stack.write(
+            f"/files/reports/{name}",
+            lease,
+            key="create-2",
+            method="PUT",
+            headers={"If-None-Match": "*"},
+        )
+        doc = await problem(resp, 412, "precondition-failed")
+        assert doc["job_id"] == "export-once" and "If-None-Match" in doc["detail"]
+    got = await asyncio.to_thread(
+        lambda: direct_client(moto).get_object(Bucket="reports", Key=name)["Body"].read()
+    )
+    assert got == b"first"
+    reasons = [e["reason"] for e in await stack.audit(job_id="export-once")]
+    assert reasons.count("precondition-failed") == 2
+    # The worker's boto3 sees the refusal as an error, not as a success.
+    fenced(s3, lease, "create-3")
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError) as raised:
+        await asyncio.to_thread(
+            s3.put_object, Bucket="reports", Key=name, Body=b"again", IfNoneMatch="*"
+        )
+    assert raised.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412

@@ -43,6 +43,7 @@ WIRE: dict[str, tuple[int | None, str]] = {
     "ordering-timeout": (503, "gateway"),
     "upstream-unavailable": (502, "gateway"),
     "upstream-timeout": (504, "gateway"),
+    "precondition-failed": (412, "gateway"),
     "idempotent-replay": (None, "gateway"),  # audited with the stored status
     "auto-resolved": (None, "gateway"),  # audited with the status of the answer it stored
     # the gateway's beyond the spec's table
