@@ -31,13 +31,12 @@ import time
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 if __package__ in (None, ""):  # run as a file: python bench/driver.py
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import percentile
@@ -45,6 +44,10 @@ from bench.common import run as run_on_loop
 
 OK, EMPTY, ERROR = "ok", "empty", "error"
 LOAD_STARTED = "bench load started at"
+# Printed once the writes' leases are taken; with --go-file the driver then waits for that
+# file, so the orchestrator can gather statistics of a database that holds the leases.
+LEASES_TAKEN = "bench leases taken"
+LOAD_GENERATOR = "bench.driver: aiohttp client, one closed loop per connection"
 WRITE_BODY = b'{"amount":1250,"currency":"EUR","customer":"cus_bench","description":"bench"}'
 FAKE_TOKEN = "fgl_" + "A" * 32
 
@@ -233,6 +236,18 @@ def split(items: Sequence[str], parts: int) -> list[list[str]]:
     return [list(items[i::parts]) or [items[i % len(items)]] for i in range(parts)]
 
 
+async def leases_taken(go_file: str | None, timeout: float = 600.0) -> None:
+    """Say the leases are taken; with ``go_file``, wait until it exists."""
+    print(LEASES_TAKEN, flush=True)
+    if go_file is None:
+        return
+    deadline = time.monotonic() + timeout
+    while not Path(go_file).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{go_file} never appeared")
+        await asyncio.sleep(0.05)
+
+
 async def mode_writes(args: argparse.Namespace) -> dict[str, Any]:
     concurrency = args.concurrency
     jobs = max(args.jobs, concurrency)
@@ -242,6 +257,7 @@ async def mode_writes(args: argparse.Namespace) -> dict[str, Any]:
             tokens = await acquire_leases(session, args.control, job_ids, args.ttl)
         else:
             tokens = [FAKE_TOKEN] * jobs
+        await leases_taken(args.go_file)
         url = args.target
 
         def make(loop_index: int, loop_tokens: list[str]) -> Op:
@@ -465,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool-size", type=int, default=20, help="floor modes on PostgreSQL")
     parser.add_argument("--tag", default="bench", help="prefix of job ids and keys")
     parser.add_argument("--out", help="write the result (JSON) here, else to stdout")
+    parser.add_argument(
+        "--go-file", help="writes: once the leases are taken, wait for this file to exist"
+    )
     return parser
 
 
@@ -479,6 +498,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result = await mode_floor(args, args.mode.removeprefix("floor-"))
     result["mode"] = args.mode
     result["concurrency"] = args.concurrency
+    result["load_generator"] = LOAD_GENERATOR
     result["driver_pid"] = os.getpid()
     return result
 

@@ -78,6 +78,11 @@ def test_quick_benchmark_reports_every_target(pg_database_url: str, tmp_path: Pa
         # Ratios and verdicts are computed (not judged here) and the gateway's memory read.
         assert row["rps_ratio"] is not None and row["p99_ratio"] is not None
         assert row["rss_peak_mib"] and row["rss_start_mib"] and row["rss_end_mib"]
+    [pg] = [r for r in gateways if r["backend"] == "postgres"]
+    # Statistics were gathered with the leases taken (16 jobs here), not before.
+    assert pg["stats"] == "fresh" and pg["planner_rows"]["leases"] >= 16, pg["planner_rows"]
+    assert pg["autovacuum"] in ("on", "off") and pg["jobs"] == 16
+    assert pg["load_generator"].startswith("bench.driver")
     table = result.stdout
     assert "bare aiohttp proxy (floor)" in table and "fencegate postgres" in table
     assert "not judged" in table
