@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ANALYZE); the hot statements' plans must not depend on them",
     )
     parser.add_argument(
+        "--autovacuum",
+        choices=["server", "on", "off"],
+        default="server",
+        help="PostgreSQL's autovacuum during the run: as the server has it (the default), "
+        "or on / off (ALTER SYSTEM and a reload, restored at the end; needs a superuser)",
+    )
+    parser.add_argument(
         "--soak",
         type=float,
         metavar="SECONDS",
@@ -194,6 +201,7 @@ class Options:
     soak_interval: float = 0.0  # > 0: the soak mode's interval
     records_per_job: int = 0
     stats: str = "fresh"
+    autovacuum: str = "server"
     soak_png: str | None = None
 
 
@@ -251,6 +259,7 @@ def options_from(args: argparse.Namespace) -> Options:
         soak_png=args.soak_png,
         records_per_job=args.records_per_job,
         stats=args.stats,
+        autovacuum=args.autovacuum,
     )
 
 
@@ -720,6 +729,16 @@ async def pg_fetchval(dsn: str, query: str) -> Any:
         await conn.close()
 
 
+async def pg_fetchrow(dsn: str, query: str) -> dict[str, Any]:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        return dict(await conn.fetchrow(query))
+    finally:
+        await conn.close()
+
+
 @dataclass
 class Database:
     backend: str
@@ -769,6 +788,23 @@ class Database:
             for table in tables
         }
         return {"planner_rows": believed}
+
+    def server_state(self) -> dict[str, float]:
+        """PostgreSQL: what a long run may change under the hot statements: the records
+        table's live and dead rows and size (indexes included), buffers that backends had
+        to write themselves (the background writer fell behind), checkpoints and WAL."""
+        if self.backend != "postgres":
+            return {}
+        query = """
+            SELECT t.n_live_tup AS live_rows, t.n_dead_tup AS dead_rows,
+                   pg_total_relation_size('idempotency_records') AS records_bytes,
+                   b.buffers_backend, b.checkpoints_timed + b.checkpoints_req AS checkpoints,
+                   pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0') AS wal_bytes
+            FROM pg_stat_user_tables AS t, pg_stat_bgwriter AS b
+            WHERE t.relname = 'idempotency_records'
+        """
+        row = asyncio.run(pg_fetchrow(self.dsn, query))
+        return {k: float(v) for k, v in row.items()}
 
     def analyze(self) -> None:
         if self.backend == "postgres":
@@ -1294,6 +1330,35 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def set_autovacuum(db: Database, value: str) -> Callable[[], None]:
+    """Turn the server's autovacuum on or off for the run (ALTER SYSTEM, reload); the
+    function returned puts back what postgresql.auto.conf said before."""
+    assert db.admin_dsn is not None
+    admin = db.admin_dsn
+    before = asyncio.run(
+        pg_fetchval(
+            admin,
+            "SELECT setting FROM pg_file_settings WHERE name = 'autovacuum' "
+            "AND sourcefile LIKE '%postgresql.auto.conf' ORDER BY seqno DESC LIMIT 1",
+        )
+    )
+    asyncio.run(
+        pg_execute(admin, f"ALTER SYSTEM SET autovacuum = {value}", "SELECT pg_reload_conf()")
+    )
+    print(f"postgres: autovacuum = {value} for this run", flush=True)
+
+    def restore() -> None:
+        undo = (
+            "ALTER SYSTEM RESET autovacuum"
+            if before is None
+            else (f"ALTER SYSTEM SET autovacuum = {before}")
+        )
+        asyncio.run(pg_execute(admin, undo, "SELECT pg_reload_conf()"))
+        print("postgres: autovacuum restored", flush=True)
+
+    return restore
+
+
 def run_backend(
     children: Children,
     opts: Options,
@@ -1318,7 +1383,10 @@ def run_backend(
     print(f"{backend}: preparing the database", flush=True)
     db.create()
     gateway: Child | None = None
+    restore_autovacuum = None
     try:
+        if backend == "postgres" and opts.autovacuum != "server":
+            restore_autovacuum = set_autovacuum(db, opts.autovacuum)
         config = write_config(folder, db.url, upstream_url)
         migrate(children, config)
         db.stats = opts.stats
@@ -1371,6 +1439,7 @@ def run_backend(
                         flush=True,
                     )
                 records = db.count("idempotency_records")
+                before = db.server_state()
                 result = run_driver(
                     children,
                     opts,
@@ -1391,6 +1460,10 @@ def run_backend(
                     # alone once said job_id was unique).
                     leases_taken=lambda: db.gather_stats("jobs", "leases", "fences"),
                 )
+                after = db.server_state()
+                if before and after:
+                    result["postgres_after"] = after
+                    result["postgres_change"] = {k: after[k] - before[k] for k in after}
                 result["records_per_job"] = opts.records_per_job
                 result["stats"] = opts.stats
                 result["autovacuum"] = db.setting("autovacuum")
@@ -1400,6 +1473,8 @@ def run_backend(
     finally:
         if gateway is not None:
             children.stop(gateway)
+        if restore_autovacuum is not None:
+            restore_autovacuum()
         try:
             db.drop()
         except Exception as error:
@@ -1623,6 +1698,17 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
             f"last vs first: throughput {fmt(100 * (rps_change or 0), 1)} %, "
             f"p99 {fmt(100 * (p99_change or 0), 1)} % -> {verdict(flat)}"
         )
+        change = row.get("postgres_change")
+        if change and row.get("ok"):
+            after = row["postgres_after"]
+            lines.append(
+                f"PostgreSQL over the run: WAL {change['wal_bytes'] / row['ok']:,.0f} bytes "
+                f"per write, {change['checkpoints']:.0f} checkpoint(s), "
+                f"{change['buffers_backend']:,.0f} buffers written by backends; the records "
+                f"table {after['live_rows']:,.0f} live and {after['dead_rows']:,.0f} dead rows "
+                f"(autovacuum = {row.get('autovacuum')}), {after['records_bytes'] / 2**20:,.0f} "
+                "MiB with its indexes"
+            )
         if not flat and not opts.quick:
             failures.append(f"soak {row['backend']}: the last interval is not within 10 %")
     if opts.soak_png and curves:

@@ -5,6 +5,7 @@ speed: the numbers come from a full local run (docs/performance.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,14 +91,28 @@ def test_quick_benchmark_reports_every_target(pg_database_url: str, tmp_path: Pa
 
 
 @pytest.mark.postgres
+def autovacuum(url: str) -> str:
+    async def show() -> str:
+        conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            return str(await conn.fetchval("SHOW autovacuum"))
+        finally:
+            await conn.close()
+
+    return asyncio.run(show())
+
+
 def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) -> None:
     """The soak mode: fenced writes only, on each database, throughput and p99 per
     interval and the last interval against the first (never judged in --quick)."""
     out = tmp_path / "soak.json"
+    before = autovacuum(pg_database_url)
+    wanted = "on" if before == "off" else "off"
     result = run_quick(
         "--soak", "3", "--soak-interval", "1", "--backends", "sqlite,postgres",
-        "--postgres-url", pg_database_url, "--json", str(out),
+        "--postgres-url", pg_database_url, "--json", str(out), "--autovacuum", wanted,
     )  # fmt: skip
+    assert autovacuum(pg_database_url) == before  # the server's setting is put back
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     assert "last vs first: throughput" in result.stdout
     rows = json.loads(out.read_text())["rows"]
@@ -105,6 +121,12 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
         assert [i["start_seconds"] for i in row["intervals"]] == [0, 1, 2]
         assert all(i["rps"] > 0 and i["p99_ms"] >= i["p50_ms"] > 0 for i in row["intervals"])
         assert row["soak_rps_change"] is not None and row["soak_flat"] in (True, False)
+    # PostgreSQL's side of a long run: the records each write left, and the WAL.
+    [pg] = [r for r in rows if r["backend"] == "postgres"]
+    assert pg["autovacuum"] == wanted
+    assert pg["postgres_change"]["wal_bytes"] > 0
+    assert pg["postgres_after"]["live_rows"] + pg["postgres_after"]["dead_rows"] > 0
+    assert "bytes per write" in result.stdout
 
 
 def test_soak_options_are_checked() -> None:
