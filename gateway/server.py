@@ -30,6 +30,7 @@ from .auth import auth_middleware
 from .body import body_deadline_middleware
 from .config import ConfigError, Settings, parse_listen
 from .logs import request_id_middleware
+from .parse_errors import ProblemRunner
 from .proxy import Gateway, create_proxy_app
 
 log = logging.getLogger("fencegate.server")
@@ -202,7 +203,7 @@ async def serve(
             ("proxy", create_proxy_app(gateway)),
         ):
             limits = settings.gateway
-            runner = web.AppRunner(
+            runner: web.AppRunner = ProblemRunner(
                 app,
                 access_log=None,
                 handle_signals=False,

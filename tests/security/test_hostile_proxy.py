@@ -703,3 +703,38 @@ async def test_token_in_a_malformed_request_not_logged(stack: Stack) -> None:
     assert stack.since(mark) == []
     await asyncio.sleep(0.2)  # let the log line land
     assert token not in stack.output()
+
+
+MALFORMED = {
+    "bad-header-value": b"POST /pay/a HTTP/1.1\r\n" + HOST
+    + b"Authorization: Bearer sk_live_TOPSECRET\x01\r\n\r\n",
+    "bad-header-line": b"POST /pay/a HTTP/1.1\r\n" + HOST
+    + b"Fencing-Token: fgl_TOPSECRET\r\nno colon TOPSECRET here\r\n\r\n",
+    "bad-request-line": b"GET /pay/a?api_key=TOPSECRET HTTP/1.1 extra\r\n" + HOST + b"\r\n",
+}
+
+
+@pytest.mark.parametrize("listener", ["proxy", "control"])
+@pytest.mark.parametrize("data", MALFORMED.values(), ids=MALFORMED.keys())
+async def test_a_malformed_request_gets_a_problem_document_that_echoes_nothing(
+    stack: Stack, data: bytes, listener: str
+) -> None:
+    """aiohttp's own answer to bytes its parser refuses repeats the offending line, and
+    a credential with it, as text; its log line carries a traceback. The gateway answers
+    with its own problem document, repeats none of the request's bytes, and logs one
+    warning line."""
+    start = len(stack.output())
+    port = stack.proxy_port if listener == "proxy" else stack.control_port
+    answers = await exchange(port, data + SMUGGLED, responses=2, timeout=5)
+    assert_parser_refused(answers)
+    doc = assert_problem(answers[0], 400, "invalid-request")
+    assert "TOPSECRET" not in answers[0].body.decode("latin-1"), answers[0].body
+    assert doc["detail"].startswith("The request could not be parsed as HTTP/1.1")
+    await asyncio.sleep(0.2)
+    lines = [line for line in stack.log_lines(start) if line.get("logger") == "aiohttp.server"]
+    assert lines == [], lines  # not aiohttp's error line with its traceback
+    [warning] = [
+        line for line in stack.log_lines(start) if "malformed request" in str(line.get("msg"))
+    ]
+    assert warning["level"] == "warning" and "TOPSECRET" not in str(warning), warning
+    assert "error" not in warning and "Traceback" not in str(warning), warning
