@@ -23,9 +23,9 @@ from .config import (
     JwtSourceSettings,
     Settings,
     env_references,
+    for_serving,
     load_settings,
     mask_url,
-    resolve_secrets,
     sqlite_folder_problem,
 )
 
@@ -225,7 +225,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from .server import serve
 
     try:
-        settings = resolve_secrets(settings)
+        settings = for_serving(settings)
     except ConfigError as error:
         print(f"fencegate: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -233,7 +233,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     run_loop(
         serve(
             settings,
-            reload_settings=lambda: resolve_secrets(load_settings(args.config)),
+            reload_settings=lambda: for_serving(load_settings(args.config)),
             freeze_gc=True,
         )
     )
@@ -256,7 +256,7 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     from . import tls
 
     try:
-        resolve_secrets(settings)
+        for_serving(settings)
         contexts = tls.contexts(settings)  # the certificate files load, keys fit
     except ConfigError as error:
         problems = [

@@ -631,15 +631,23 @@ class Settings(BaseSettings):
         duplicates = sorted({n for n in sources if sources.count(n) > 1})
         if duplicates:
             raise ValueError(f"lease_sources: duplicate name(s) {', '.join(duplicates)}")
-        if not self.auth.enabled:
-            for key in ("proxy_listen", "control_listen"):
-                host, _ = parse_listen(getattr(self, key))
-                if not is_loopback(host):
-                    raise ValueError(
-                        f"{key}: {host} is not a loopback address and no auth tokens are "
-                        "configured; set auth.worker_tokens / auth.admin_tokens first"
-                    )
         return self
+
+    def exposed_without_auth(self) -> list[str]:
+        """``serve``'s rule: a listener on a non-loopback address needs auth tokens.
+        Only the commands that listen apply it (``for_serving``): ``migrate`` and the
+        other commands of a deployment run with the database URL alone."""
+        if self.auth.enabled:
+            return []
+        problems = []
+        for key in ("proxy_listen", "control_listen"):
+            host, _ = parse_listen(getattr(self, key))
+            if not is_loopback(host):
+                problems.append(
+                    f"{key}: {host} is not a loopback address and no auth tokens are "
+                    "configured; set auth.worker_tokens / auth.admin_tokens first"
+                )
+        return problems
 
     @property
     def sqlite(self) -> bool:
@@ -730,6 +738,15 @@ def env_references(
             for ref in ENV_REF.findall(key)
         ),
     ]
+
+
+def for_serving(settings: Settings, environ: Mapping[str, str] | None = None) -> Settings:
+    """The configuration as ``serve`` runs it (and ``check-config`` checks it): no
+    listener exposed without auth tokens, the secrets expanded (``resolve_secrets``)."""
+    exposed = settings.exposed_without_auth()
+    if exposed:
+        raise ConfigError(exposed)
+    return resolve_secrets(settings, environ)
 
 
 def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None) -> Settings:

@@ -161,7 +161,7 @@ async def serve(
     accepting, lets requests in progress finish (``shutdown_timeout_seconds``) and
     records their answers. SIGHUP re-reads the upstreams with ``reload_settings``.
     ``settings`` (and what ``reload_settings`` returns) carry the upstreams' headers
-    expanded (``config.resolve_secrets``).
+    expanded (``config.for_serving``).
 
     ``freeze_gc`` (``fencegate serve`` sets it): once listening, move every object that
     exists then (modules, the app, the engine) out of the garbage collector's sight.
@@ -169,6 +169,9 @@ async def serve(
     stalled the event loop for tens of milliseconds (docs/performance.md: p99 halved)."""
     # The certificates first, then both ports: a bad file or a taken port is named
     # before anything else exists (no database file, no migration, no listener bound).
+    exposed = settings.exposed_without_auth()
+    if exposed:  # as for_serving says; here too for whoever calls serve() directly
+        raise SystemExit(f"fencegate: {ConfigError(exposed)}")
     try:
         contexts = tls.contexts(settings)
     except ConfigError as error:

@@ -246,10 +246,18 @@ def test_migration_job_runs_migrate() -> None:
     assert container(job)["securityContext"]["readOnlyRootFilesystem"] is True
     args = container(job).get("command", []) + container(job)["args"]
     assert args == ["migrate", "--config", CONFIG_IN_IMAGE]
-    # Same image, configuration and secrets as the gateways: it migrates their database.
+    # Same image, configuration and database URL as the gateways: it migrates their
+    # database. Nothing else of their Secret (tokens, the upstreams' keys) reaches it.
     deployment = one("Deployment")
     assert container(job)["image"] == container(deployment)["image"]
-    assert container(job)["envFrom"] == container(deployment)["envFrom"]
+    assert "envFrom" not in container(job)
+    [env] = container(job)["env"]
+    assert env["name"] == "FENCEGATE_DATABASE_URL"
+    [source] = container(deployment)["envFrom"]
+    assert env["valueFrom"]["secretKeyRef"] == {
+        "name": source["secretRef"]["name"],
+        "key": "FENCEGATE_DATABASE_URL",
+    }
     # The Job's pods are not gateway pods: no Service traffic, not in the PDB.
     assert not selects(one("Service")["spec"]["selector"], pod_labels(job))
     assert not selects(
@@ -318,6 +326,7 @@ def test_every_referenced_configmap_and_secret_exists() -> None:
                 if "secretKeyRef" in ref:
                     secret = secrets[ref["secretKeyRef"]["name"]]
                     assert ref["secretKeyRef"]["key"] in secret["stringData"]
+                    referenced += 1
                 if "configMapKeyRef" in ref:
                     config_map = config_maps[ref["configMapKeyRef"]["name"]]
                     assert ref["configMapKeyRef"]["key"] in config_map["data"]
@@ -570,7 +579,10 @@ def test_compose_gateways_get_config_and_secrets() -> None:
         assert (COMPOSE.parent / mounts[CONFIG_IN_IMAGE]).resolve() == CONFIG
         assert service["command"][1:] == ["--config", CONFIG_IN_IMAGE]
         env = service["environment"]
-        assert set(env) >= GATEWAY_SECRETS | env_refs(CONFIG.read_text(encoding="utf-8"))
+        if name == "migrate":  # the database URL alone: no token, no upstream key
+            assert set(env) == {"FENCEGATE_DATABASE_URL"}
+        else:
+            assert set(env) >= GATEWAY_SECRETS | env_refs(CONFIG.read_text(encoding="utf-8"))
         assert env["FENCEGATE_DATABASE_URL"].startswith("postgresql+asyncpg://")
         assert "@postgres:5432/" in env["FENCEGATE_DATABASE_URL"]
         build = service["build"]

@@ -327,9 +327,15 @@ def test_check_config_exits_2_naming_the_bad_key_or_0_when_valid(tmp_path: Path)
         ("check-config", "--config", str(good)),
         # The server refuses to listen beyond loopback without tokens: it never starts.
         ("serve", "--config", str(exposed)),
+        ("check-config", "--config", str(exposed)),
+        # A deployment's migration step runs with the database URL alone: no tokens,
+        # no upstream secrets (the Kubernetes Job and compose's migrate get nothing else).
+        ("migrate", "--config", str(exposed)),
     ]
     with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        invalid, valid, refused = pool.map(lambda args: run(*args, cwd=tmp_path), calls)
+        invalid, valid, refused, checked, migrated = pool.map(
+            lambda args: run(*args, cwd=tmp_path), calls
+        )
 
     assert invalid.returncode == 2, invalid
     assert "lease.max_ttl: unknown setting" in invalid.stderr
@@ -342,9 +348,12 @@ def test_check_config_exits_2_naming_the_bad_key_or_0_when_valid(tmp_path: Path)
     assert "hunter2hunter2" not in valid.stdout
     assert "s3cr3t-value" not in valid.stdout
 
-    assert refused.returncode == 2, refused
-    assert "control_listen" in refused.stderr
-    assert "loopback" in refused.stderr
+    for answer in (refused, checked):
+        assert answer.returncode == 2, answer
+        assert "control_listen" in answer.stderr
+        assert "loopback" in answer.stderr
+    assert migrated.returncode == 0, migrated.stderr
+    assert "database at revision" in migrated.stdout
 
 
 def test_jobs_lists_shows_and_purges(tmp_path: Path, sqlite_template: Path) -> None:

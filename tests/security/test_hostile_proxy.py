@@ -706,9 +706,11 @@ async def test_token_in_a_malformed_request_not_logged(stack: Stack) -> None:
 
 
 MALFORMED = {
-    "bad-header-value": b"POST /pay/a HTTP/1.1\r\n" + HOST
+    "bad-header-value": b"POST /pay/a HTTP/1.1\r\n"
+    + HOST
     + b"Authorization: Bearer sk_live_TOPSECRET\x01\r\n\r\n",
-    "bad-header-line": b"POST /pay/a HTTP/1.1\r\n" + HOST
+    "bad-header-line": b"POST /pay/a HTTP/1.1\r\n"
+    + HOST
     + b"Fencing-Token: fgl_TOPSECRET\r\nno colon TOPSECRET here\r\n\r\n",
     "bad-request-line": b"GET /pay/a?api_key=TOPSECRET HTTP/1.1 extra\r\n" + HOST + b"\r\n",
 }

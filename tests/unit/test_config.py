@@ -13,6 +13,7 @@ from gateway.config import (
     ConfigError,
     Settings,
     env_references,
+    for_serving,
     load_settings,
     resolve_secrets,
 )
@@ -285,8 +286,9 @@ def test_non_loopback_listener_without_tokens_is_refused(
     tmp_path: Path, key: str, listen: str
 ) -> None:
     path = write(tmp_path, f'{key} = "{listen}"\n')
+    settings = load_settings(path, environ={})  # migrate and the others need no tokens
     with pytest.raises(ConfigError) as excinfo:
-        load_settings(path, environ={})
+        for_serving(settings, environ={})  # serve and check-config refuse it
     assert key in problems(excinfo)
     assert "loopback" in problems(excinfo)
 
