@@ -75,72 +75,88 @@ class CutShort(UpstreamError):
     """The upstream's answer began and did not arrive whole."""
 
 
-class Target(NamedTuple):
-    """Where a request goes, and how its first line and Host header read."""
+class Origin(NamedTuple):
+    """Where a request goes (the pool's key) and how its Host header reads."""
 
     scheme: str
     host: str
     port: int
     host_header: str
-    path: str  # path and query, as given (already encoded)
     authorization: str | None  # Basic credentials written in the URL
 
 
-def parse_target(url: str) -> Target:
-    parts = urlsplit(url)
+# Origins parsed once each: the upstreams are few, their URLs many (every path).
+_origins: dict[str, Origin] = {}
+
+
+def split_url(url: str) -> tuple[Origin, str]:
+    """The URL's origin and its path and query as given (already encoded: never
+    re-quoted); a fragment is dropped, as aiohttp dropped it."""
+    start = url.find("://")
+    end = len(url)
+    for stop in "/?#":
+        at = url.find(stop, start + 3)
+        if start >= 0 and 0 <= at < end:
+            end = at
+    origin = _origins.get(url[:end])
+    if origin is None:
+        origin = _parse_origin(url[:end])
+        if len(_origins) < 1024:
+            _origins[url[:end]] = origin
+    path = url[end:].partition("#")[0]
+    if not path.startswith("/"):
+        path = "/" + path
+    return origin, path
+
+
+def _parse_origin(text: str) -> Origin:
+    parts = urlsplit(text)
     scheme = parts.scheme
     host = parts.hostname
     if scheme not in DEFAULT_PORTS or not host:
-        raise NotSent(f"not an http(s) URL: {url!r}")
+        raise NotSent(f"not an http(s) URL: {text!r}")
     default = DEFAULT_PORTS[scheme]
-    port = parts.port or default
+    try:
+        port = parts.port or default
+    except ValueError as error:
+        raise NotSent(f"not an http(s) URL: {text!r}") from error
     shown = f"[{host}]" if ":" in host else host
-    path = parts.path or "/"
-    if parts.query:
-        path = f"{path}?{parts.query}"
     authorization = None
     if parts.username is not None:
         # As aiohttp did: credentials in the upstream's URL become Basic authentication.
         pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         authorization = "Basic " + base64.b64encode(pair.encode("latin-1")).decode("ascii")
-    return Target(
-        scheme,
-        host,
-        port,
-        shown if port == default else f"{shown}:{port}",
-        path,
-        authorization,
-    )
+    host_header = shown if port == default else f"{shown}:{port}"
+    return Origin(scheme, host, port, host_header, authorization)
 
 
 def request_head(
-    method: str, target: Target, headers: Iterable[tuple[str, str]], size: int
+    method: str, origin: Origin, path: str, headers: Iterable[tuple[str, str]], size: int
 ) -> bytes:
     """The request line and headers: ``Host`` first unless given, the headers as given,
     then ``Content-Length``. A name or value that could end the line early (CR, LF,
     NUL) is refused before anything is sent."""
-    lines = [f"{method} {target.path} HTTP/1.1"]
-    given = list(headers)
-    names = {name.lower() for name, _ in given}
+    lines = [f"{method} {path} HTTP/1.1"]
+    given = [f"{name}: {value}" for name, value in headers]
+    names = {line[: line.index(":")].lower() for line in given}
     if "host" not in names:
-        lines.append(f"Host: {target.host_header}")
-    if target.authorization is not None:
+        lines.append(f"Host: {origin.host_header}")
+    if origin.authorization is not None:
         if "authorization" in names:
             raise NotSent("credentials both in the upstream's URL and in an Authorization header")
-        lines.append(f"Authorization: {target.authorization}")
-    for name, value in given:
-        if _unsafe(name) or _unsafe(value):
-            raise NotSent(f"header {name!r} holds a CR, LF or NUL character")
-        lines.append(f"{name}: {value}")
+        lines.append(f"Authorization: {origin.authorization}")
+    lines += given
     if "content-length" not in names and (size or method not in BODYLESS_METHODS):
         lines.append(f"Content-Length: {size}")
     lines.append("\r\n")
+    text = "\r\n".join(lines)
+    # Each line ends with the one CR LF put there: any other CR, LF or NUL came in a
+    # name, a value or the path (three scans in C, not one per header).
+    breaks = len(lines)
+    if text.count("\n") != breaks or text.count("\r") != breaks or "\0" in text:
+        raise NotSent("a header or the path holds a CR, LF or NUL character")
     # Encoded as aiohttp encodes them; surrogateescape gives back the bytes a worker sent.
-    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
-
-
-def _unsafe(text: str) -> bool:
-    return "\r" in text or "\n" in text or "\0" in text
+    return text.encode("utf-8", "surrogateescape")
 
 
 class UpstreamResponse:
@@ -474,9 +490,9 @@ class _HostPool:
     """The connections to one (scheme, host, port): idle ones kept for reuse, at most
     ``limit`` open at a time, and the requests waiting for one."""
 
-    def __init__(self, client: UpstreamClient, target: Target) -> None:
+    def __init__(self, client: UpstreamClient, origin: Origin) -> None:
         self._client = client
-        self.scheme, self.host, self.port = target.scheme, target.host, target.port
+        self.scheme, self.host, self.port = origin.scheme, origin.host, origin.port
         self.idle: deque[_Connection] = deque()
         self.open: set[_Connection] = set()
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -624,13 +640,13 @@ class UpstreamClient:
             raise NotSent("the upstream client is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        target = parse_target(url)
+        origin, path = split_url(url)
         size = body.tell() if isinstance(body, io.BytesIO) else len(body)
-        head = request_head(method, target, headers, size)
-        key = (target.scheme, target.host, target.port)
+        head = request_head(method, origin, path, headers, size)
+        key = (origin.scheme, origin.host, origin.port)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = _HostPool(self, target)
+            pool = self._pools[key] = _HostPool(self, origin)
         conn = await pool.acquire(deadline, connect_timeout)
         try:
             conn.begin(deadline, head_only=method == "HEAD")
