@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import io
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from gateway.upstream_client import (
     UpstreamClient,
 )
 from tests.certs import Pki
+from tests.support import Upstream
 
 TIMEOUTS = {"timeout": 5.0, "connect_timeout": 2.0}
 
@@ -519,8 +521,6 @@ async def test_idle_connections_expire(
 async def test_https_upstream(aiohttp_server: Callable[..., Any], tmp_path: Path) -> None:
     pki = Pki(tmp_path / "pki")
     issued = pki.issue("upstream", server=True)
-    import ssl
-
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_context.load_cert_chain(issued.cert, issued.key)
     peers: list[str] = []
@@ -605,3 +605,38 @@ def test_on_uvloop() -> None:
             await server.close()
 
     uvloop.run(scenario())
+
+
+async def test_a_fenced_write_to_an_https_upstream(
+    make_stack: Any,
+    aiohttp_server: Callable[..., Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the gateway: an https upstream whose certificate the system's trust store
+    (here: ``SSL_CERT_FILE``, read by OpenSSL) vouches for gets the write; one it does
+    not gets nothing, and the key stays free (not sent)."""
+    pki = Pki(tmp_path / "pki")
+    issued = pki.issue("upstream", server=True)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(issued.cert, issued.key)
+    up = Upstream()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", up.handler)
+    server = await aiohttp_server(app, ssl=server_context)
+    config = {"name": "pay", "url": f"https://localhost:{server.port}"}
+
+    untrusting = await make_stack(upstreams=[config])
+    lease = await untrusting.lease("job-tls", owner="a", ttl=60)
+    resp = await untrusting.write("/pay/charges", lease, key="step-1")
+    assert resp.status == 502 and (await resp.json())["reason"] == "upstream-unavailable"
+    assert up.received == []
+
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))  # read when a context is made
+    trusting = await make_stack(upstreams=[config])
+    resp = await trusting.write("/pay/charges", lease, key="step-1")  # free again
+    assert resp.status == 201, await resp.text()
+    resp = await trusting.write("/pay/charges", lease, key="step-2")
+    assert resp.status == 201
+    assert len(up.received) == 2
+    assert up.received[0]["headers"]["Host"] == f"localhost:{server.port}"
