@@ -258,36 +258,42 @@ class _Connection(asyncio.Protocol):
         self._timer = self._loop.call_at(deadline, self._expired)
 
     async def send(self, head: bytes, body: bytes | io.BytesIO, size: int) -> None:
-        """Write the request. From here on, a failure is ``NoAnswer``: bytes have left."""
+        """Write the request. Once its first write is taken, a failure is ``NoAnswer``:
+        bytes may have left."""
         transport = self.transport
         assert transport is not None
-        if size <= LARGE_BODY:
-            if isinstance(body, io.BytesIO):
-                body = body.getvalue()[:size]
-            transport.write(head + body if size else head)
+        small = size <= LARGE_BODY
+        first = head
+        if small and size:
+            first += body.getvalue()[:size] if isinstance(body, io.BytesIO) else body
+        try:
+            transport.write(first)
+        except RuntimeError as error:  # uvloop: the transport closed under us
+            raise NotSent(f"the connection closed before the request was sent: {error}") from None
+        if small:
             return
-        transport.write(head)
-        if isinstance(body, bytes):
-            source: io.BytesIO = io.BytesIO(body)
-        else:
-            source = body
-            source.seek(0)
+        source = io.BytesIO(body) if isinstance(body, bytes) else body
+        source.seek(0)
         left = size
-        while left > 0 and not self.done:
+        while left > 0:
             piece = source.read(min(PIECE, left))
             if not piece:
                 break
             left -= len(piece)
+            if self.gone:
+                break
             transport.write(piece)
             if self._writing_paused:
                 await self._wait()
-            if self._error is not None:
-                raise self._error
-            if self.gone:
-                raise NoAnswer("the upstream closed the connection while the request was sent")
-        if left > 0:
+            if self.done:
+                break
+        if self.done and left > 0:
             # The upstream answered before taking the whole body: never reuse this one.
             self.keep_alive = False
+        elif self._error is not None:
+            raise self._error
+        elif self.gone and not self.done:
+            raise NoAnswer("the upstream closed the connection while the request was sent")
 
     async def head(self) -> None:
         """Wait for the answer's head (1xx answers skipped)."""
