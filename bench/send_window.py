@@ -10,13 +10,13 @@ docs/limits.md). This measures its size, in process, on SQLite and PostgreSQL:
 
 - ``read``: the last judgement's database round trip (the database's reading is taken
   somewhere inside it);
-- ``to_first_byte``: from that answer to aiohttp having written the request's headers
-  to the socket (``on_request_headers_sent``): the rest of the window.
+- ``to_first_byte``: from that answer to the upstream client having written the request
+  to the socket (``upstream_client``'s connection's ``send``): the rest of the window.
 
     .venv/bin/python -m bench.send_window [--writes 2000] [--backends sqlite,postgres]
 
-It instruments the gateway from outside (wrappers and a client trace) and changes
-nothing in it. Not a test: numbers depend on the machine.
+It instruments the gateway from outside (wrappers) and changes nothing in it. Not a
+test: numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import sqlalchemy as sa
 from aiohttp import web
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway import migrate
+from gateway import migrate, upstream_client
 from gateway.config import Settings
 from gateway.proxy import Gateway, create_proxy_app
 from lease_core.db import create_engine
@@ -102,9 +102,9 @@ async def measure(
         )
         gateway = Gateway(settings, store)
         proxy_runner, proxy_url = await start(create_proxy_app(gateway))
-        assert gateway.forwarder.session is not None
+        assert gateway.forwarder.client is not None
         if not keep_alive:  # every forward opens a new connection to the upstream
-            gateway.forwarder.session._connector._force_close = True  # type: ignore[union-attr]
+            gateway.forwarder.client.keepalive_seconds = 0
 
         judged: dict[asyncio.Task[Any], float] = {}
         reads: list[float] = []
@@ -132,10 +132,13 @@ async def measure(
             if at is not None:
                 windows.append(time.perf_counter() - at)
 
-        trace = aiohttp.TraceConfig()
-        trace.on_request_headers_sent.append(headers_sent)
-        trace.freeze()
-        gateway.forwarder.session._trace_configs.append(trace)
+        send = upstream_client._Connection.send
+
+        async def timed_send(conn: Any, *args: Any) -> None:
+            await send(conn, *args)
+            await headers_sent()
+
+        upstream_client._Connection.send = timed_send  # type: ignore[method-assign]
         gateway.store.claim = timed_claim  # type: ignore[method-assign]
         gateway._judge_at_send = timed_judge_at_send  # type: ignore[method-assign]
 
@@ -163,6 +166,7 @@ async def measure(
                 await asyncio.gather(*(worker(lease, client) for lease in leases))
                 took = time.perf_counter() - started
         finally:
+            upstream_client._Connection.send = send  # type: ignore[method-assign]
             await proxy_runner.cleanup()
             await engine.dispose()
             await upstream_runner.cleanup()

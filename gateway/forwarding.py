@@ -1,9 +1,10 @@
 """Sending a request to its upstream and streaming the answer back.
 
-The one client session lives here. While the answer streams to the client, the part
-needed for replay is kept; how the exchange ended (not sent, no answer, an answer cut
-short, "not processed", a whole answer) decides what becomes of the write's claimed key,
-which the caller keeps (``ClaimedKey``). Refusals are the caller's to give (``refuse``).
+The one client to the upstreams (``upstream_client.UpstreamClient``) lives here. While
+the answer streams to the client, the part needed for replay is kept; how the exchange
+ended (not sent, no answer, an answer cut short, "not processed", a whole answer)
+decides what becomes of the write's claimed key, which the caller keeps (``ClaimedKey``).
+Refusals are the caller's to give (``refuse``).
 """
 
 from __future__ import annotations
@@ -15,22 +16,27 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple, Protocol
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from yarl import URL
 
 from .config import GatewaySettings, UpstreamSettings
 from .fence import Reason, RecordState
-from .intake import HOP_BY_HOP, connection_named
+from .intake import HOP_BY_HOP
 from .metrics import GatewayMetrics
 from .profiles import Answer
+from .upstream_client import (
+    ConnectTimeout,
+    NoAnswerInTime,
+    NotSent,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamResponse,
+)
 
 # The proxy listener's one logger, as docs/operations.md names it.
 log = logging.getLogger("fencegate.proxy")
 
 DROP_FROM_UPSTREAM = HOP_BY_HOP | {"content-length"}
-LARGE_BODY = 1024 * 1024  # above this, hand aiohttp a stream, not bytes
 
 
 class ForwardingMetrics(NamedTuple):
@@ -66,37 +72,32 @@ Refuse = Callable[[Reason], Awaitable[web.StreamResponse]]
 
 
 class Forwarder:
-    """The client session to the upstreams and every forward that goes through it."""
+    """The client to the upstreams and every forward that goes through it."""
 
     def __init__(self, limits: GatewaySettings, metrics: GatewayMetrics) -> None:
         self.limits = limits
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None
+        self.client: UpstreamClient | None = None
         self._by_upstream: dict[str, ForwardingMetrics] = {}
 
+    @property
+    def started(self) -> bool:
+        """The proxy listener is up: requests may be sent."""
+        return self.client is not None
+
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            trust_env=False,
-            connector=aiohttp.TCPConnector(
-                limit=0,
-                limit_per_host=self.limits.upstream_connections_per_host,
-                keepalive_timeout=self.limits.upstream_keepalive_seconds,
-            ),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        # Nothing is re-sent once any byte of a request has left (upstream_client.py):
+        # a fenced PUT that the upstream applied before it cut the connection must not
+        # be applied twice; tests/integration asserts it (a cut connection after a PUT
+        # or DELETE reaches the upstream once).
+        self.client = UpstreamClient(
+            connections_per_host=self.limits.upstream_connections_per_host,
+            keepalive_seconds=self.limits.upstream_keepalive_seconds,
         )
-        # Nothing re-sends a request once any byte of it has left: aiohttp's client sends
-        # an "idempotent" method (PUT, DELETE, ...) a second time by itself when the
-        # connection breaks, and a fenced PUT that the upstream applied before it cut the
-        # connection would be applied twice. There is no public switch; aiohttp's own
-        # TestClient turns it off the same way, and tests/integration asserts the effect
-        # (a cut connection after a PUT or DELETE reaches the upstream once).
-        self.session._retry_connection = False
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.client is not None:
+            await self.client.close()
 
     async def forward(
         self,
@@ -160,37 +161,36 @@ class Forwarder:
         body: io.BytesIO,
         key: ClaimedKey | None,
         send_left: float | None,
-    ) -> aiohttp.ClientResponse | Reason:
+    ) -> UpstreamResponse | Reason:
         """The upstream's answer once its head has arrived; else the key settled (not
         sent: released; no answer: unknown) and the reason to refuse with."""
-        assert self.session is not None
+        assert self.client is not None
         total = upstream.timeout_seconds
         if key is not None and send_left is not None:
             # Judged right before this (``Gateway._judge_at_send``), nothing awaited since.
             total = min(total, send_left)
-        timeout = aiohttp.ClientTimeout(total=total, sock_connect=upstream.connect_timeout_seconds)
         try:
-            return await self.session.request(
+            return await self.client.request(
                 request.method,
-                URL(url, encoded=True),  # forwarded as sent: no re-quoting of the path
-                headers=headers,
-                data=_payload(body),
-                allow_redirects=False,
-                timeout=timeout,
+                url,  # forwarded as sent: no re-quoting of the path
+                headers.items(),
+                body,
+                timeout=total,
+                connect_timeout=upstream.connect_timeout_seconds,
             )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
+        except NotSent as error:
             # Not sent: the key is free again (or back to its earlier unknown state).
             if key is not None:
                 await key.release()
             return (
                 Reason.UPSTREAM_TIMEOUT
-                if isinstance(error, aiohttp.ConnectionTimeoutError)
+                if isinstance(error, ConnectTimeout)
                 else Reason.UPSTREAM_UNAVAILABLE
             )
         except Exception as error:
             # Sent (or maybe sent), but no answer: whether it was applied is unknown.
             # Anything unexpected lands here too, so no claim is left in flight.
-            if not isinstance(error, TimeoutError | aiohttp.ClientError):
+            if not isinstance(error, UpstreamError):
                 log.exception("forwarding to %s failed unexpectedly", upstream.name)
             if key is not None:
                 await key.settle(
@@ -198,11 +198,11 @@ class Forwarder:
                     status=None,
                     headers=None,
                     body=None,
-                    note=f"no answer: {type(error).__name__}",
+                    note=f"no answer: {_why(error)}",
                 )
             return (
                 Reason.UPSTREAM_TIMEOUT
-                if isinstance(error, TimeoutError)
+                if isinstance(error, NoAnswerInTime)
                 else Reason.UPSTREAM_UNAVAILABLE
             )
 
@@ -210,18 +210,13 @@ class Forwarder:
         self,
         request: web.Request,
         upstream: UpstreamSettings,
-        upstream_response: aiohttp.ClientResponse,
+        upstream_response: UpstreamResponse,
         key: ClaimedKey | None,
     ) -> web.StreamResponse:
         """Stream the answer back, keeping what a replay needs; settle the key's record
         before the last chunk goes out."""
         async with upstream_response:
-            named = connection_named(upstream_response.headers)
-            response_headers = [
-                (k, v)
-                for k, v in upstream_response.headers.items()
-                if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
-            ]
+            response_headers = answer_headers(upstream_response.headers)
             out = web.StreamResponse(
                 status=upstream_response.status, reason=upstream_response.reason
             )
@@ -248,7 +243,7 @@ class Forwarder:
             except (ConnectionError, RuntimeError):
                 client_gone = True
             try:
-                async for chunk in upstream_response.content.iter_any():
+                async for chunk in upstream_response:
                     if stored is not None:
                         if len(stored) + len(chunk) <= replay_limit:
                             stored += chunk
@@ -257,7 +252,7 @@ class Forwarder:
                     await send(held)
                     held = chunk
                 complete = True
-            except (TimeoutError, aiohttp.ClientError) as error:
+            except UpstreamError as error:
                 log.warning("upstream %s cut its answer short: %s", upstream.name, error)
             finally:
                 status = upstream_response.status
@@ -293,6 +288,25 @@ class Forwarder:
             return out
 
 
+def answer_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The answer's headers that go on to the client: not the hop-by-hop ones, not those
+    its ``Connection`` header names, not its framing (the gateway frames its own)."""
+    # As ``intake.connection_named``, over the answer's list of pairs.
+    named = {
+        n.strip().lower() for k, v in headers if k.lower() == "connection" for n in v.split(",")
+    }
+    return [
+        (k, v) for k, v in headers if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
+    ]
+
+
+def _why(error: Exception) -> str:
+    """Why there was no answer, for the record's note (a timeout named as before)."""
+    if isinstance(error, NoAnswerInTime):
+        return "TimeoutError"
+    return str(error) if isinstance(error, UpstreamError) else type(error).__name__
+
+
 def _precondition_refused(
     upstream: UpstreamSettings, headers: CIMultiDict[str], status: int
 ) -> bool:
@@ -318,13 +332,3 @@ async def _settle_quietly(settling: Coroutine[Any, Any, None]) -> None:
         await asyncio.shield(settling)
     except Exception:
         log.exception("could not store the answer; its key turns unknown at its deadline")
-
-
-def _payload(body: io.BytesIO) -> io.BytesIO | bytes | None:
-    """What aiohttp sends: a large body straight from its buffer, in pieces (no second
-    copy); a small one as bytes (one write)."""
-    size = body.tell()
-    if size > LARGE_BODY:
-        body.seek(0)
-        return body
-    return body.getvalue() if size else None

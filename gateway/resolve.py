@@ -22,19 +22,17 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 from multidict import CIMultiDict
-from yarl import URL
 
 from . import s3
 from .audit import Audit, AuditEntry
 from .config import GatewaySettings, UpstreamSettings
 from .fence import Reason, RecordState
-from .forwarding import DROP_FROM_UPSTREAM, Forwarder, upstream_url
-from .intake import connection_named
+from .forwarding import Forwarder, answer_headers, upstream_url
 from .metrics import GatewayMetrics
 from .profiles import Answer, is_mismatch, upstream_key
 from .store import GatewayStore, KeptRequest, Resolution
+from .upstream_client import NoAnswerInTime, UpstreamError
 
 log = logging.getLogger("fencegate.resolve")
 
@@ -77,7 +75,7 @@ class Resolver:
     async def run_once(self) -> int:
         """One round over every upstream with ``unknown_outcome = "resolve"``; how many
         records it settled with an answer."""
-        if self.forwarder.session is None:  # the proxy listener is not up (yet)
+        if not self.forwarder.started:  # the proxy listener is not up (yet)
             return 0
         settled = 0
         for upstream in list(self.upstreams().values()):
@@ -179,32 +177,25 @@ class Resolver:
         headers: CIMultiDict[str],
         body: bytes,
     ) -> tuple[int, list[tuple[str, str]], bytes] | str:
-        assert self.forwarder.session is not None
+        client = self.forwarder.client
+        assert client is not None
         url = upstream_url(upstream, claimed.path, claimed.request.query)
         if upstream.signing is not None:
             s3.sign(headers, method, url, body, upstream.signing)
-        timeout = aiohttp.ClientTimeout(
-            total=upstream.timeout_seconds, sock_connect=upstream.connect_timeout_seconds
-        )
         try:
-            async with self.forwarder.session.request(
+            async with await client.request(
                 method,
-                URL(url, encoded=True),
-                headers=headers,
-                data=body or None,
-                allow_redirects=False,
-                timeout=timeout,
+                url,
+                headers.items(),
+                body,
+                timeout=upstream.timeout_seconds,
+                connect_timeout=upstream.connect_timeout_seconds,
             ) as response:
                 content = await response.read()
-                named = connection_named(response.headers)
-                answer_headers = [
-                    (k, v)
-                    for k, v in response.headers.items()
-                    if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
-                ]
-                return response.status, answer_headers, content
-        except (TimeoutError, aiohttp.ClientError) as error:
-            return f"{method} sent again, no answer: {type(error).__name__}"
+                return response.status, answer_headers(response.headers), content
+        except UpstreamError as error:
+            why = "TimeoutError" if isinstance(error, NoAnswerInTime) else str(error)
+            return f"{method} sent again, no answer: {why}"
 
     async def _object_state(
         self, upstream: UpstreamSettings, claimed: Resolution
