@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 
 from .config import GatewaySettings, UpstreamSettings
 from .fence import Reason, RecordState
-from .intake import HOP_BY_HOP
+from .intake import HOP_BY_HOP, connection_named
 from .metrics import GatewayMetrics
 from .profiles import Answer
 from .upstream_client import (
@@ -291,10 +291,7 @@ class Forwarder:
 def answer_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The answer's headers that go on to the client: not the hop-by-hop ones, not those
     its ``Connection`` header names, not its framing (the gateway frames its own)."""
-    # As ``intake.connection_named``, over the answer's list of pairs.
-    named = {
-        n.strip().lower() for k, v in headers if k.lower() == "connection" for n in v.split(",")
-    }
+    named = connection_named(headers)
     return [
         (k, v) for k, v in headers if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
     ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -137,7 +137,7 @@ def intake(
     else:
         ctx.source_name = "fencegate"
         facts.token_well_formed = tokens.is_well_formed(token)
-    facts.protected_hop_by_hop = bool(connection_named(request.headers) & PROTECTED)
+    facts.protected_hop_by_hop = bool(connection_named(request.headers.items()) & PROTECTED)
     key_headers = request.headers.getall("Idempotency-Key", [])
     key = None
     if len(key_headers) == 1:
@@ -194,9 +194,13 @@ def method_override(headers: CIMultiDictProxy[str]) -> str | None:
     return None
 
 
-def connection_named(headers: CIMultiDictProxy[str]) -> set[str]:
-    """The header names a ``Connection`` header lists (hop-by-hop for this message)."""
-    return {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
+def connection_named(headers: Iterable[tuple[str, str]]) -> set[str]:
+    """The header names the ``Connection`` headers among ``headers`` (name, value pairs:
+    a request's ``.items()``, an upstream answer's list) list: hop-by-hop for this
+    message."""
+    return {
+        h.strip().lower() for k, v in headers if k.lower() == "connection" for h in v.split(",")
+    }
 
 
 def _controlled(lower: str, upstream: UpstreamSettings) -> bool:
@@ -222,7 +226,7 @@ def forward_headers(
     headers, the key in its one canonical form, forwarding headers and the upstream's own
     configured headers."""
     incoming: CIMultiDictProxy[str] = request.headers
-    named = connection_named(incoming)
+    named = connection_named(incoming.items())
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         lower = name.lower()

@@ -170,7 +170,7 @@ class UpstreamResponse:
         self._conn: _Connection | None = conn
         self._pool = pool
         self.status = conn.status
-        self.reason = conn.reason.decode("latin-1")
+        self.reason = conn.reason.decode("utf-8", "surrogateescape")
         self.headers: list[tuple[str, str]] = conn.headers
 
     async def read_chunk(self) -> bytes:
@@ -444,8 +444,10 @@ class _Connection(asyncio.Protocol):
         self.reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        decoded = name.decode("latin-1")
-        self.headers.append((decoded, value.decode("latin-1")))
+        # As aiohttp's parser decodes them (and its server encodes them again): UTF-8
+        # passes through unchanged.
+        decoded = name.decode("utf-8", "surrogateescape")
+        self.headers.append((decoded, value.decode("utf-8", "surrogateescape")))
         lower = decoded.lower()
         if lower == "content-length" or (
             lower == "transfer-encoding" and b"chunked" in value.lower()
