@@ -797,6 +797,7 @@ class Database:
             return {}
         query = """
             SELECT t.n_live_tup AS live_rows, t.n_dead_tup AS dead_rows,
+                   t.autovacuum_count AS autovacuums,
                    pg_total_relation_size('idempotency_records') AS records_bytes,
                    b.buffers_backend, b.checkpoints_timed + b.checkpoints_req AS checkpoints,
                    pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0') AS wal_bytes
@@ -1706,8 +1707,8 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
                 f"per write, {change['checkpoints']:.0f} checkpoint(s), "
                 f"{change['buffers_backend']:,.0f} buffers written by backends; the records "
                 f"table {after['live_rows']:,.0f} live and {after['dead_rows']:,.0f} dead rows "
-                f"(autovacuum = {row.get('autovacuum')}), {after['records_bytes'] / 2**20:,.0f} "
-                "MiB with its indexes"
+                f"(autovacuum = {row.get('autovacuum')}, {change['autovacuums']:.0f} autovacuum "
+                f"pass(es) over it), {after['records_bytes'] / 2**20:,.0f} MiB with its indexes"
             )
         if not flat and not opts.quick:
             failures.append(f"soak {row['backend']}: the last interval is not within 10 %")
