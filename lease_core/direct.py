@@ -64,6 +64,12 @@ class Statement:
         self.text = text
 
     @cached_property
+    def reads_only(self) -> bool:
+        """A plain ``SELECT``: it changes nothing (SQLite runs it without joining a
+        group transaction's commit)."""
+        return _first_word(self.text) == "SELECT"
+
+    @cached_property
     def sqlite(self) -> str:
         return self.text.replace("{now}", ":now")
 
@@ -87,6 +93,14 @@ class Statement:
 
             variants[injected] = (_PARAM.sub(number, text), tuple(names))
         return variants
+
+
+def _first_word(sql: str) -> str:
+    for line in sql.splitlines():
+        words = line.split("--", 1)[0].split()
+        if words:
+            return words[0].upper()
+    return ""
 
 
 class Batched:
@@ -489,6 +503,21 @@ class SqliteDirect(Direct):
             row: Row | None = conn.execute(text, params).fetchone()
             return row
 
+        if statement.reads_only:
+            # A read runs and answers at once: it waits for no COMMIT, since it wrote
+            # nothing. Inside this turn's open group transaction it also sees that
+            # group's writes, which can only make a gate stricter (a newer fence, a
+            # write in flight); should the group then fail to commit, that was a refusal
+            # too many, never a write let through.
+            try:
+                return one(self._connection())
+            except sqlite3.Error as error:
+                if not (isinstance(error, sqlite3.OperationalError) and _is_busy(error)):
+                    if is_unavailable(error):
+                        raise exc.StoreUnavailable() from error
+                    raise
+            self.handed_off += 1  # busy (rare for a reader of a WAL file): wait there
+            return await self._on_thread(one)
         # One statement needs no savepoint: SQLite undoes a failed statement itself.
         return await self._run(one, savepoint=False)
 
@@ -504,13 +533,18 @@ class SqliteDirect(Direct):
         done; a ``work`` that raises is rolled back alone, and raises at once."""
         return await self._run(work, savepoint=True)
 
-    async def _run(self, work: Callable[[sqlite3.Connection], T], *, savepoint: bool) -> T:
+    def _connection(self) -> sqlite3.Connection:
+        """The event loop's own connection, opened on first use."""
         conn = self._inline
         if conn is None:
             conn = self._inline = self._open(busy_timeout_ms=0, check_same_thread=False)
             # Checkpoints copy the log into the database file (and sync it): never on
             # the event loop; the database thread runs them (``_checkpoint_soon``).
             conn.execute("PRAGMA wal_autocheckpoint = 0")
+        return conn
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T], *, savepoint: bool) -> T:
+        conn = self._connection()
         if self._on_thread_now:
             # Behind an operation that waits on the thread for the lock: queue behind it,
             # or the loop's group transactions would keep taking the lock before it.

@@ -1084,6 +1084,27 @@ async def test_sqlite_the_first_operation_of_a_turn_fails_without_a_savepoint(
 
 
 @ON_SQLITE
+async def test_sqlite_a_read_answers_at_once_and_sees_its_turns_writes(
+    engine: AsyncEngine, reader: Callable[[str], int]
+) -> None:
+    """A ``SELECT`` waits for no COMMIT: it answers before the group transaction of its
+    turn commits, and sees that group's writes (a gate read can only get stricter)."""
+    direct = sqlite_direct(engine)
+    await direct.run(insert("warm"))
+    pending = asyncio.ensure_future(direct.run(insert("pending")))
+    await asyncio.sleep(0)  # the insert ran in this turn's group; its COMMIT is scheduled
+    count = Statement("SELECT count(*) AS n FROM probe WHERE who = :who")
+    row = await direct.fetchrow(count, {"who": "pending"})
+    assert row is not None and row["n"] == 1  # the group's write, seen
+    assert not pending.done() and reader("pending") == 0  # and not committed yet
+    assert await pending > 0
+    assert reader("pending") == 1
+    # With no group open, a read is its own: nothing is left open behind it.
+    assert (await direct.fetchrow(count, {"who": "warm"}) or {})["n"] == 1
+    assert direct._group is None
+
+
+@ON_SQLITE
 async def test_sqlite_a_failed_single_statement_fails_alone(
     engine: AsyncEngine, reader: Callable[[str], int]
 ) -> None:
