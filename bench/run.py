@@ -31,6 +31,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -717,6 +718,89 @@ async def pg_execute(dsn: str, *statements: str) -> None:
             await conn.execute(statement)
     finally:
         await conn.close()
+
+
+class Maintenance:
+    """PostgreSQL's own background work during a soak, read once a second on one
+    connection of its own: whether a vacuum of the records table is running, the
+    buffers the checkpointer and the backends wrote, WAL, checkpoints and autovacuum
+    passes. Per interval of the soak it says which minute had which (the soak's last
+    minute can then be told apart from a vacuum pass or a checkpoint)."""
+
+    QUERY = """
+        SELECT extract(epoch FROM clock_timestamp())::float8 AS at,
+               EXISTS (SELECT 1 FROM pg_stat_progress_vacuum AS p
+                       JOIN pg_class AS c ON c.oid = p.relid
+                       WHERE c.relname = 'idempotency_records') AS vacuuming,
+               b.buffers_checkpoint, b.buffers_backend,
+               b.checkpoints_timed + b.checkpoints_req AS checkpoints,
+               pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes,
+               t.autovacuum_count AS autovacuums, t.n_dead_tup AS dead_rows
+        FROM pg_stat_bgwriter AS b, pg_stat_user_tables AS t
+        WHERE t.relname = 'idempotency_records'
+    """
+    EVERY = 1.0
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.readings: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="maintenance", daemon=True)
+
+    def __enter__(self) -> Maintenance:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._poll())
+        except BaseException as error:  # reported with the intervals, never fatal
+            self.error = error
+
+    async def _poll(self) -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            while not self._stop.is_set():
+                self.readings.append(dict(await conn.fetchrow(self.QUERY)))
+                await asyncio.to_thread(self._stop.wait, self.EVERY)
+        finally:
+            await conn.close()
+
+    def per_interval(
+        self, start_epoch: float, interval: float, count: int
+    ) -> list[dict[str, float]]:
+        """For each of ``count`` intervals from ``start_epoch``: seconds a vacuum of the
+        records table was seen running, and what the counters moved by."""
+        out = []
+        for slot in range(count):
+            begin, end = start_epoch + slot * interval, start_epoch + (slot + 1) * interval
+            inside = [r for r in self.readings if begin <= r["at"] < end]
+            around = [r for r in self.readings if r["at"] < begin][-1:] + inside
+            if len(around) < 2:
+                out.append({})
+                continue
+            first, last = around[0], around[-1]
+            out.append(
+                {
+                    "vacuum_seconds": sum(
+                        b["at"] - a["at"] for a, b in itertools.pairwise(around) if b["vacuuming"]
+                    ),
+                    "autovacuums": last["autovacuums"] - first["autovacuums"],
+                    "checkpoints": last["checkpoints"] - first["checkpoints"],
+                    "buffers_checkpoint": last["buffers_checkpoint"] - first["buffers_checkpoint"],
+                    "buffers_backend": last["buffers_backend"] - first["buffers_backend"],
+                    "wal_bytes": last["wal_bytes"] - first["wal_bytes"],
+                    "dead_rows": last["dead_rows"],
+                }
+            )
+        return out
 
 
 async def pg_fetchval(dsn: str, query: str) -> Any:
@@ -1441,27 +1525,41 @@ def run_backend(
                     )
                 records = db.count("idempotency_records")
                 before = db.server_state()
-                result = run_driver(
-                    children,
-                    opts,
-                    f"writes-{backend}-{level}",
-                    "writes",
-                    [
-                        "--target",
-                        proxy + WRITE_PATH,
-                        "--control",
-                        control,
-                        "--tag",
-                        tag,
-                    ],
-                    watch,
-                    profile_pid=gateway.pid,
-                    # Fresh statistics describe the tables as the writes find them: with
-                    # the leases taken and their fences absent (the stats of the seeding
-                    # alone once said job_id was unique).
-                    leases_taken=lambda: db.gather_stats("jobs", "leases", "fences"),
+                maintenance: contextlib.AbstractContextManager[Any] = (
+                    Maintenance(db.dsn)
+                    if opts.soak_interval and backend == "postgres"
+                    else contextlib.nullcontext()
                 )
+                with maintenance:
+                    result = run_driver(
+                        children,
+                        opts,
+                        f"writes-{backend}-{level}",
+                        "writes",
+                        [
+                            "--target",
+                            proxy + WRITE_PATH,
+                            "--control",
+                            control,
+                            "--tag",
+                            tag,
+                        ],
+                        watch,
+                        profile_pid=gateway.pid,
+                        # Fresh statistics describe the tables as the writes find them: with
+                        # the leases taken and their fences absent (the stats of the seeding
+                        # alone once said job_id was unique).
+                        leases_taken=lambda: db.gather_stats("jobs", "leases", "fences"),
+                    )
                 after = db.server_state()
+                if isinstance(maintenance, Maintenance) and result.get("intervals"):
+                    if maintenance.error is not None:
+                        print(f"    no maintenance readings: {maintenance.error!r}", flush=True)
+                    per = maintenance.per_interval(
+                        result["window_start_epoch"], opts.soak_interval, len(result["intervals"])
+                    )
+                    for interval, seen in zip(result["intervals"], per, strict=True):
+                        interval["postgres"] = seen
                 if before and after:
                     result["postgres_after"] = after
                     result["postgres_change"] = {k: after[k] - before[k] for k in after}
@@ -1688,13 +1786,18 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
             p99_change,
             flat,
         )
+        head = ["from (s)", "writes/s", "p50 ms", "p99 ms"]
         body = [
             [f"{i['start_seconds']:g}", fmt_int(i["rps"]), fmt(i["p50_ms"]), fmt(i["p99_ms"])]
             for i in intervals
         ]
+        if any(i.get("postgres") for i in intervals):
+            head += MAINTENANCE_HEAD
+            for line, interval in zip(body, intervals, strict=True):
+                line += maintenance_cells(interval.get("postgres") or {})
         lines.append("")
         lines.append(f"{row['backend']}:")
-        lines.append(table(["from (s)", "writes/s", "p50 ms", "p99 ms"], body))
+        lines.append(table(head, body))
         lines.append(
             f"last vs first: throughput {fmt(100 * (rps_change or 0), 1)} %, "
             f"p99 {fmt(100 * (p99_change or 0), 1)} % -> {verdict(flat)}"
@@ -1715,6 +1818,32 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
     if opts.soak_png and curves:
         lines.append(draw_soak(curves, opts))
     return "\n".join(lines)
+
+
+MAINTENANCE_HEAD = [
+    "vacuum s",
+    "autovacuums",
+    "checkpoints",
+    "ckpt buffers",
+    "backend buffers",
+    "WAL MiB",
+    "dead rows",
+]
+
+
+def maintenance_cells(seen: dict[str, float]) -> list[str]:
+    """A soak interval's PostgreSQL background work (``Maintenance``), as table cells."""
+    if not seen:
+        return ["-"] * len(MAINTENANCE_HEAD)
+    return [
+        fmt(seen["vacuum_seconds"], 0),
+        fmt_int(seen["autovacuums"]),
+        fmt_int(seen["checkpoints"]),
+        fmt_int(seen["buffers_checkpoint"]),
+        fmt_int(seen["buffers_backend"]),
+        fmt(seen["wal_bytes"] / 2**20, 0),
+        fmt_int(seen["dead_rows"]),
+    ]
 
 
 def draw_soak(curves: dict[str, list[dict[str, Any]]], opts: Options) -> str:
