@@ -143,13 +143,15 @@ class Resolver:
                 outcome="mismatch",
             )
             return 0
-        if extra and status == 412:
+        # ``precondition``: the one the gateway added after its HEAD (``extra``).
+        answered = upstream.answer_of(status, precondition=bool(extra))
+        if answered is Answer.PRECONDITION_FAILED:
             # The object changed between the HEAD and the conditional re-send.
             await self._unknown(
                 upstream, claimed, "re-sent; the object changed meanwhile (412)", keep=True
             )
             return 0
-        if upstream.answer_of(status) is not Answer.FINAL:
+        if answered is not Answer.FINAL:
             await self._unknown(
                 upstream, claimed, f"re-sent; the upstream answered {status}", keep=True
             )
