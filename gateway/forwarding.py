@@ -198,7 +198,7 @@ class Forwarder:
                     status=None,
                     headers=None,
                     body=None,
-                    note=f"no answer: {_why(error)}",
+                    note=f"no answer: {why_no_answer(error)}",
                 )
             return (
                 Reason.UPSTREAM_TIMEOUT
@@ -297,8 +297,11 @@ def answer_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     ]
 
 
-def _why(error: Exception) -> str:
-    """Why there was no answer, for the record's note (a timeout named as before)."""
+def why_no_answer(error: Exception) -> str:
+    """Why there was no answer, for the record's note. A timeout reads ``TimeoutError``
+    (not ``NoAnswerInTime``'s message): the note operators see, as docs/protocol.md
+    (``GET /admin/unknown-outcomes``) and docs/operations.md (``fencegate outcomes``)
+    show it."""
     if isinstance(error, NoAnswerInTime):
         return "TimeoutError"
     return str(error) if isinstance(error, UpstreamError) else type(error).__name__
