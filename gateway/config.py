@@ -274,13 +274,16 @@ class UpstreamSettings(BaseModel):
     def not_processed(self) -> frozenset[int]:
         return frozenset(self.not_processed_statuses)
 
-    def answer_of(self, status: int, *, whole: bool = True) -> Answer:
-        """What this upstream's answer (``whole``: read to its end) does to the key."""
+    def answer_of(self, status: int, *, whole: bool = True, precondition: bool = False) -> Answer:
+        """What this upstream's answer (``whole``: read to its end) does to the key.
+        ``precondition``: the request carried ``If-None-Match`` or ``If-Match``; only an
+        S3 upstream's 412 to one is taken as "not applied" (docs/profiles.md)."""
         return answer_of(
             status,
             whole=whole,
             not_processed=self.not_processed,
             final=None if self.dedup is None else self.dedup.final,
+            precondition=precondition and self.profile == "s3",
         )
 
     @property

@@ -124,7 +124,7 @@ class Forwarder:
             answer = await self._request(request, upstream, url, headers, body, key, send_left)
             if isinstance(answer, Reason):
                 return await refuse(answer)
-            if key is not None and _precondition_refused(upstream, headers, answer.status):
+            if key is not None and _precondition_failed(upstream, headers, answer.status):
                 # Not applied (RFC 9110 13.1): not the key's answer, and the worker is
                 # told so in the gateway's words rather than in S3's XML.
                 answer.close()
@@ -198,7 +198,7 @@ class Forwarder:
                     status=None,
                     headers=None,
                     body=None,
-                    note=f"no answer: {_why(error)}",
+                    note=f"no answer: {why_no_answer(error)}",
                 )
             return (
                 Reason.UPSTREAM_TIMEOUT
@@ -297,23 +297,25 @@ def answer_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     ]
 
 
-def _why(error: Exception) -> str:
-    """Why there was no answer, for the record's note (a timeout named as before)."""
+def why_no_answer(error: Exception) -> str:
+    """Why there was no answer, for the record's note. A timeout reads ``TimeoutError``
+    (not ``NoAnswerInTime``'s message): the note operators see, as docs/protocol.md
+    (``GET /admin/unknown-outcomes``) and docs/operations.md (``fencegate outcomes``)
+    show it."""
     if isinstance(error, NoAnswerInTime):
         return "TimeoutError"
     return str(error) if isinstance(error, UpstreamError) else type(error).__name__
 
 
-def _precondition_refused(
+def _precondition_failed(
     upstream: UpstreamSettings, headers: CIMultiDict[str], status: int
 ) -> bool:
-    """An S3 upstream's 412 to a write that asked for a precondition of its own (a
-    create only once: ``If-None-Match: *``; an update of a known version: ``If-Match``)."""
-    return (
-        status == 412
-        and upstream.profile == "s3"
-        and ("If-None-Match" in headers or "If-Match" in headers)
-    )
+    """Whether the answer's head says that the write's own precondition (a create only
+    once: ``If-None-Match: *``; an update of a known version: ``If-Match``) was not met;
+    the rule is ``answer_of``'s."""
+    preconditioned = "If-None-Match" in headers or "If-Match" in headers
+    answer = upstream.answer_of(status, precondition=preconditioned)
+    return answer is Answer.PRECONDITION_FAILED
 
 
 def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:

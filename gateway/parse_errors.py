@@ -38,8 +38,8 @@ def kind_of(error: BaseException | None) -> str:
     """What was wrong with the request, without any of its bytes."""
     if isinstance(error, HttpProcessingError):
         first = str(error.message).strip().splitlines()[0] if error.message else ""
-        found = _KIND.match(first.rstrip(":").strip())
-        if found and found.group(0) == first.rstrip(":").strip():
+        found = _KIND.fullmatch(first.rstrip(":").strip())
+        if found:
             return found.group(0)
     return type(error).__name__ if error is not None else "malformed request"
 

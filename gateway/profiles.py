@@ -82,6 +82,10 @@ class Answer(StrEnum):
     FINAL = "final"  # the key's answer: kept, and replayed to every retry
     NOT_PROCESSED = "not-processed"  # the upstream did not act: the key is free again
     UNKNOWN = "unknown"  # whether the upstream acted is not known
+    # The request's own precondition was not met (RFC 9110 13.1): nothing was applied,
+    # and the answer is not the key's. (Answered with ``Reason.PRECONDITION_FAILED``,
+    # whose spelling lives in fencegate_client/reasons.py only.)
+    PRECONDITION_FAILED = "precondition-not-met"
 
 
 def statuses(entries: Iterable[int | str]) -> frozenset[int]:
@@ -99,11 +103,20 @@ def statuses(entries: Iterable[int | str]) -> frozenset[int]:
 
 
 def answer_of(
-    status: int, *, whole: bool, not_processed: frozenset[int], final: frozenset[int] | None
+    status: int,
+    *,
+    whole: bool,
+    not_processed: frozenset[int],
+    final: frozenset[int] | None,
+    precondition: bool = False,
 ) -> Answer:
-    """The one rule for what an answer does to the key: cut short or a proxy's 502/504,
-    unknown; one of ``not_processed_statuses``, or (where the upstream says which
-    answers it keeps) not one of ``final_statuses``: not processed; else final."""
+    """The one rule for what an answer does to the key: a 412 to a request that carried
+    a precondition the upstream is known to judge (``precondition``), precondition
+    failed (decided on the head: ``whole`` does not matter); cut short or a proxy's
+    502/504, unknown; one of ``not_processed_statuses``, or (where the upstream says
+    which answers it keeps) not one of ``final_statuses``: not processed; else final."""
+    if precondition and status == 412:
+        return Answer.PRECONDITION_FAILED
     if not whole or status in UNKNOWN_STATUSES:
         return Answer.UNKNOWN
     if status in not_processed or (final is not None and status not in final):

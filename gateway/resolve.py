@@ -28,11 +28,11 @@ from . import s3
 from .audit import Audit, AuditEntry
 from .config import GatewaySettings, UpstreamSettings
 from .fence import Reason, RecordState
-from .forwarding import Forwarder, answer_headers, upstream_url
+from .forwarding import Forwarder, answer_headers, upstream_url, why_no_answer
 from .metrics import GatewayMetrics
 from .profiles import Answer, is_mismatch, upstream_key
 from .store import GatewayStore, KeptRequest, Resolution
-from .upstream_client import NoAnswerInTime, UpstreamError
+from .upstream_client import UpstreamError
 
 log = logging.getLogger("fencegate.resolve")
 
@@ -143,13 +143,15 @@ class Resolver:
                 outcome="mismatch",
             )
             return 0
-        if extra and status == 412:
+        # ``precondition``: the one the gateway added after its HEAD (``extra``).
+        answered = upstream.answer_of(status, precondition=bool(extra))
+        if answered is Answer.PRECONDITION_FAILED:
             # The object changed between the HEAD and the conditional re-send.
             await self._unknown(
                 upstream, claimed, "re-sent; the object changed meanwhile (412)", keep=True
             )
             return 0
-        if upstream.answer_of(status) is not Answer.FINAL:
+        if answered is not Answer.FINAL:
             await self._unknown(
                 upstream, claimed, f"re-sent; the upstream answered {status}", keep=True
             )
@@ -194,8 +196,7 @@ class Resolver:
                 content = await response.read()
                 return response.status, answer_headers(response.headers), content
         except UpstreamError as error:
-            why = "TimeoutError" if isinstance(error, NoAnswerInTime) else str(error)
-            return f"{method} sent again, no answer: {why}"
+            return f"{method} sent again, no answer: {why_no_answer(error)}"
 
     async def _object_state(
         self, upstream: UpstreamSettings, claimed: Resolution

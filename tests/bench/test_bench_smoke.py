@@ -125,7 +125,17 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
     [pg] = [r for r in rows if r["backend"] == "postgres"]
     assert pg["autovacuum"] == wanted
     assert pg["postgres_change"]["wal_bytes"] > 0
-    assert pg["postgres_change"]["autovacuums"] >= 0
+    # Autovacuum passes over the records table during the run (pg_stat_user_tables'
+    # autovacuum_count, read before and after): a whole count, never more than the
+    # table's total; none when the run turned autovacuum off (only an anti-wraparound
+    # vacuum could run then, and a table this new is far from one). With autovacuum on,
+    # whether a pass falls inside a 3-second run is up to the server: nothing more to
+    # assert then.
+    passes = pg["postgres_change"]["autovacuums"]
+    assert passes >= 0 and passes == int(passes), passes
+    assert pg["postgres_after"]["autovacuums"] >= passes
+    if wanted == "off":
+        assert passes == 0, passes
     assert pg["postgres_after"]["live_rows"] + pg["postgres_after"]["dead_rows"] > 0
     assert "bytes per write" in result.stdout
 

@@ -328,7 +328,10 @@ async def test_unknown_outcome_is_held(make_stack: Any, upstream: Upstream, caus
     assert (held["upstream"], held["method"], held["path"]) == ("pay", "POST", "charges")
     assert held["generation"] == 1
     assert held["status"] == (None if cause == "timeout" else int(cause))
-    assert held["note"]
+    # The note as docs/protocol.md and docs/operations.md show it to operators.
+    assert held["note"] == (
+        "no answer: TimeoutError" if cause == "timeout" else f"upstream answered {cause}"
+    )
 
     for _ in range(2):
         doc = await problem(

@@ -113,6 +113,23 @@ async def lose_a_charge(stack: Any, up: StripeLike, lease: dict[str, Any], how: 
     assert held["state"] == "unknown" and held["resolvable"] is True
 
 
+@pytest.fixture
+async def lost_and_due(
+    make_stack: Any, stripe: StripeLike, clock: FakeClock
+) -> tuple[Any, dict[str, Any]]:
+    """A gateway (upstream timeout and ordering wait long enough for a re-send held at
+    the upstream) whose charge ``charge-1`` of ``job-1`` was applied and lost its answer,
+    with the clock past the resolver's pause: its next round re-sends the charge. The
+    stack and the lease of generation 1."""
+    stack = await make_stack(
+        upstreams=[config(stripe, timeout_seconds=5)], gateway={"ordering_wait_seconds": 5}
+    )
+    lease = await stack.lease("job-1")
+    await lose_a_charge(stack, stripe, lease, "cut")
+    clock.advance(2)
+    return stack, lease
+
+
 @pytest.mark.parametrize("how", ["cut", "timeout"])
 async def test_a_lost_answer_is_resolved_by_the_gateway(
     make_stack: Any, stripe: StripeLike, clock: FakeClock, how: str
@@ -220,16 +237,9 @@ async def test_a_body_above_the_replay_limit_is_not_kept(
 
 
 async def test_during_resolution_a_retry_is_in_progress_and_a_newer_generation_waits(
-    make_stack: Any, stripe: StripeLike, clock: FakeClock
+    lost_and_due: tuple[Any, dict[str, Any]], stripe: StripeLike
 ) -> None:
-    stack = await make_stack(
-        upstreams=[config(stripe, timeout_seconds=5)], gateway={"ordering_wait_seconds": 5}
-    )
-    lease = await stack.lease("job-1")
-    stripe.lose = "cut"
-    resp = await stack.write("/pay/v1/charges", lease, key="charge-1", body={"amount": 500})
-    assert resp.status == 502
-    clock.advance(2)
+    stack, lease = lost_and_due
     stripe.gate = asyncio.Event()
     resolving = asyncio.create_task(gateway_of(stack).resolver.run_once())
     while len(stripe.received) < 2:
@@ -301,7 +311,7 @@ async def test_two_replicas_resolve_a_record_once(
 
 
 async def test_a_resolution_claimed_during_a_newer_admission_is_waited_for(
-    make_stack: Any, stripe: StripeLike, clock: FakeClock, engine: Any, backend: str
+    lost_and_due: tuple[Any, dict[str, Any]], stripe: StripeLike, engine: Any, backend: str
 ) -> None:
     """The seam between the resolver's claim and a newer generation's admission: the
     admission's statement has read the job's records (the older one unknown, not in
@@ -310,14 +320,7 @@ async def test_a_resolution_claimed_during_a_newer_admission_is_waited_for(
     for the re-send rather than go out beside it. On PostgreSQL the admission is held
     after its snapshot by a lock on the job's row (the admission locks it FOR SHARE;
     the resolver's claim does not touch it); SQLite's one writer serializes the two."""
-    stack = await make_stack(
-        upstreams=[config(stripe, timeout_seconds=5)], gateway={"ordering_wait_seconds": 5}
-    )
-    lease = await stack.lease("job-1")
-    stripe.lose = "cut"
-    resp = await stack.write("/pay/v1/charges", lease, key="charge-1", body={"amount": 500})
-    assert resp.status == 502
-    clock.advance(2)
+    stack, _ = lost_and_due
     newer = await stack.lease("job-1")
     stripe.gate = asyncio.Event()
     resolver = gateway_of(stack).resolver

@@ -190,6 +190,8 @@ class Cutter:
         self.mode: str | None = None
         self.seen: list[tuple[str, dict[str, str]]] = []
         self.url = ""
+        # Run (in a thread) once a HEAD's answer is in: someone else's write in between.
+        self.after_head: Callable[[], Any] | None = None
 
     async def handler(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -222,6 +224,8 @@ class Cutter:
             assert request.transport is not None
             request.transport.close()
             raise asyncio.CancelledError
+        if request.method == "HEAD" and self.after_head is not None:
+            await asyncio.to_thread(self.after_head)
         return web.Response(status=status, body=content, headers=answer_headers)
 
 
@@ -292,6 +296,41 @@ async def test_an_object_write_with_a_lost_answer_is_resolved_by_its_metadata(
     [entry] = await stack.audit(reason="auto-resolved")
     assert entry["job_id"] == "export-9" and entry["status"] == 200
     assert len(cutter.seen) == (2 if cut == "after" else 3)
+
+
+async def test_a_resolution_whose_object_changed_after_its_head_stays_unknown(
+    make_stack: Callable[..., Any], moto: dict[str, str], cutter: Cutter, clock: FakeClock
+) -> None:
+    """The gateway's own precondition (``If-None-Match: *`` after a 404) is not met when
+    someone creates the object between the HEAD and the re-send: S3's 412 leaves the
+    record unknown, kept for the next round, and nothing is overwritten."""
+    bucket = f"changed-{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(direct_client(moto).create_bucket, Bucket=bucket)
+    upstream = s3_upstream({**moto, "url": cutter.url}, unknown_outcome="resolve")
+    stack = await make_stack(upstreams=[upstream])
+    lease = await stack.lease("export-10")
+    cutter.mode = "before"  # lost before it reached S3: no object
+    path = f"/files/{bucket}/2024/08.csv"
+    resp = await stack.write(path, lease, key="report", method="PUT")
+    assert resp.status == 502
+
+    cutter.after_head = lambda: direct_client(moto).put_object(
+        Bucket=bucket, Key="2024/08.csv", Body=b"someone else's"
+    )
+    clock.advance(2)
+    gateway: Gateway = stack.control.app[GATEWAY_STATE]
+    assert await gateway.resolver.run_once() == 0
+    assert [method for method, _ in cutter.seen] == ["PUT", "HEAD", "PUT"]
+    assert cutter.seen[-1][1]["If-None-Match"] == "*"
+    got = await asyncio.to_thread(
+        lambda: direct_client(moto).get_object(Bucket=bucket, Key="2024/08.csv")["Body"].read()
+    )
+    assert got == b"someone else's"
+    resp = await stack.control.get("/admin/unknown-outcomes")
+    [held] = (await resp.json())["items"]
+    assert held["state"] == "unknown" and held["resolvable"] is True
+    assert held["note"] == "re-sent; the object changed meanwhile (412)"
+    assert await stack.audit(reason="auto-resolved") == []
 
 
 async def test_a_create_only_once_is_refused_clearly_when_the_object_exists(

@@ -28,6 +28,7 @@ from gateway.upstream_client import (
     NoAnswerInTime,
     NotSent,
     UpstreamClient,
+    UpstreamResponse,
 )
 from tests.certs import Pki
 from tests.support import Upstream
@@ -46,7 +47,7 @@ class RawServer:
     """An upstream that speaks bytes: ``handle(server, reader, writer)`` per connection.
     It counts connections and keeps every request it read (head and body)."""
 
-    def __init__(self, handle: Callable[[RawServer, Any, Any], Awaitable[None]]) -> None:
+    def __init__(self, handle: Handler) -> None:
         self.handle = handle
         self.connections = 0
         self.requests: list[bytes] = []
@@ -81,12 +82,36 @@ class RawServer:
         if self._server is not None:
             self._server.close()
 
+    async def send(
+        self,
+        client: UpstreamClient,
+        method: str = "GET",
+        body: bytes | io.BytesIO = b"",
+        *,
+        path: str = "/",
+        headers: list[tuple[str, str]] | None = None,
+        **timeouts: float,
+    ) -> UpstreamResponse:
+        """``client``'s request to this server (``TIMEOUTS`` unless given); its answer
+        once the head is in."""
+        return await client.request(
+            method, self.url + path, headers or [], body, **{**TIMEOUTS, **timeouts}
+        )
+
+    async def fetch(self, client: UpstreamClient, method: str = "GET", body: bytes = b"") -> bytes:
+        """One whole exchange: send, read the answer to its end, close it; its body."""
+        async with await self.send(client, method, body) as answer:
+            return await answer.read()
+
+
+Handler = Callable[[RawServer, Any, Any], Awaitable[None]]
+
 
 @pytest.fixture
 async def raw_server() -> AsyncIterator[Callable[..., Awaitable[RawServer]]]:
     made: list[RawServer] = []
 
-    async def make(handle: Callable[[RawServer, Any, Any], Awaitable[None]]) -> RawServer:
+    async def make(handle: Handler) -> RawServer:
         server = RawServer(handle)
         await server.start()
         made.append(server)
@@ -97,16 +122,19 @@ async def raw_server() -> AsyncIterator[Callable[..., Awaitable[RawServer]]]:
         await server.close()
 
 
-def answering(*answers: bytes) -> Callable[[RawServer, Any, Any], Awaitable[None]]:
+def answering(*answers: bytes, close: bool = False) -> Handler:
     """A handler that reads one request per answer on the same connection and writes
-    the answer's bytes; then keeps the connection open until the client closes it."""
+    the answer's bytes (``b""``: no answer at all); then closes the connection
+    (``close``) or keeps it open until the client closes it."""
 
     async def handle(server: RawServer, reader: Any, writer: Any) -> None:
         for answer in answers:
             await server.read_request(reader)
-            writer.write(answer)
-            await writer.drain()
-        await reader.read()
+            if answer:
+                writer.write(answer)
+                await writer.drain()
+        if not close:
+            await reader.read()
 
     return handle
 
@@ -194,16 +222,9 @@ async def test_large_bodies_stream_both_ways(
 async def test_read_until_close(
     client: UpstreamClient, raw_server: Callable[..., Awaitable[RawServer]]
 ) -> None:
-    async def handle(server: RawServer, reader: Any, writer: Any) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\nall of it")
-        await writer.drain()
-
-    server = await raw_server(handle)
-    async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
-        assert await answer.read() == b"all of it"
-    async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
-        assert await answer.read() == b"all of it"
+    server = await raw_server(answering(b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\nall of it", close=True))
+    assert await server.fetch(client) == b"all of it"
+    assert await server.fetch(client) == b"all of it"
     assert server.connections == 2
 
 
@@ -213,15 +234,10 @@ async def test_the_request_as_framed(
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
     server = await raw_server(answering(ok, ok, ok, ok))
     path = "/a%2Fb/c%20d?x=%2F&y=%zz"
+    twice = [("X-Dup", "1"), ("x-dup", "2")]
     for method in ("GET", "POST", "DELETE"):
-        answer = await client.request(
-            method, server.url + path, [("X-Dup", "1"), ("x-dup", "2")], **TIMEOUTS
-        )
-        answer.close()
-    answer = await client.request(
-        "PUT", server.url + "/p", [("Host", "example.com")], b"xyz", **TIMEOUTS
-    )
-    answer.close()
+        (await server.send(client, method, path=path, headers=twice)).close()
+    (await server.send(client, "PUT", b"xyz", path="/p", headers=[("Host", "example.com")])).close()
     port = server.url.rsplit(":", 1)[1]
     get, post, delete, put = server.requests
     assert (
@@ -243,9 +259,9 @@ async def test_a_header_that_could_end_its_line_is_not_sent(
 ) -> None:
     server = await raw_server(answering())
     with pytest.raises(NotSent):
-        await client.request("POST", server.url + "/", [("X-A", bad)], **TIMEOUTS)
+        await server.send(client, "POST", headers=[("X-A", bad)])
     with pytest.raises(NotSent):
-        await client.request("POST", server.url + "/", [(bad, "v")], **TIMEOUTS)
+        await server.send(client, "POST", headers=[(bad, "v")])
     await asyncio.sleep(0.05)
     assert server.connections == 0
 
@@ -256,8 +272,7 @@ async def test_no_reuse_after_connection_close_head_or_a_cut_body(
     closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
     server = await raw_server(answering(closing))
     for _ in range(2):
-        async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
-            assert await answer.read() == b"ok"
+        assert await server.fetch(client) == b"ok"
     assert server.connections == 2
 
     # HEAD: the Content-Length announces a body that never comes; the answer ends at
@@ -265,7 +280,7 @@ async def test_no_reuse_after_connection_close_head_or_a_cut_body(
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n"
     server = await raw_server(answering(head, head))
     for _ in range(2):
-        async with await client.request("HEAD", server.url + "/", [], **TIMEOUTS) as answer:
+        async with await server.send(client, "HEAD") as answer:
             assert answer.status == 200
             assert ("Content-Length", "10") in answer.headers
             assert await answer.read() == b""
@@ -275,7 +290,7 @@ async def test_no_reuse_after_connection_close_head_or_a_cut_body(
     partial = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234"
     server = await raw_server(answering(partial, partial))
     for _ in range(2):
-        async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
+        async with await server.send(client) as answer:
             assert await answer.read_chunk() == b"01234"
     assert server.connections == 2
 
@@ -292,16 +307,15 @@ async def test_informational_answers_are_skipped_and_bodiless_answers_end_at_the
     not_modified = b'HTTP/1.1 304 Not Modified\r\nETag: "1"\r\nContent-Length: 9\r\n\r\n'
     last = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nend"
     server = await raw_server(answering(early, no_content, not_modified, last))
-    async with await client.request("POST", server.url + "/", [], b"x", **TIMEOUTS) as answer:
+    async with await server.send(client, "POST", b"x") as answer:
         assert (answer.status, answer.reason) == (201, "Created")
         assert answer.headers == [("Content-Length", "4")]
         assert await answer.read() == b"made"
     for status in (204, 304):
-        async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
+        async with await server.send(client) as answer:
             assert answer.status == status
             assert await answer.read() == b""
-    async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
-        assert await answer.read() == b"end"
+    assert await server.fetch(client) == b"end"
     assert server.connections == 1  # all four on one connection
 
 
@@ -313,7 +327,7 @@ async def test_headers_kept_in_order_with_duplicates(
         b"X-Latin: caf\xe9\r\nX-Utf8: caf\xc3\xa9\r\nContent-Length: 0\r\n\r\n"
     )
     server = await raw_server(answering(answer_bytes))
-    async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
+    async with await server.send(client) as answer:
         assert answer.reason == "Fine Thanks"
         assert answer.headers == [
             ("Set-Cookie", "a=1"),
@@ -335,7 +349,7 @@ async def test_an_upgrade_is_an_error(
     )
     server = await raw_server(answering(upgrade))
     with pytest.raises(NoAnswer):
-        await client.request("GET", server.url + "/", [], **TIMEOUTS)
+        await server.send(client)
 
 
 async def test_connect_refused_is_not_sent(client: UpstreamClient) -> None:
@@ -379,13 +393,10 @@ async def test_connect_timeout_is_not_sent() -> None:
 async def test_closed_without_an_answer_is_no_answer_and_sent_once(
     client: UpstreamClient, raw_server: Callable[..., Awaitable[RawServer]]
 ) -> None:
-    async def handle(server: RawServer, reader: Any, writer: Any) -> None:
-        await server.read_request(reader)  # and closes
-
-    server = await raw_server(handle)
+    server = await raw_server(answering(b"", close=True))  # reads the request, closes
     for method in ("PUT", "DELETE", "POST"):
         with pytest.raises(NoAnswer) as raised:
-            await client.request(method, server.url + "/", [], b"x", **TIMEOUTS)
+            await server.send(client, method, b"x")
         assert not isinstance(raised.value, NoAnswerInTime)
     await asyncio.sleep(0.05)
     assert len(server.requests) == 3 and server.connections == 3  # never re-sent
@@ -394,35 +405,22 @@ async def test_closed_without_an_answer_is_no_answer_and_sent_once(
 async def test_an_answer_cut_short(
     client: UpstreamClient, raw_server: Callable[..., Awaitable[RawServer]]
 ) -> None:
-    async def handle(server: RawServer, reader: Any, writer: Any) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
-        await writer.drain()
-
-    server = await raw_server(handle)
-    async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
+    short = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart"
+    server = await raw_server(answering(short, close=True))
+    async with await server.send(client) as answer:
         assert answer.status == 200
         with pytest.raises(CutShort):
             await answer.read()
 
-    async def chunked(server: RawServer, reader: Any, writer: Any) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\npart\r\n")
-        await writer.drain()
-
-    server = await raw_server(chunked)
-    async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\npart\r\n"
+    server = await raw_server(answering(chunked, close=True))
+    async with await server.send(client) as answer:  # the head is whole
         with pytest.raises(CutShort):
             await answer.read()
 
-    async def garbage(server: RawServer, reader: Any, writer: Any) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
-        await writer.drain()
-        await reader.read()
-
-    server = await raw_server(garbage)
-    async with await client.request("GET", server.url + "/", [], **TIMEOUTS) as answer:
+    garbage = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    server = await raw_server(answering(garbage))  # and keeps the connection open
+    async with await server.send(client) as answer:  # the head is whole
         with pytest.raises(CutShort):
             await answer.read()
 
@@ -430,13 +428,9 @@ async def test_an_answer_cut_short(
 async def test_the_deadline_covers_the_whole_exchange(
     client: UpstreamClient, raw_server: Callable[..., Awaitable[RawServer]]
 ) -> None:
-    async def silent(server: RawServer, reader: Any, writer: Any) -> None:
-        await server.read_request(reader)
-        await reader.read()
-
-    server = await raw_server(silent)
+    server = await raw_server(answering(b""))  # reads the request, never answers
     with pytest.raises(NoAnswerInTime):
-        await client.request("PUT", server.url + "/", [], b"x", timeout=0.3, connect_timeout=1)
+        await server.send(client, "PUT", b"x", timeout=0.3, connect_timeout=1)
     assert len(server.requests) == 1
 
     async def slow(server: RawServer, reader: Any, writer: Any) -> None:
@@ -451,7 +445,7 @@ async def test_the_deadline_covers_the_whole_exchange(
     server = await raw_server(slow)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    answer = await client.request("GET", server.url + "/", [], timeout=0.5, connect_timeout=1)
+    answer = await server.send(client, timeout=0.5, connect_timeout=1)
     async with answer:
         with pytest.raises(CutShort):
             await answer.read()
@@ -489,16 +483,12 @@ async def test_the_per_host_limit_makes_the_next_request_wait(
 async def test_a_connection_the_upstream_closed_is_never_used_to_send(
     client: UpstreamClient, raw_server: Callable[..., Awaitable[RawServer]]
 ) -> None:
-    async def once(server: RawServer, reader: Any, writer: Any) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        # and closes while the client keeps the connection for reuse
-
-    server = await raw_server(once)
+    # Answers, and closes while the client keeps the connection for reuse.
+    server = await raw_server(
+        answering(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", close=True)
+    )
     for _ in range(2):
-        async with await client.request("PUT", server.url + "/", [], b"x", **TIMEOUTS) as answer:
-            assert await answer.read() == b"ok"
+        assert await server.fetch(client, "PUT", b"x") == b"ok"
         await asyncio.sleep(0.05)  # the upstream's FIN arrives
     assert server.connections == 2
     assert len(server.requests) == 2  # each request seen once
@@ -511,11 +501,11 @@ async def test_idle_connections_expire(
     server = await raw_server(answering(ok, ok))
     client = UpstreamClient(connections_per_host=8, keepalive_seconds=0.2)
     try:
-        (await client.request("GET", server.url + "/", [], **TIMEOUTS)).close()
-        (await client.request("GET", server.url + "/", [], **TIMEOUTS)).close()
+        (await server.send(client)).close()
+        (await server.send(client)).close()
         assert server.connections == 1
         await asyncio.sleep(0.5)
-        (await client.request("GET", server.url + "/", [], **TIMEOUTS)).close()
+        (await server.send(client)).close()
         assert server.connections == 2
     finally:
         await client.close()
@@ -586,20 +576,18 @@ def test_on_uvloop() -> None:
             body = io.BytesIO()
             body.write(b"z" * big)
             for sent in (body, b""):
-                async with await client.request(
-                    "POST", server.url + "/", [], sent, **TIMEOUTS
-                ) as answer:
+                async with await server.send(client, "POST", sent) as answer:
                     got = 0
                     async for chunk in answer:
                         got += len(chunk)
                         await asyncio.sleep(0)
                     assert got == big
             assert server.connections == 1
-            async with await client.request("GET", server.url + "/cut", [], **TIMEOUTS) as answer:
+            async with await server.send(client, path="/cut") as answer:
                 with pytest.raises(CutShort):
                     await answer.read()
             with pytest.raises(NoAnswer):
-                await client.request("GET", server.url + "/none", [], **TIMEOUTS)
+                await server.send(client, path="/none")
             await asyncio.sleep(0.05)
             assert server.connections == 2  # /cut on the kept one, /none on a new one
             assert len(server.requests) == 4

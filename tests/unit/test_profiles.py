@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gateway.config import UpstreamSettings
-from gateway.profiles import PROFILES, Answer, is_mismatch, statuses, upstream_key
+from gateway.profiles import PROFILES, Answer, answer_of, is_mismatch, statuses, upstream_key
 
 
 def up(**extra: Any) -> UpstreamSettings:
@@ -180,6 +180,47 @@ def test_what_an_answer_does_to_the_key(
     if extra.get("profile") == "s3":
         extra = {**extra, "signing": {"access_key_id": "a", "secret_access_key": "b"}}
     assert up(**extra).answer_of(status, whole=whole) is answer
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "precondition", "whole", "answer"),
+    [
+        # S3's 412 to the request's own If-None-Match / If-Match: nothing was applied,
+        # decided on the head alone (the body is S3's XML, never read).
+        ({"profile": "s3"}, 412, True, True, Answer.PRECONDITION_FAILED),
+        ({"profile": "s3"}, 412, True, False, Answer.PRECONDITION_FAILED),
+        # ... even where the file names 412 "not processed": the precondition comes first.
+        (
+            {"profile": "s3", "not_processed_statuses": [412, 429, 503]},
+            412,
+            True,
+            True,
+            Answer.PRECONDITION_FAILED,
+        ),
+        ({"profile": "s3"}, 412, False, True, Answer.FINAL),  # no precondition of its own
+        ({"profile": "s3"}, 200, True, True, Answer.FINAL),  # the precondition held
+        ({"profile": "s3"}, 502, True, True, Answer.UNKNOWN),
+        # Only an S3 upstream's 412 is read this way; any other's stays as it was.
+        ({}, 412, True, True, Answer.FINAL),
+        ({"profile": "stripe"}, 412, True, True, Answer.NOT_PROCESSED),  # not in 2xx/402/...
+    ],
+)
+def test_a_412_to_the_requests_own_precondition(
+    extra: dict[str, Any], status: int, precondition: bool, whole: bool, answer: Answer
+) -> None:
+    if extra.get("profile") == "s3":
+        extra = {**extra, **SIGNING}
+    settings = up(**extra)
+    assert settings.answer_of(status, whole=whole, precondition=precondition) is answer
+
+
+def test_the_precondition_rule_itself_knows_no_profile() -> None:
+    """``profiles.answer_of`` is told whether the upstream judged a precondition; the
+    upstream's settings say which upstreams do (S3)."""
+    rule = {"not_processed": frozenset({429, 503}), "final": None}
+    assert answer_of(412, whole=True, precondition=True, **rule) is Answer.PRECONDITION_FAILED
+    assert answer_of(412, whole=True, **rule) is Answer.FINAL
+    assert answer_of(409, whole=True, precondition=True, **rule) is Answer.FINAL
 
 
 def test_signing_credentials_come_from_the_environment_and_stay_secret() -> None:
