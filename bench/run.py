@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the soak's interval (60; quick 1)",
     )
     parser.add_argument(
+        "--soak-bare",
+        action="store_true",
+        help="soak the bare proxy too, for the same length, before the databases: the "
+        "machine's own drift over a soak, beside which the gateway's is read (not judged)",
+    )
+    parser.add_argument(
         "--soak-png",
         metavar="FILE",
         help="also draw the soak's curve (throughput and p99 per interval, per database) "
@@ -200,6 +206,7 @@ class Options:
     keep: bool
     profile: str | None
     soak_interval: float = 0.0  # > 0: the soak mode's interval
+    soak_bare: bool = False  # the soak also soaks the bare proxy (the machine's drift)
     records_per_job: int = 0
     stats: str = "fresh"
     autovacuum: str = "server"
@@ -234,7 +241,9 @@ def options_from(args: argparse.Namespace) -> Options:
             raise SystemExit("--soak-interval: must be above zero and at most --soak")
         if args.duration is not None:
             raise SystemExit("--soak and --duration: the soak's length is --soak")
-        targets = ["writes"]
+        targets = ["bare", "writes"] if args.soak_bare else ["writes"]
+    if args.soak_bare and args.soak is None:
+        raise SystemExit("--soak-bare: only with --soak")
     if args.records_per_job < 0:
         raise SystemExit("--records-per-job: must be 0 or more")
     if args.soak_png and args.soak is None:
@@ -258,6 +267,7 @@ def options_from(args: argparse.Namespace) -> Options:
         profile=args.profile,
         soak_interval=soak_interval,
         soak_png=args.soak_png,
+        soak_bare=args.soak_bare,
         records_per_job=args.records_per_job,
         stats=args.stats,
         autovacuum=args.autovacuum,
@@ -781,9 +791,11 @@ class Maintenance:
         out = []
         for slot in range(count):
             begin, end = start_epoch + slot * interval, start_epoch + (slot + 1) * interval
-            inside = [r for r in self.readings if begin <= r["at"] < end]
-            around = [r for r in self.readings if r["at"] < begin][-1:] + inside
-            if len(around) < 2:
+            # From the last reading at or before the interval's start to the last one
+            # inside it (none inside: nothing moved that could be seen).
+            inside = [r for r in self.readings if begin < r["at"] <= end]
+            around = [r for r in self.readings if r["at"] <= begin][-1:] + inside
+            if not around:
                 out.append({})
                 continue
             first, last = around[0], around[-1]
@@ -1708,7 +1720,12 @@ def run(opts: Options) -> int:
                 except (BenchError, RuntimeError, OSError) as error:
                     failures.append(f"{backend}: {error}")
                     print(f"bench: {backend} failed: {error}", file=sys.stderr, flush=True)
-        if bare_proxy is not None and not opts.quick and "writes" in opts.targets:
+        if (
+            bare_proxy is not None
+            and not opts.quick
+            and not opts.soak_interval
+            and "writes" in opts.targets
+        ):
             # Measured again at the end: the ratios use the mean of both, so a machine that
             # got busier or quieter during the run shows (and skews nothing one-sidedly).
             measure_bare("bare-again", "bare aiohttp proxy (again, at the end)")
@@ -1769,9 +1786,11 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
     curves = {}
     for row in rows:
         intervals = row.get("intervals") or []
-        if row.get("section") != "writes" or row.get("backend") is None or not intervals:
+        if row.get("section") != "writes" or not intervals:
             continue
-        curves[row["backend"]] = intervals
+        bare = row.get("backend") is None  # the bare proxy: the machine's drift, not judged
+        name = "bare proxy" if bare else row["backend"]
+        curves[name] = intervals
         first, last = intervals[0], intervals[-1]
         rps_change = last["rps"] / first["rps"] - 1 if first["rps"] else None
         p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else None
@@ -1781,11 +1800,9 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
             and p99_change is not None
             and p99_change <= SOAK_FLAT
         )
-        row["soak_rps_change"], row["soak_p99_change"], row["soak_flat"] = (
-            rps_change,
-            p99_change,
-            flat,
-        )
+        row["soak_rps_change"], row["soak_p99_change"] = rps_change, p99_change
+        if not bare:
+            row["soak_flat"] = flat
         head = ["from (s)", "writes/s", "p50 ms", "p99 ms"]
         body = [
             [f"{i['start_seconds']:g}", fmt_int(i["rps"]), fmt(i["p50_ms"]), fmt(i["p99_ms"])]
@@ -1795,13 +1812,18 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
             head += MAINTENANCE_HEAD
             for line, interval in zip(body, intervals, strict=True):
                 line += maintenance_cells(interval.get("postgres") or {})
+        trend = row["soak_trend"] = soak_trend([i["rps"] for i in intervals])
         lines.append("")
-        lines.append(f"{row['backend']}:")
+        lines.append(f"{name}:" if not bare else f"{name} (the machine's own drift, not judged):")
         lines.append(table(head, body))
         lines.append(
             f"last vs first: throughput {fmt(100 * (rps_change or 0), 1)} %, "
-            f"p99 {fmt(100 * (p99_change or 0), 1)} % -> {verdict(flat)}"
+            f"p99 {fmt(100 * (p99_change or 0), 1)} %"
+            + ("" if bare else f" -> {verdict(flat)}")
+            + f"; fitted trend over the soak {fmt(100 * trend, 1)} %"
         )
+        if bare:
+            continue
         change = row.get("postgres_change")
         if change and row.get("ok"):
             after = row["postgres_after"]
@@ -1818,6 +1840,21 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
     if opts.soak_png and curves:
         lines.append(draw_soak(curves, opts))
     return "\n".join(lines)
+
+
+def soak_trend(values: Sequence[float]) -> float:
+    """The least-squares line through the intervals' throughput: its change from the
+    first interval to the last, relative to the mean (one noisy minute moves it little,
+    unlike last against first)."""
+    n = len(values)
+    mean = sum(values) / n if n else 0.0
+    if n < 2 or not mean:
+        return 0.0
+    mid = (n - 1) / 2
+    slope = sum((i - mid) * (v - mean) for i, v in enumerate(values)) / sum(
+        (i - mid) ** 2 for i in range(n)
+    )
+    return slope * (n - 1) / mean
 
 
 MAINTENANCE_HEAD = [

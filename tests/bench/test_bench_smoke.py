@@ -109,18 +109,25 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
     before = autovacuum(pg_database_url)
     wanted = "on" if before == "off" else "off"
     result = run_quick(
-        "--soak", "3", "--soak-interval", "1", "--backends", "sqlite,postgres",
+        "--soak", "3", "--soak-interval", "1", "--soak-bare", "--backends", "sqlite,postgres",
         "--postgres-url", pg_database_url, "--json", str(out), "--autovacuum", wanted,
     )  # fmt: skip
     assert autovacuum(pg_database_url) == before  # the server's setting is put back
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     assert "last vs first: throughput" in result.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert {r["backend"] for r in rows} == {"sqlite", "postgres"}
+    # The bare proxy soaked first, for the same length: the machine's drift, not judged.
+    [bare] = [r for r in rows if r["backend"] is None]
+    assert bare["target"].startswith("bare") and "soak_flat" not in bare
+    assert "the machine's own drift, not judged" in result.stdout
+    assert "fitted trend over the soak" in result.stdout
+    assert {r["backend"] for r in rows} == {None, "sqlite", "postgres"}
     for row in rows:
         assert [i["start_seconds"] for i in row["intervals"]] == [0, 1, 2]
         assert all(i["rps"] > 0 and i["p99_ms"] >= i["p50_ms"] > 0 for i in row["intervals"])
-        assert row["soak_rps_change"] is not None and row["soak_flat"] in (True, False)
+        assert isinstance(row["soak_trend"], float)
+        if row["backend"] is not None:
+            assert row["soak_rps_change"] is not None and row["soak_flat"] in (True, False)
     # PostgreSQL's side of a long run: the records each write left, and the WAL.
     [pg] = [r for r in rows if r["backend"] == "postgres"]
     assert pg["autovacuum"] == wanted
@@ -138,6 +145,18 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
         assert passes == 0, passes
     assert pg["postgres_after"]["live_rows"] + pg["postgres_after"]["dead_rows"] > 0
     assert "bytes per write" in result.stdout
+    # PostgreSQL's background work, read once a second, per interval of the soak.
+    seen = [i["postgres"] for i in pg["intervals"]]
+    assert all(
+        set(s) == {"vacuum_seconds", "autovacuums", "checkpoints", "buffers_checkpoint",
+                   "buffers_backend", "wal_bytes", "dead_rows"}
+        for s in seen
+    ), seen  # fmt: skip
+    assert sum(s["wal_bytes"] for s in seen) > 0  # the writes' WAL, minute by minute
+    assert all(s["vacuum_seconds"] >= 0 and s["autovacuums"] >= 0 for s in seen)
+    assert "vacuum s" in result.stdout and "WAL MiB" in result.stdout
+    [lite] = [r for r in rows if r["backend"] == "sqlite"]
+    assert all("postgres" not in i for i in lite["intervals"])
 
 
 def test_soak_options_are_checked() -> None:
@@ -146,6 +165,19 @@ def test_soak_options_are_checked() -> None:
         (["--soak", "2", "--soak-interval", "5"], "--soak-interval"),
         (["--soak", "2", "--duration", "5"], "the soak's length is --soak"),
         (["--soak-png", "x.png"], "--soak-png: only with --soak"),
+        (["--soak-bare"], "--soak-bare: only with --soak"),
     ):
         result = run_quick(*args)
         assert result.returncode != 0 and message in result.stderr, (args, result.stderr)
+
+
+def test_the_soaks_trend_is_the_fitted_lines_change() -> None:
+    """One noisy interval moves last-against-first a lot and the fitted trend little."""
+    from bench.run import soak_trend
+
+    assert soak_trend([100.0, 100.0, 100.0]) == 0.0
+    assert abs(soak_trend([90.0, 100.0, 110.0]) - 0.2) < 1e-9  # +20 % of the mean
+    flat_with_a_dip = [100.0] * 9 + [80.0]
+    assert round(flat_with_a_dip[-1] / flat_with_a_dip[0] - 1, 9) == -0.2  # last vs first
+    assert -0.11 < soak_trend(flat_with_a_dip) < 0  # about half of it
+    assert soak_trend([5.0]) == 0.0
