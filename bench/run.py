@@ -730,6 +730,38 @@ async def pg_execute(dsn: str, *statements: str) -> None:
         await conn.close()
 
 
+# What a long run may change under the hot statements, read from PostgreSQL's own
+# statistics: the records table's live and dead rows, autovacuum passes over it, its size
+# (indexes included), whether a vacuum of it is running now; buffers the checkpointer and
+# the backends wrote (the latter when the background writer fell behind), checkpoints
+# and WAL. ``Database.server_state`` reads it before and after a run, ``Maintenance``
+# once a second during a soak.
+PG_STATE = """
+    SELECT extract(epoch FROM clock_timestamp())::float8 AS at,
+           t.n_live_tup AS live_rows, t.n_dead_tup AS dead_rows,
+           t.autovacuum_count AS autovacuums,
+           pg_total_relation_size('idempotency_records')::float8 AS records_bytes,
+           EXISTS (SELECT 1 FROM pg_stat_progress_vacuum AS p
+                   WHERE p.relid = 'idempotency_records'::regclass) AS vacuuming,
+           b.buffers_checkpoint, b.buffers_backend,
+           b.checkpoints_timed + b.checkpoints_req AS checkpoints,
+           pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes
+    FROM pg_stat_user_tables AS t, pg_stat_bgwriter AS b
+    WHERE t.relname = 'idempotency_records'
+"""
+# The readings that are counters or levels (what ``server_state`` compares).
+PG_STATE_COUNTS = (
+    "live_rows",
+    "dead_rows",
+    "autovacuums",
+    "records_bytes",
+    "buffers_checkpoint",
+    "buffers_backend",
+    "checkpoints",
+    "wal_bytes",
+)
+
+
 class Maintenance:
     """PostgreSQL's own background work during a soak, read once a second on one
     connection of its own: whether a vacuum of the records table is running, the
@@ -737,18 +769,6 @@ class Maintenance:
     passes. Per interval of the soak it says which minute had which (the soak's last
     minute can then be told apart from a vacuum pass or a checkpoint)."""
 
-    QUERY = """
-        SELECT extract(epoch FROM clock_timestamp())::float8 AS at,
-               EXISTS (SELECT 1 FROM pg_stat_progress_vacuum AS p
-                       JOIN pg_class AS c ON c.oid = p.relid
-                       WHERE c.relname = 'idempotency_records') AS vacuuming,
-               b.buffers_checkpoint, b.buffers_backend,
-               b.checkpoints_timed + b.checkpoints_req AS checkpoints,
-               pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes,
-               t.autovacuum_count AS autovacuums, t.n_dead_tup AS dead_rows
-        FROM pg_stat_bgwriter AS b, pg_stat_user_tables AS t
-        WHERE t.relname = 'idempotency_records'
-    """
     EVERY = 1.0
 
     def __init__(self, dsn: str) -> None:
@@ -778,7 +798,7 @@ class Maintenance:
         conn = await asyncpg.connect(self.dsn)
         try:
             while not self._stop.is_set():
-                self.readings.append(dict(await conn.fetchrow(self.QUERY)))
+                self.readings.append(dict(await conn.fetchrow(PG_STATE)))
                 await asyncio.to_thread(self._stop.wait, self.EVERY)
         finally:
             await conn.close()
@@ -886,22 +906,11 @@ class Database:
         return {"planner_rows": believed}
 
     def server_state(self) -> dict[str, float]:
-        """PostgreSQL: what a long run may change under the hot statements: the records
-        table's live and dead rows and size (indexes included), buffers that backends had
-        to write themselves (the background writer fell behind), checkpoints and WAL."""
+        """PostgreSQL: what a long run may change under the hot statements (``PG_STATE``)."""
         if self.backend != "postgres":
             return {}
-        query = """
-            SELECT t.n_live_tup AS live_rows, t.n_dead_tup AS dead_rows,
-                   t.autovacuum_count AS autovacuums,
-                   pg_total_relation_size('idempotency_records') AS records_bytes,
-                   b.buffers_backend, b.checkpoints_timed + b.checkpoints_req AS checkpoints,
-                   pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0') AS wal_bytes
-            FROM pg_stat_user_tables AS t, pg_stat_bgwriter AS b
-            WHERE t.relname = 'idempotency_records'
-        """
-        row = asyncio.run(pg_fetchrow(self.dsn, query))
-        return {k: float(v) for k, v in row.items()}
+        row = asyncio.run(pg_fetchrow(self.dsn, PG_STATE))
+        return {k: float(row[k]) for k in PG_STATE_COUNTS}
 
     def analyze(self) -> None:
         if self.backend == "postgres":
@@ -1537,12 +1546,10 @@ def run_backend(
                     )
                 records = db.count("idempotency_records")
                 before = db.server_state()
-                maintenance: contextlib.AbstractContextManager[Any] = (
-                    Maintenance(db.dsn)
-                    if opts.soak_interval and backend == "postgres"
-                    else contextlib.nullcontext()
+                maintenance = (
+                    Maintenance(db.dsn) if opts.soak_interval and backend == "postgres" else None
                 )
-                with maintenance:
+                with maintenance or contextlib.nullcontext():
                     result = run_driver(
                         children,
                         opts,
@@ -1564,7 +1571,7 @@ def run_backend(
                         leases_taken=lambda: db.gather_stats("jobs", "leases", "fences"),
                     )
                 after = db.server_state()
-                if isinstance(maintenance, Maintenance) and result.get("intervals"):
+                if maintenance is not None and result.get("intervals"):
                     if maintenance.error is not None:
                         print(f"    no maintenance readings: {maintenance.error!r}", flush=True)
                     per = maintenance.per_interval(
