@@ -762,23 +762,20 @@ PG_STATE_COUNTS = (
 )
 
 
-class Maintenance:
-    """PostgreSQL's own background work during a soak, read once a second on one
-    connection of its own: whether a vacuum of the records table is running, the
-    buffers the checkpointer and the backends wrote, WAL, checkpoints and autovacuum
-    passes. Per interval of the soak it says which minute had which (the soak's last
-    minute can then be told apart from a vacuum pass or a checkpoint)."""
+class Readings:
+    """What a soak reads once a second beside the load, on a thread of its own; per
+    interval of the soak, what moved in it (the soak's last minute can then be told
+    apart from a vacuum pass, a checkpoint or a log grown large)."""
 
     EVERY = 1.0
 
-    def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
+    def __init__(self) -> None:
         self.readings: list[dict[str, Any]] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="maintenance", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="readings", daemon=True)
 
-    def __enter__(self) -> Maintenance:
+    def __enter__(self) -> Readings:
         self._thread.start()
         return self
 
@@ -788,9 +785,44 @@ class Maintenance:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._poll())
+            self.poll()
         except BaseException as error:  # reported with the intervals, never fatal
             self.error = error
+
+    def poll(self) -> None:
+        """Append a reading (with its epoch ``at``) every ``EVERY`` seconds until told
+        to stop."""
+        raise NotImplementedError
+
+    def seen(self, around: list[dict[str, Any]]) -> dict[str, float]:
+        """One interval's readings, from the last one at or before its start."""
+        raise NotImplementedError
+
+    def per_interval(
+        self, start_epoch: float, interval: float, count: int
+    ) -> list[dict[str, float]]:
+        out = []
+        for slot in range(count):
+            begin, end = start_epoch + slot * interval, start_epoch + (slot + 1) * interval
+            # From the last reading at or before the interval's start to the last one
+            # inside it (none inside: nothing moved that could be seen).
+            inside = [r for r in self.readings if begin < r["at"] <= end]
+            around = [r for r in self.readings if r["at"] <= begin][-1:] + inside
+            out.append(self.seen(around) if around else {})
+        return out
+
+
+class Maintenance(Readings):
+    """PostgreSQL's own background work, read on one connection of its own: whether a
+    vacuum of the records table is running, the buffers the checkpointer and the
+    backends wrote, WAL, checkpoints and autovacuum passes."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__()
+        self.dsn = dsn
+
+    def poll(self) -> None:
+        asyncio.run(self._poll())
 
     async def _poll(self) -> None:
         import asyncpg
@@ -803,36 +835,52 @@ class Maintenance:
         finally:
             await conn.close()
 
-    def per_interval(
-        self, start_epoch: float, interval: float, count: int
-    ) -> list[dict[str, float]]:
-        """For each of ``count`` intervals from ``start_epoch``: seconds a vacuum of the
-        records table was seen running, and what the counters moved by."""
-        out = []
-        for slot in range(count):
-            begin, end = start_epoch + slot * interval, start_epoch + (slot + 1) * interval
-            # From the last reading at or before the interval's start to the last one
-            # inside it (none inside: nothing moved that could be seen).
-            inside = [r for r in self.readings if begin < r["at"] <= end]
-            around = [r for r in self.readings if r["at"] <= begin][-1:] + inside
-            if not around:
-                out.append({})
-                continue
-            first, last = around[0], around[-1]
-            out.append(
+    def seen(self, around: list[dict[str, Any]]) -> dict[str, float]:
+        first, last = around[0], around[-1]
+        return {
+            "vacuum_seconds": sum(
+                b["at"] - a["at"] for a, b in itertools.pairwise(around) if b["vacuuming"]
+            ),
+            "autovacuums": last["autovacuums"] - first["autovacuums"],
+            "checkpoints": last["checkpoints"] - first["checkpoints"],
+            "buffers_checkpoint": last["buffers_checkpoint"] - first["buffers_checkpoint"],
+            "buffers_backend": last["buffers_backend"] - first["buffers_backend"],
+            "wal_bytes": last["wal_bytes"] - first["wal_bytes"],
+            "dead_rows": last["dead_rows"],
+        }
+
+
+class SqliteFiles(Readings):
+    """SQLite's files: the write-ahead log (its largest size in the interval: bounded,
+    or a log that never restarts) and the database file."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def poll(self) -> None:
+        while not self._stop.is_set():
+            self.readings.append(
                 {
-                    "vacuum_seconds": sum(
-                        b["at"] - a["at"] for a, b in itertools.pairwise(around) if b["vacuuming"]
-                    ),
-                    "autovacuums": last["autovacuums"] - first["autovacuums"],
-                    "checkpoints": last["checkpoints"] - first["checkpoints"],
-                    "buffers_checkpoint": last["buffers_checkpoint"] - first["buffers_checkpoint"],
-                    "buffers_backend": last["buffers_backend"] - first["buffers_backend"],
-                    "wal_bytes": last["wal_bytes"] - first["wal_bytes"],
-                    "dead_rows": last["dead_rows"],
+                    "at": time.time(),
+                    "log_bytes": file_size(f"{self.path}-wal"),
+                    "file_bytes": file_size(self.path),
                 }
             )
-        return out
+            self._stop.wait(self.EVERY)
+
+    def seen(self, around: list[dict[str, Any]]) -> dict[str, float]:
+        return {
+            "log_bytes_max": max(r["log_bytes"] for r in around),
+            "file_bytes": around[-1]["file_bytes"],
+        }
+
+
+def file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
 
 
 async def pg_fetchval(dsn: str, query: str) -> Any:
@@ -1546,10 +1594,14 @@ def run_backend(
                     )
                 records = db.count("idempotency_records")
                 before = db.server_state()
-                maintenance = (
-                    Maintenance(db.dsn) if opts.soak_interval and backend == "postgres" else None
-                )
-                with maintenance or contextlib.nullcontext():
+                readings: Readings | None = None
+                if opts.soak_interval:
+                    readings = (
+                        Maintenance(db.dsn)
+                        if backend == "postgres"
+                        else SqliteFiles(db.sqlite_path)
+                    )
+                with readings or contextlib.nullcontext():
                     result = run_driver(
                         children,
                         opts,
@@ -1571,14 +1623,14 @@ def run_backend(
                         leases_taken=lambda: db.gather_stats("jobs", "leases", "fences"),
                     )
                 after = db.server_state()
-                if maintenance is not None and result.get("intervals"):
-                    if maintenance.error is not None:
-                        print(f"    no maintenance readings: {maintenance.error!r}", flush=True)
-                    per = maintenance.per_interval(
+                if readings is not None and result.get("intervals"):
+                    if readings.error is not None:
+                        print(f"    no {backend} readings: {readings.error!r}", flush=True)
+                    per = readings.per_interval(
                         result["window_start_epoch"], opts.soak_interval, len(result["intervals"])
                     )
                     for interval, seen in zip(result["intervals"], per, strict=True):
-                        interval["postgres"] = seen
+                        interval[backend] = seen
                 if before and after:
                     result["postgres_after"] = after
                     result["postgres_change"] = {k: after[k] - before[k] for k in after}
@@ -1815,10 +1867,14 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
             [f"{i['start_seconds']:g}", fmt_int(i["rps"]), fmt(i["p50_ms"]), fmt(i["p99_ms"])]
             for i in intervals
         ]
-        if any(i.get("postgres") for i in intervals):
-            head += MAINTENANCE_HEAD
-            for line, interval in zip(body, intervals, strict=True):
-                line += maintenance_cells(interval.get("postgres") or {})
+        for key, more, cells in (
+            ("postgres", MAINTENANCE_HEAD, maintenance_cells),
+            ("sqlite", FILES_HEAD, files_cells),
+        ):
+            if any(i.get(key) for i in intervals):
+                head += more
+                for line, interval in zip(body, intervals, strict=True):
+                    line += cells(interval.get(key) or {})
         trend = row["soak_trend"] = soak_trend([i["rps"] for i in intervals])
         lines.append("")
         lines.append(f"{name}:" if not bare else f"{name} (the machine's own drift, not judged):")
@@ -1888,6 +1944,16 @@ def maintenance_cells(seen: dict[str, float]) -> list[str]:
         fmt(seen["wal_bytes"] / 2**20, 0),
         fmt_int(seen["dead_rows"]),
     ]
+
+
+FILES_HEAD = ["log MiB (largest)", "file MiB"]
+
+
+def files_cells(seen: dict[str, float]) -> list[str]:
+    """A soak interval's SQLite files (``SqliteFiles``), as table cells."""
+    if not seen:
+        return ["-"] * len(FILES_HEAD)
+    return [fmt(seen["log_bytes_max"] / 2**20, 0), fmt(seen["file_bytes"] / 2**20, 0)]
 
 
 def draw_soak(curves: dict[str, list[dict[str, Any]]], opts: Options) -> str:

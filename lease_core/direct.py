@@ -476,7 +476,18 @@ def is_unavailable(error: BaseException) -> bool:
 # Inline operations between two checkpoints. SQLite's own default is every 1,000 pages of
 # log; an admission writes a handful of pages.
 CHECKPOINT_EVERY = 200
+# The log's bound. A passive checkpoint copies the log without holding up a writer, but
+# the log starts again from its beginning only once every frame is copied before the
+# next write begins: never while the event loop writes without a pause (the benchmark's
+# soak grew it past a gigabyte). Past this size the database thread restarts it, and
+# every connection cuts the file back to it (``journal_size_limit``).
+WAL_LIMIT_BYTES = 64 * 1024 * 1024
+# How long that restart waits for a reader or writer to finish with the log before it
+# gives up until the next checkpoint; writers wait for it meanwhile.
+WAL_RESTART_WAIT_MS = 200
 _CHECKPOINT = "checkpoint"
+# The database thread's wait for the write lock (another process holds it).
+BUSY_TIMEOUT_MS = 10_000
 _Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]
 
 
@@ -489,12 +500,15 @@ class SqliteDirect(Direct):
         self._jobs: queue.SimpleQueue[_Job | str | None] = queue.SimpleQueue()
         self._written = 0  # inline operations since the last checkpoint was asked for
         self._checkpoint_queued = False
+        self._log_bytes = 0  # the log's size at the last checkpoint (the thread's reading)
+        self._restart_missed = 0  # its size when a restart last gave up (0: none since)
         self._group: _Group | None = None  # the open group transaction
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Future[None] | None = None
         self._stopped_loop: asyncio.AbstractEventLoop | None = None
         self.handed_off = 0  # operations sent to the thread: the lock was taken
-        self._on_thread_now = 0  # of those, not answered yet
+        self._on_thread_now = 0  # of those, not answered by the thread yet
+        self._behind: list[asyncio.Future[None]] = []  # operations waiting for them
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         text = statement.sqlite
@@ -544,12 +558,15 @@ class SqliteDirect(Direct):
         return conn
 
     async def _run(self, work: Callable[[sqlite3.Connection], T], *, savepoint: bool) -> T:
+        while self._on_thread_now:
+            # Behind an operation that waits on the thread for the lock: wait until the
+            # thread has answered it, or the loop's group transactions would keep taking
+            # the lock before it; then inline. (Sent to the thread behind it, writers
+            # that never pause kept finding one another there, and stayed.)
+            behind: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._behind.append(behind)
+            await behind
         conn = self._connection()
-        if self._on_thread_now:
-            # Behind an operation that waits on the thread for the lock: queue behind it,
-            # or the loop's group transactions would keep taking the lock before it.
-            self.handed_off += 1
-            return await self._on_thread(work)
         group = self._group
         if group is None:
             try:
@@ -626,10 +643,30 @@ class SqliteDirect(Direct):
 
     def _checkpoint_soon(self) -> None:
         self._written = 0
-        if not self._checkpoint_queued:
-            self._checkpoint_queued = True
-            self._start_thread()
+        if self._checkpoint_queued:
+            return
+        self._checkpoint_queued = True
+        self._start_thread()
+        # A restart that gave up (a long read holds the log) is tried again only once the
+        # log has grown by the limit once more: each try holds up the writers.
+        if self._log_bytes < self._restart_missed + WAL_LIMIT_BYTES:
             self._jobs.put(_CHECKPOINT)
+            return
+        # The restart takes the write lock: the loop's operations wait behind it, as
+        # behind any operation on the thread, instead of racing it for the lock.
+        loop = asyncio.get_running_loop()
+        self._on_thread_now += 1
+        self._jobs.put((_restart_log, loop.create_future(), loop))
+
+    def _checkpoint(self, conn: sqlite3.Connection | None, *, restart: bool) -> None:
+        """On the thread, outside any transaction."""
+        self._checkpoint_queued = False
+        if conn is None:
+            return
+        with contextlib.suppress(sqlite3.Error):
+            log = self._log_bytes = _checkpoint(conn, restart=restart)
+            if restart or log < WAL_LIMIT_BYTES:
+                self._restart_missed = log
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -642,12 +679,25 @@ class SqliteDirect(Direct):
         loop = asyncio.get_running_loop()
         self._start_thread()
         future: asyncio.Future[T] = loop.create_future()
-        self._on_thread_now += 1
-        try:
-            self._jobs.put((work, future, loop))
-            return await future
-        finally:
-            self._on_thread_now -= 1
+        self._on_thread_now += 1  # counted down when the thread answers (``_deliver``)
+        self._jobs.put((work, future, loop))
+        return await future
+
+    def _deliver(self, results: Sequence[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+        """The thread's answers, on the event loop."""
+        self._on_thread_now -= len(results)
+        if not self._on_thread_now:
+            behind, self._behind = self._behind, []
+            for waiter in behind:
+                if not waiter.done():
+                    waiter.set_result(None)
+        for future, ok, value in results:
+            if future.cancelled():
+                continue
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
 
     async def close(self) -> None:
         if self._group is not None:
@@ -666,7 +716,7 @@ class SqliteDirect(Direct):
         thread.join()
 
     def _open(
-        self, *, busy_timeout_ms: int = 10000, check_same_thread: bool = True
+        self, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, check_same_thread: bool = True
     ) -> sqlite3.Connection:
         path = self._path
         if is_in_memory(sa.URL.create("sqlite", database=path)):
@@ -680,6 +730,7 @@ class SqliteDirect(Direct):
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
             conn.execute("PRAGMA cache_size = -65536")  # up to 64 MiB of pages, on demand
+            conn.execute(f"PRAGMA journal_size_limit = {int(WAL_LIMIT_BYTES)}")
         except sqlite3.Error as error:
             raise exc.StoreUnavailable() from error
         return conn
@@ -707,13 +758,14 @@ class SqliteDirect(Direct):
                     stop = True
                     continue
                 if job == _CHECKPOINT:
-                    self._checkpoint_queued = False
-                    if conn is not None:
-                        with contextlib.suppress(sqlite3.Error):
-                            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    self._checkpoint(conn, restart=False)
                     continue
                 assert not isinstance(job, str)
                 work, future, loop = job
+                if work is _restart_log:  # answered, so that the loop's writers go on
+                    self._checkpoint(conn, restart=True)
+                    answers.setdefault(loop, []).append((future, True, None))
+                    continue
                 try:
                     if conn is None:
                         assert opening_error is not None
@@ -724,7 +776,7 @@ class SqliteDirect(Direct):
                 answers.setdefault(loop, []).append(answer)
             for loop, results in answers.items():
                 try:
-                    loop.call_soon_threadsafe(_deliver, results)
+                    loop.call_soon_threadsafe(self._deliver, results)
                 except RuntimeError:  # that loop is closed: nobody waits for these
                     pass
         if conn is not None:
@@ -734,6 +786,30 @@ class SqliteDirect(Direct):
                 self._stopped_loop.call_soon_threadsafe(_set_done, self._stopped)
             except RuntimeError:
                 pass
+
+
+def _checkpoint(conn: sqlite3.Connection, *, restart: bool) -> int:
+    """Copy the log into the database file; return the bytes of log left to restart.
+    PASSIVE holds up no writer. RESTART holds the write lock while it copies what is
+    left and waits for the log's readers, so that the next write starts the log from
+    its beginning; it waits ``WAL_RESTART_WAIT_MS`` at most, then gives up until the
+    next checkpoint."""
+    if not restart:
+        busy, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    else:
+        conn.execute(f"PRAGMA busy_timeout = {int(WAL_RESTART_WAIT_MS)}")
+        try:
+            busy, frames, _ = conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        if not busy:
+            return 0
+    page_size: int = conn.execute("PRAGMA page_size").fetchone()[0]
+    return max(int(frames), 0) * page_size
+
+
+def _restart_log(conn: sqlite3.Connection) -> None:
+    """The job that restarts the log: a marker, ``SqliteDirect._serve`` runs it."""
 
 
 def _chain_sqlite(
@@ -779,16 +855,6 @@ def _transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], 
         if is_unavailable(error):
             raise exc.StoreUnavailable() from error
         raise
-
-
-def _deliver(results: Sequence[tuple[asyncio.Future[Any], bool, Any]]) -> None:
-    for future, ok, value in results:
-        if future.cancelled():
-            continue
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

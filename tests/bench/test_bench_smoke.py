@@ -160,6 +160,12 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
     assert "vacuum s" in result.stdout and "WAL MiB" in result.stdout
     [lite] = [r for r in rows if r["backend"] == "sqlite"]
     assert all("postgres" not in i for i in lite["intervals"])
+    # SQLite's files, read once a second: the log's largest size and the database file.
+    files = [i["sqlite"] for i in lite["intervals"]]
+    assert all(set(f) == {"log_bytes_max", "file_bytes"} for f in files), files
+    assert all(f["file_bytes"] > 0 and f["log_bytes_max"] >= 0 for f in files), files
+    assert max(f["log_bytes_max"] for f in files) > 0  # the writes went through the log
+    assert "log MiB (largest)" in result.stdout
 
 
 def test_soak_options_are_checked() -> None:

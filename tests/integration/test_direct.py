@@ -1167,7 +1167,8 @@ async def test_sqlite_hand_off_while_the_engine_holds_the_write_lock(
         tasks = [asyncio.ensure_future(direct.run(insert(f"off-{i}"))) for i in range(3)]
         doomed = asyncio.ensure_future(direct.run(failing))
         await asyncio.sleep(0.3)  # the event loop is free meanwhile
-        assert direct.handed_off == before + 4
+        # The first waits on the thread for the lock, the others behind it, on the loop.
+        assert direct.handed_off == before + 1
         assert not any(task.done() for task in [*tasks, doomed])
         assert reader("off-%") == 0 and reader("engine") == 0
     ids = await asyncio.wait_for(asyncio.gather(*tasks), 10)
@@ -1208,11 +1209,39 @@ async def test_sqlite_operations_queue_behind_one_waiting_on_the_thread(
 
 
 @ON_SQLITE
+async def test_sqlite_writers_without_a_pause_go_back_inline_after_a_hand_off(
+    engine: AsyncEngine, sqlite_path: Path, reader: Callable[[str], int]
+) -> None:
+    """Operations wait behind the one on the thread only until the thread has answered
+    it, then run inline. Sent to the thread behind it instead, writers that never pause
+    kept one another there: every operation after a single busy moment went to the
+    thread, one transaction each, for as long as the load lasted."""
+    direct = sqlite_direct(engine)
+    await direct.run(insert("warm"))
+    before = direct.handed_off
+
+    async def writer(n: int) -> None:
+        for i in range(100):
+            await direct.run(insert(f"load-{n}-{i}"))
+
+    with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")  # another process's writer, for a moment
+        writers = asyncio.ensure_future(asyncio.gather(*(writer(n) for n in range(16))))
+        await asyncio.sleep(0.05)
+        other.execute("COMMIT")
+    await asyncio.wait_for(writers, 30)
+    handed = direct.handed_off - before
+    assert handed == 1, f"{handed} of 1,600 operations went to the thread"  # the first
+    assert reader("load-%") == 1600
+
+
+@ON_SQLITE
 async def test_sqlite_hand_off_of_a_gateway_admission(
     engine: AsyncEngine, store: LeaseStore, gstore: GatewayStore, sqlite_path: Path
 ) -> None:
-    """Another process's writer holds the lock: admissions wait on the database thread
-    while the event loop goes on, and all of them land once it commits."""
+    """Another process's writer holds the lock: the first admission waits on the
+    database thread, the others behind it, while the event loop goes on; all of them
+    land once it commits."""
     direct = sqlite_direct(engine)
     token = await lease(store, "j")
     with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
@@ -1223,7 +1252,7 @@ async def test_sqlite_hand_off_of_a_gateway_admission(
         other.execute("COMMIT")
     results = await asyncio.wait_for(asyncio.gather(*pending), 10)
     assert all(a.claimed for a in results)
-    assert direct.handed_off >= 4
+    assert direct.handed_off >= 1
     assert set(await record_rows(store)) == {("j", f"k{i}") for i in range(4)}
 
 
@@ -1289,6 +1318,74 @@ async def test_sqlite_no_checkpoint_before_checkpoint_every(
     await asyncio.sleep(0.3)
     assert direct._thread is None
     assert main_file(sqlite_path) == before  # the inline connection never checkpoints
+
+
+@ON_SQLITE
+async def test_sqlite_the_log_stays_bounded_under_writes_without_a_pause(
+    engine: AsyncEngine, sqlite_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A passive checkpoint copies the log but cannot restart it while the event loop
+    keeps writing: under load without a pause the log grew past a gigabyte in the
+    benchmark's soak. Past ``WAL_LIMIT_BYTES`` the database thread restarts it (writers
+    wait for that, on the thread), and the file is cut back to that size."""
+    monkeypatch.setattr(direct_module, "CHECKPOINT_EVERY", 20)
+    monkeypatch.setattr(direct_module, "WAL_LIMIT_BYTES", 256 * 1024)
+    direct = sqlite_direct(engine)
+    wal = Path(f"{sqlite_path}-wal")
+    blob = b"x" * 4000
+    largest = 0
+    done = 0
+
+    async def writer(n: int) -> None:
+        nonlocal largest, done
+        for i in range(150):
+            await direct.run(insert(f"w{n}-{i}", blob))
+            done += 1
+            if wal.exists():
+                largest = max(largest, wal.stat().st_size)
+
+    await asyncio.gather(*(writer(n) for n in range(16)))
+    assert done == 2400  # 2,400 rows of 4 KB: about 10 MB through the log
+    # The limit, plus what is written while a checkpoint is on its way.
+    assert largest < 2 * 1024 * 1024, f"the log reached {largest:,} bytes"
+    with closing(sqlite3.connect(sqlite_path)) as check:
+        assert check.execute("SELECT count(*) FROM probe").fetchone()[0] == 2400
+
+
+@ON_SQLITE
+async def test_sqlite_a_read_holding_the_log_delays_its_restart_never_a_write(
+    engine: AsyncEngine, sqlite_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart waits for the log's readers: one holding its snapshot makes it give up
+    (writes wait only ``WAL_RESTART_WAIT_MS`` for it), and once that read ends the next
+    restart takes the log back to its beginning and the file back to the limit."""
+    monkeypatch.setattr(direct_module, "CHECKPOINT_EVERY", 20)
+    monkeypatch.setattr(direct_module, "WAL_LIMIT_BYTES", 256 * 1024)
+    monkeypatch.setattr(direct_module, "WAL_RESTART_WAIT_MS", 20)
+    direct = sqlite_direct(engine)
+    wal = Path(f"{sqlite_path}-wal")
+    blob = b"x" * 4000
+
+    async def load(prefix: str) -> None:
+        async def writer(n: int) -> None:
+            for i in range(40):
+                await direct.run(insert(f"{prefix}-{n}-{i}", blob))
+
+        await asyncio.gather(*(writer(n) for n in range(16)))
+
+    await direct.run(insert("warm"))
+    with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
+        other.execute("BEGIN")
+        assert other.execute("SELECT count(*) FROM probe").fetchone()[0] == 1  # a snapshot
+        await load("held")  # 640 rows of 4 KB: about 2.6 MB of log the read keeps
+        assert other.execute("SELECT count(*) FROM probe").fetchone()[0] == 1
+        held = wal.stat().st_size
+        assert held > 2 * 1024 * 1024  # the restarts gave up: the read still needs it all
+        other.execute("COMMIT")
+    await load("after")
+    assert wal.stat().st_size < held  # restarted, and cut back toward the limit
+    with closing(sqlite3.connect(sqlite_path)) as check:
+        assert check.execute("SELECT count(*) FROM probe").fetchone()[0] == 1 + 2 * 640
 
 
 @ON_SQLITE
