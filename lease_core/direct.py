@@ -665,8 +665,10 @@ class SqliteDirect(Direct):
             return
         with contextlib.suppress(sqlite3.Error):
             log = self._log_bytes = _checkpoint(conn, restart=restart)
-            if restart or log < WAL_LIMIT_BYTES:
-                self._restart_missed = log
+            if restart:
+                self._restart_missed = log  # 0: restarted
+            elif log < WAL_LIMIT_BYTES:
+                self._restart_missed = 0  # restarted in a pause, or by another process
 
     def _start_thread(self) -> None:
         if self._thread is None:

@@ -1327,9 +1327,10 @@ async def test_sqlite_the_log_stays_bounded_under_writes_without_a_pause(
     """A passive checkpoint copies the log but cannot restart it while the event loop
     keeps writing: under load without a pause the log grew past a gigabyte in the
     benchmark's soak. Past ``WAL_LIMIT_BYTES`` the database thread restarts it (writers
-    wait for that, on the thread), and the file is cut back to that size."""
-    monkeypatch.setattr(direct_module, "CHECKPOINT_EVERY", 20)
-    monkeypatch.setattr(direct_module, "WAL_LIMIT_BYTES", 256 * 1024)
+    wait behind that), and the file is cut back to that size."""
+    limit = 2 * 1024 * 1024
+    monkeypatch.setattr(direct_module, "CHECKPOINT_EVERY", 10)
+    monkeypatch.setattr(direct_module, "WAL_LIMIT_BYTES", limit)
     direct = sqlite_direct(engine)
     wal = Path(f"{sqlite_path}-wal")
     blob = b"x" * 4000
@@ -1338,18 +1339,19 @@ async def test_sqlite_the_log_stays_bounded_under_writes_without_a_pause(
 
     async def writer(n: int) -> None:
         nonlocal largest, done
-        for i in range(150):
+        for i in range(250):
             await direct.run(insert(f"w{n}-{i}", blob))
             done += 1
             if wal.exists():
                 largest = max(largest, wal.stat().st_size)
 
     await asyncio.gather(*(writer(n) for n in range(16)))
-    assert done == 2400  # 2,400 rows of 4 KB: about 10 MB through the log
-    # The limit, plus what is written while a checkpoint is on its way.
-    assert largest < 2 * 1024 * 1024, f"the log reached {largest:,} bytes"
+    assert done == 4000  # 4,000 rows of 4 KB: about 16 MB through the log
+    # The limit, plus what is written while checkpoints are on their way (up to 4.7 MB
+    # seen); without the restart, all of it.
+    assert largest < 3 * limit, f"the log reached {largest:,} bytes"
     with closing(sqlite3.connect(sqlite_path)) as check:
-        assert check.execute("SELECT count(*) FROM probe").fetchone()[0] == 2400
+        assert check.execute("SELECT count(*) FROM probe").fetchone()[0] == 4000
 
 
 @ON_SQLITE
@@ -1382,10 +1384,15 @@ async def test_sqlite_a_read_holding_the_log_delays_its_restart_never_a_write(
         held = wal.stat().st_size
         assert held > 2 * 1024 * 1024  # the restarts gave up: the read still needs it all
         other.execute("COMMIT")
-    await load("after")
-    assert wal.stat().st_size < held  # restarted, and cut back toward the limit
+    # The next restart comes once the log has grown by the limit again; the file is cut
+    # back at the first commit after it.
+    rounds = 0
+    while wal.stat().st_size >= held:
+        rounds += 1
+        assert rounds <= 5, "the log was never restarted after the read ended"
+        await load(f"after{rounds}")
     with closing(sqlite3.connect(sqlite_path)) as check:
-        assert check.execute("SELECT count(*) FROM probe").fetchone()[0] == 1 + 2 * 640
+        assert check.execute("SELECT count(*) FROM probe").fetchone()[0] == 1 + 640 * (1 + rounds)
 
 
 @ON_SQLITE
