@@ -957,6 +957,25 @@ def insert(who: str, blob: bytes | None = None) -> Callable[[sqlite3.Connection]
     return work
 
 
+async def write_load(
+    direct: SqliteDirect,
+    prefix: str,
+    each: int,
+    blob: bytes | None = None,
+    *,
+    after: Callable[[], None] = lambda: None,
+) -> None:
+    """Sixteen writers that never pause, ``each`` rows apiece (``prefix-writer-row``);
+    ``after`` runs after every row."""
+
+    async def writer(n: int) -> None:
+        for i in range(each):
+            await direct.run(insert(f"{prefix}-{n}-{i}", blob))
+            after()
+
+    await asyncio.gather(*(writer(n) for n in range(16)))
+
+
 class Boom(Exception):
     pass
 
@@ -1220,13 +1239,9 @@ async def test_sqlite_writers_without_a_pause_go_back_inline_after_a_hand_off(
     await direct.run(insert("warm"))
     before = direct.handed_off
 
-    async def writer(n: int) -> None:
-        for i in range(100):
-            await direct.run(insert(f"load-{n}-{i}"))
-
     with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
         other.execute("BEGIN IMMEDIATE")  # another process's writer, for a moment
-        writers = asyncio.ensure_future(asyncio.gather(*(writer(n) for n in range(16))))
+        writers = asyncio.ensure_future(write_load(direct, "load", 100))
         await asyncio.sleep(0.05)
         other.execute("COMMIT")
     await asyncio.wait_for(writers, 30)
@@ -1333,19 +1348,16 @@ async def test_sqlite_the_log_stays_bounded_under_writes_without_a_pause(
     monkeypatch.setattr(direct_module, "WAL_LIMIT_BYTES", limit)
     direct = sqlite_direct(engine)
     wal = Path(f"{sqlite_path}-wal")
-    blob = b"x" * 4000
     largest = 0
     done = 0
 
-    async def writer(n: int) -> None:
+    def measure() -> None:
         nonlocal largest, done
-        for i in range(250):
-            await direct.run(insert(f"w{n}-{i}", blob))
-            done += 1
-            if wal.exists():
-                largest = max(largest, wal.stat().st_size)
+        done += 1
+        if wal.exists():
+            largest = max(largest, wal.stat().st_size)
 
-    await asyncio.gather(*(writer(n) for n in range(16)))
+    await write_load(direct, "w", 250, b"x" * 4000, after=measure)
     assert done == 4000  # 4,000 rows of 4 KB: about 16 MB through the log
     # The limit, plus what is written while checkpoints are on their way (up to 4.7 MB
     # seen); without the restart, all of it.
@@ -1367,19 +1379,12 @@ async def test_sqlite_a_read_holding_the_log_delays_its_restart_never_a_write(
     direct = sqlite_direct(engine)
     wal = Path(f"{sqlite_path}-wal")
     blob = b"x" * 4000
-
-    async def load(prefix: str) -> None:
-        async def writer(n: int) -> None:
-            for i in range(40):
-                await direct.run(insert(f"{prefix}-{n}-{i}", blob))
-
-        await asyncio.gather(*(writer(n) for n in range(16)))
-
     await direct.run(insert("warm"))
     with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
         other.execute("BEGIN")
         assert other.execute("SELECT count(*) FROM probe").fetchone()[0] == 1  # a snapshot
-        await load("held")  # 640 rows of 4 KB: about 2.6 MB of log the read keeps
+        # 640 rows of 4 KB: about 2.6 MB of log that the read keeps.
+        await write_load(direct, "held", 40, blob)
         assert other.execute("SELECT count(*) FROM probe").fetchone()[0] == 1
         held = wal.stat().st_size
         assert held > 2 * 1024 * 1024  # the restarts gave up: the read still needs it all
@@ -1390,7 +1395,7 @@ async def test_sqlite_a_read_holding_the_log_delays_its_restart_never_a_write(
     while wal.stat().st_size >= held:
         rounds += 1
         assert rounds <= 5, "the log was never restarted after the read ended"
-        await load(f"after{rounds}")
+        await write_load(direct, f"after{rounds}", 40, blob)
     with closing(sqlite3.connect(sqlite_path)) as check:
         assert check.execute("SELECT count(*) FROM probe").fetchone()[0] == 1 + 640 * (1 + rounds)
 
