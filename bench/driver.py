@@ -119,6 +119,17 @@ class Recorder:
     per_second: dict[int, int] = field(default_factory=dict)
     interval: float = 0.0  # > 0: latencies also kept per interval of this many seconds
     per_interval: dict[int, array[float]] = field(default_factory=dict)
+    # > 0: the last ``check`` seconds of each interval go to the check target (the
+    # soak's bare proxy, the machine's speed now); kept apart, per interval.
+    check: float = 0.0
+    per_check: dict[int, array[float]] = field(default_factory=dict)
+
+    def phase(self, at: float) -> tuple[int, bool]:
+        """The interval ``at`` falls in, and whether it is in that interval's check."""
+        if self.interval <= 0 or at < self.window_start:
+            return -1, False
+        slot, into = divmod(at - self.window_start, self.interval)
+        return int(slot), self.check > 0 and into >= self.interval - self.check
 
     def record(self, started: float, ended: float, outcome: str) -> None:
         if outcome == EMPTY:
@@ -127,54 +138,97 @@ class Recorder:
             return
         if started < self.window_start or ended > self.window_end:
             return
-        if outcome == OK:
-            self.ok += 1
-            self.latencies.append(ended - started)
-            second = int(ended - self.window_start)
-            self.per_second[second] = self.per_second.get(second, 0) + 1
-            if self.interval > 0:
-                slot = int((ended - self.window_start) // self.interval)
-                self.per_interval.setdefault(slot, array("d")).append(ended - started)
-        else:
+        if outcome != OK:
             self.errors += 1
+            return
+        slot, checking = self.phase(started)
+        if self.check > 0 and self.phase(ended) != (slot, checking):
+            return  # across a switch of target: neither phase's
+        if checking:
+            self.per_check.setdefault(slot, array("d")).append(ended - started)
+            return
+        self.ok += 1
+        self.latencies.append(ended - started)
+        second = int(ended - self.window_start)
+        self.per_second[second] = self.per_second.get(second, 0) + 1
+        if self.interval > 0:
+            self.per_interval.setdefault(slot, array("d")).append(ended - started)
+
+
+def _interval_row(rec: Recorder, slot: int) -> dict[str, Any]:
+    own = sorted(rec.per_interval.get(slot, ()))
+    row = {
+        "start_seconds": slot * rec.interval,
+        "rps": len(own) / (rec.interval - rec.check),
+        "p50_ms": percentile(own, 0.50) * 1000,
+        "p99_ms": percentile(own, 0.99) * 1000,
+    }
+    if rec.check > 0:
+        checked = sorted(rec.per_check.get(slot, ()))
+        row["check_rps"] = len(checked) / rec.check
+        row["check_p50_ms"] = percentile(checked, 0.50) * 1000
+        row["check_p99_ms"] = percentile(checked, 0.99) * 1000
+    return row
 
 
 async def run_loops(
-    ops: Sequence[Op], warmup: float, duration: float, interval: float = 0.0
+    ops: Sequence[Op],
+    warmup: float,
+    duration: float,
+    interval: float = 0.0,
+    *,
+    check_ops: Sequence[Op] = (),
+    check: float = 0.0,
 ) -> dict[str, Any]:
     """Run each op in its own closed loop for ``warmup + duration`` seconds; with an
-    ``interval``, throughput and latencies per interval too (the soak's curve)."""
+    ``interval``, throughput and latencies per interval too (the soak's curve). With
+    ``check_ops``, loop i runs ``check_ops[i]`` instead for the last ``check`` seconds of
+    each interval: the soak reads the bare proxy's speed beside the gateway's, minute by
+    minute, so the machine's own drift divides out."""
+    if check_ops and not 0 < check < interval:
+        raise ValueError("check: needs an interval longer than the check")
     began = time.perf_counter()
     wall_began = time.time()
     print(f"{LOAD_STARTED} {wall_began:.3f}", flush=True)
-    rec = Recorder(began + warmup, began + warmup + duration, interval=interval)
+    rec = Recorder(
+        began + warmup,
+        began + warmup + duration,
+        interval=interval,
+        check=check if check_ops else 0.0,
+    )
 
-    async def loop(op: Op) -> None:
+    async def loop(op: Op, check_op: Op | None) -> None:
         clock = time.perf_counter
         while True:
             started = clock()
             if started >= rec.window_end or rec.empty_at is not None:
                 return
+            chosen = op
+            if check_op is not None and rec.phase(started)[1]:
+                chosen = check_op
             try:
-                outcome = await op()
+                outcome = await chosen()
             except (aiohttp.ClientError, OSError, TimeoutError) as error:
                 outcome = _error(0, f"{type(error).__name__}: {error}".encode())
             rec.record(started, clock(), outcome)
 
-    await asyncio.gather(*(loop(op) for op in ops))
+    checks: Sequence[Op | None] = check_ops or [None] * len(ops)
+    await asyncio.gather(*(loop(op, c) for op, c in zip(ops, checks, strict=True)))
     end = rec.window_end
     exhausted = rec.empty_at is not None and rec.empty_at < rec.window_end
     if exhausted:
         assert rec.empty_at is not None
         end = rec.empty_at
     window = max(end - rec.window_start, 1e-9)
+    # The time the loops spent on their own target (the checks' share left out).
+    own_window = window * (1 - rec.check / interval) if rec.check else window
     lat = sorted(rec.latencies)
     seconds = int(window)
     return {
         "ok": rec.ok,
         "errors": rec.errors,
         "error_samples": list(_ERRORS),
-        "rps": rec.ok / window if window > 0.05 else 0.0,
+        "rps": rec.ok / own_window if window > 0.05 else 0.0,
         "p50_ms": percentile(lat, 0.50) * 1000,
         "p90_ms": percentile(lat, 0.90) * 1000,
         "p99_ms": percentile(lat, 0.99) * 1000,
@@ -184,13 +238,9 @@ async def run_loops(
         "window_start_epoch": wall_began + warmup,
         "window_end_epoch": wall_began + warmup + window,
         "per_second": [rec.per_second.get(s, 0) for s in range(seconds)],
+        "check_seconds": rec.check,
         "intervals": [
-            {
-                "start_seconds": slot * interval,
-                "rps": len(rec.per_interval.get(slot, ())) / interval,
-                "p50_ms": percentile(sorted(rec.per_interval.get(slot, ())), 0.50) * 1000,
-                "p99_ms": percentile(sorted(rec.per_interval.get(slot, ())), 0.99) * 1000,
-            }
+            _interval_row(rec, slot)
             for slot in range(int(window // interval) if interval > 0 else 0)
         ],
     }
@@ -249,6 +299,8 @@ async def leases_taken(go_file: str | None, timeout: float = 600.0) -> None:
 
 
 async def mode_writes(args: argparse.Namespace) -> dict[str, Any]:
+    if args.check_target and not 0 < args.check_seconds < args.interval:
+        raise SystemExit("--check-target: needs 0 < --check-seconds < --interval")
     concurrency = args.concurrency
     jobs = max(args.jobs, concurrency)
     job_ids = [f"{args.tag}-w{i}" for i in range(jobs)]
@@ -258,9 +310,8 @@ async def mode_writes(args: argparse.Namespace) -> dict[str, Any]:
         else:
             tokens = [FAKE_TOKEN] * jobs
         await leases_taken(args.go_file)
-        url = args.target
 
-        def make(loop_index: int, loop_tokens: list[str]) -> Op:
+        def make(url: str, loop_index: int, loop_tokens: list[str]) -> Op:
             cycle = itertools.cycle(loop_tokens)
             counter = itertools.count()
             prefix = f"{args.tag}-{loop_index}-{secrets.token_hex(3)}"
@@ -279,8 +330,21 @@ async def mode_writes(args: argparse.Namespace) -> dict[str, Any]:
 
             return op
 
-        ops = [make(i, t) for i, t in enumerate(split(tokens, concurrency))]
-        result = await run_loops(ops, args.warmup, args.duration, args.interval)
+        parts = split(tokens, concurrency)
+        ops = [make(args.target, i, t) for i, t in enumerate(parts)]
+        check_ops = (
+            [make(args.check_target, i, t) for i, t in enumerate(parts)]
+            if args.check_target
+            else []
+        )
+        result = await run_loops(
+            ops,
+            args.warmup,
+            args.duration,
+            args.interval,
+            check_ops=check_ops,
+            check=args.check_seconds,
+        )
     result["jobs"] = jobs
     return result
 
@@ -484,6 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--go-file", help="writes: once the leases are taken, wait for this file to exist"
     )
+    parser.add_argument(
+        "--check-target",
+        help="writes with --interval: the URL the loops write to instead during the last "
+        "--check-seconds of each interval (the soak's bare proxy)",
+    )
+    parser.add_argument("--check-seconds", type=float, default=0.0)
     return parser
 
 

@@ -165,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         "machine's own drift over a soak, beside which the gateway's is read (not judged)",
     )
     parser.add_argument(
+        "--soak-check",
+        type=float,
+        metavar="SECONDS",
+        help="soak mode: the driver writes to the bare proxy instead during the last SECONDS "
+        "of each interval (5 is plenty), so each interval has the machine's speed beside "
+        "the gateway's; the flat verdict is then on the ratio to the bare proxy, which this "
+        "VM's own drift of 10-30 %% over ten minutes does not move",
+    )
+    parser.add_argument(
         "--soak-png",
         metavar="FILE",
         help="also draw the soak's curve (throughput and p99 per interval, per database) "
@@ -211,6 +220,7 @@ class Options:
     stats: str = "fresh"
     autovacuum: str = "server"
     soak_png: str | None = None
+    soak_check: float = 0.0  # > 0: seconds of each soak interval spent on the bare proxy
 
 
 def _int_list(text: str) -> list[int]:
@@ -248,6 +258,13 @@ def options_from(args: argparse.Namespace) -> Options:
         raise SystemExit("--records-per-job: must be 0 or more")
     if args.soak_png and args.soak is None:
         raise SystemExit("--soak-png: only with --soak")
+    soak_check = 0.0
+    if args.soak_check is not None:
+        if args.soak is None:
+            raise SystemExit("--soak-check: only with --soak")
+        soak_check = args.soak_check
+        if not 0 < soak_check <= soak_interval / 2:
+            raise SystemExit("--soak-check: above zero and at most half of --soak-interval")
     return Options(
         quick=quick,
         duration=args.soak if args.soak is not None else pick(args.duration, 20.0, 1.0),
@@ -268,6 +285,7 @@ def options_from(args: argparse.Namespace) -> Options:
         soak_interval=soak_interval,
         soak_png=args.soak_png,
         soak_bare=args.soak_bare,
+        soak_check=soak_check,
         records_per_job=args.records_per_job,
         stats=args.stats,
         autovacuum=args.autovacuum,
@@ -550,14 +568,19 @@ def run_driver(
     *,
     profile_pid: int | None = None,
     leases_taken: Callable[[], dict[str, Any]] | None = None,
+    check_url: str | None = None,
 ) -> dict[str, Any]:
     """Run one measurement in a driver process; sample the servers meanwhile.
     ``leases_taken``: run once the writes' leases are taken, before the load starts
-    (statistics of a database that holds them)."""
+    (statistics of a database that holds them). ``check_url``: in a soak with
+    ``--soak-check``, the bare proxy's URL the driver writes to at the end of each
+    interval."""
     out = children.workdir / f"{name}.json"
     soak_args: list[str] = []
     if opts.soak_interval and mode == "writes":
         soak_args = ["--interval", str(opts.soak_interval)]
+        if opts.soak_check and check_url:
+            soak_args += ["--check-target", check_url, "--check-seconds", str(opts.soak_check)]
     go_file = children.workdir / f"{name}.go"
     if leases_taken is not None:
         soak_args += ["--go-file", str(go_file)]
@@ -613,8 +636,10 @@ def run_driver(
     result.update(when_taken)
     result.update(watch.summary(result["window_start_epoch"], result["window_end_epoch"]))
     server_cpu = (result.get("cpu_percent") or {}).get("server")
+    # In a soak with checks the server is idle for their share of the window.
+    share = 1 - result.get("check_seconds", 0.0) / opts.soak_interval if opts.soak_interval else 1
     result["server_cpu_ms_per_request"] = (
-        10 * server_cpu / result["rps"] if server_cpu and result["rps"] else None
+        10 * server_cpu / (result["rps"] * share) if server_cpu and result["rps"] else None
     )
     watch.samples.clear()
     if result["errors"]:
@@ -1520,6 +1545,7 @@ def run_backend(
     upstream_url: str,
     upstream_pid: int,
     rows: list[dict[str, Any]],
+    check_url: str | None = None,
 ) -> None:
     folder = children.workdir / backend
     folder.mkdir()
@@ -1621,6 +1647,7 @@ def run_backend(
                         # the leases taken and their fences absent (the stats of the seeding
                         # alone once said job_id was unique).
                         leases_taken=lambda: db.gather_stats("jobs", "leases", "fences"),
+                        check_url=check_url,
                     )
                 after = db.server_state()
                 if readings is not None and result.get("intervals"):
@@ -1746,7 +1773,8 @@ def run(opts: Options) -> int:
             rows.append(write_row("upstream direct (reference)", None, None, result))
         bare_runs: list[dict[str, Any]] = []
         bare_proxy: Child | None = None
-        if "bare" in opts.targets:
+        bare_url: str | None = None
+        if "bare" in opts.targets or opts.soak_check:
             bare_proxy, bare_url = start_server(
                 children,
                 "bare-proxy",
@@ -1758,24 +1786,28 @@ def run(opts: Options) -> int:
                 rss_pid=bare_proxy.pid,
             )
 
-            def measure_bare(name: str, label: str) -> None:
+            def measure_bare(name: str, label: str, url: str = bare_url + WRITE_PATH) -> None:
                 result = run_driver(
                     children,
                     opts,
                     name,
                     "writes",
-                    ["--target", bare_url + WRITE_PATH],
+                    ["--target", url],
                     bare_watch,
                     profile_pid=bare_proxy.pid if bare_proxy else None,
                 )
                 bare_runs.append(result)
                 rows.append(write_row(label, None, None, result))
 
-            measure_bare("bare", "bare aiohttp proxy (floor)")
+            if "bare" in opts.targets:
+                measure_bare("bare", "bare aiohttp proxy (floor)")
+        check_url = bare_url + WRITE_PATH if bare_url and opts.soak_check else None
         if "writes" in opts.targets or "lease" in opts.targets:
             for backend in opts.backends:
                 try:
-                    run_backend(children, opts, backend, upstream_url, upstream.pid, rows)
+                    run_backend(
+                        children, opts, backend, upstream_url, upstream.pid, rows, check_url
+                    )
                 except (BenchError, RuntimeError, OSError) as error:
                     failures.append(f"{backend}: {error}")
                     print(f"bench: {backend} failed: {error}", file=sys.stderr, flush=True)
@@ -1850,9 +1882,17 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
         bare = row.get("backend") is None  # the bare proxy: the machine's drift, not judged
         name = "bare proxy" if bare else row["backend"]
         curves[name] = intervals
+        checked = "check_rps" in intervals[0]
+        if checked:
+            for i in intervals:
+                i["rps_ratio"] = i["rps"] / i["check_rps"] if i["check_rps"] else 0.0
+                i["p99_ratio"] = i["p99_ms"] / i["check_p99_ms"] if i["check_p99_ms"] else 0.0
+        # With checks, the verdict is on the ratios to the bare proxy of the same
+        # interval: the machine's own speed divides out.
+        rps_key, p99_key = ("rps_ratio", "p99_ratio") if checked else ("rps", "p99_ms")
         first, last = intervals[0], intervals[-1]
-        rps_change = last["rps"] / first["rps"] - 1 if first["rps"] else None
-        p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else None
+        rps_change = last[rps_key] / first[rps_key] - 1 if first[rps_key] else None
+        p99_change = last[p99_key] / first[p99_key] - 1 if first[p99_key] else None
         flat = (
             rps_change is not None
             and rps_change >= -SOAK_FLAT
@@ -1867,6 +1907,15 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
             [f"{i['start_seconds']:g}", fmt_int(i["rps"]), fmt(i["p50_ms"]), fmt(i["p99_ms"])]
             for i in intervals
         ]
+        if checked:
+            head += ["bare req/s", "bare p99 ms", "÷ bare", "p99 ÷ bare"]
+            for line, i in zip(body, intervals, strict=True):
+                line += [
+                    fmt_int(i["check_rps"]),
+                    fmt(i["check_p99_ms"]),
+                    fmt(i["rps_ratio"], 3),
+                    fmt(i["p99_ratio"]),
+                ]
         for key, more, cells in (
             ("postgres", MAINTENANCE_HEAD, maintenance_cells),
             ("sqlite", FILES_HEAD, files_cells),
@@ -1875,12 +1924,25 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
                 head += more
                 for line, interval in zip(body, intervals, strict=True):
                     line += cells(interval.get(key) or {})
-        trend = row["soak_trend"] = soak_trend([i["rps"] for i in intervals])
+        trend = row["soak_trend"] = soak_trend([i[rps_key] for i in intervals])
         lines.append("")
         lines.append(f"{name}:" if not bare else f"{name} (the machine's own drift, not judged):")
         lines.append(table(head, body))
+        if checked:
+            raw_rps = intervals[-1]["rps"] / intervals[0]["rps"] - 1 if intervals[0]["rps"] else 0
+            raw_bare = (
+                intervals[-1]["check_rps"] / intervals[0]["check_rps"] - 1
+                if intervals[0]["check_rps"]
+                else 0
+            )
+            row["soak_raw_rps_change"], row["soak_bare_rps_change"] = raw_rps, raw_bare
+            lines.append(
+                f"last vs first, raw: fenced writes {fmt(100 * raw_rps, 1)} %, the bare proxy "
+                f"beside them {fmt(100 * raw_bare, 1)} % (the machine's drift)"
+            )
         lines.append(
-            f"last vs first: throughput {fmt(100 * (rps_change or 0), 1)} %, "
+            ("last vs first, as ratios to the bare proxy: " if checked else "last vs first: ")
+            + f"throughput {fmt(100 * (rps_change or 0), 1)} %, "
             f"p99 {fmt(100 * (p99_change or 0), 1)} %"
             + ("" if bare else f" -> {verdict(flat)}")
             + f"; fitted trend over the soak {fmt(100 * trend, 1)} %"
@@ -1964,16 +2026,24 @@ def draw_soak(curves: dict[str, list[dict[str, Any]]], opts: Options) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "soak: no picture (--soak-png needs matplotlib: pip install matplotlib)"
-    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    checked = any("rps_ratio" in i for intervals in curves.values() for i in intervals)
+    figure, axes = plt.subplots(
+        3 if checked else 2, 1, sharex=True, figsize=(8, 9 if checked else 6)
+    )
+    top, bottom = axes[0], axes[-1]
     for backend, intervals in curves.items():
         minutes = [i["start_seconds"] / 60 for i in intervals]
         top.plot(minutes, [i["rps"] for i in intervals], marker="o", label=backend)
-        bottom.plot(minutes, [i["p99_ms"] for i in intervals], marker="o", label=backend)
+        axes[1].plot(minutes, [i["p99_ms"] for i in intervals], marker="o", label=backend)
+        if checked and "rps_ratio" in intervals[0]:
+            bottom.plot(minutes, [i["rps_ratio"] for i in intervals], marker="o", label=backend)
     top.set_ylabel("fenced writes / s")
-    bottom.set_ylabel("p99 (ms)")
+    axes[1].set_ylabel("p99 (ms)")
+    if checked:
+        bottom.set_ylabel("writes ÷ bare proxy (same minute)")
     bottom.set_xlabel("minutes into the soak")
-    top.set_ylim(bottom=0)
-    bottom.set_ylim(bottom=0)
+    for axis in axes:
+        axis.set_ylim(bottom=0)
     top.legend()
     top.set_title(f"Fencegate soak: {opts.concurrency} connections, {opts.jobs} leases")
     figure.tight_layout()

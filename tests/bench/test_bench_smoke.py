@@ -168,6 +168,47 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
     assert "log MiB (largest)" in result.stdout
 
 
+def test_quick_soak_checks_the_bare_proxy_in_each_interval(tmp_path: Path) -> None:
+    """With --soak-check the last part of each interval goes to the bare proxy, so each
+    interval carries the machine's speed beside the gateway's; the flat verdict is then on
+    the ratio between them."""
+    out = tmp_path / "soak.json"
+    result = run_quick(
+        "--soak", "4", "--soak-interval", "2", "--soak-check", "0.5", "--backends", "sqlite",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    [row] = json.loads(out.read_text())["rows"]  # no bare soak of its own: only the checks
+    assert row["backend"] == "sqlite" and [i["start_seconds"] for i in row["intervals"]] == [0, 2]
+    for i in row["intervals"]:
+        assert i["check_rps"] > 0 and i["check_p99_ms"] >= i["check_p50_ms"] > 0, i
+        assert i["rps_ratio"] == i["rps"] / i["check_rps"]
+        assert i["p99_ratio"] == i["p99_ms"] / i["check_p99_ms"]
+    first, last = row["intervals"]
+    assert row["soak_rps_change"] == last["rps_ratio"] / first["rps_ratio"] - 1
+    assert row["soak_raw_rps_change"] == last["rps"] / first["rps"] - 1
+    assert "as ratios to the bare proxy" in result.stdout and "÷ bare" in result.stdout
+
+
+def test_soak_checks_keep_each_phase_apart() -> None:
+    """The driver's bookkeeping: what starts and ends in an interval's check counts for the
+    bare proxy, what crosses a switch of target counts for neither."""
+    from bench.driver import OK, Recorder
+
+    rec = Recorder(100.0, 110.0, interval=5.0, check=1.0)
+    assert rec.phase(99.0) == (-1, False)  # the warm-up: the gateway's
+    assert rec.phase(103.9) == (0, False) and rec.phase(104.0) == (0, True)
+    assert rec.phase(105.0) == (1, False) and rec.phase(109.5) == (1, True)
+    rec.record(101.0, 101.1, OK)  # the gateway's, interval 0
+    rec.record(104.2, 104.3, OK)  # the check's, interval 0
+    rec.record(103.95, 104.05, OK)  # across the switch to the check: neither
+    rec.record(104.95, 105.05, OK)  # across the switch back: neither
+    rec.record(105.5, 105.6, OK)  # the gateway's, interval 1
+    assert rec.ok == 2 and rec.per_second == {1: 1, 5: 1}
+    assert {k: len(v) for k, v in rec.per_interval.items()} == {0: 1, 1: 1}
+    assert {k: len(v) for k, v in rec.per_check.items()} == {0: 1}
+
+
 def test_soak_options_are_checked() -> None:
     for args, message in (
         (["--soak", "0"], "--soak: must be above zero"),
@@ -175,6 +216,9 @@ def test_soak_options_are_checked() -> None:
         (["--soak", "2", "--duration", "5"], "the soak's length is --soak"),
         (["--soak-png", "x.png"], "--soak-png: only with --soak"),
         (["--soak-bare"], "--soak-bare: only with --soak"),
+        (["--soak-check", "1"], "--soak-check: only with --soak"),
+        (["--soak", "4", "--soak-interval", "2", "--soak-check", "1.5"], "at most half"),
+        (["--soak", "4", "--soak-interval", "2", "--soak-check", "0"], "above zero"),
     ):
         result = run_quick(*args)
         assert result.returncode != 0 and message in result.stderr, (args, result.stderr)
