@@ -76,9 +76,7 @@ async def start(app: web.Application) -> tuple[web.AppRunner, str]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    server = site._server
-    assert server is not None
-    port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     return runner, f"http://127.0.0.1:{port}"
 
 
@@ -98,7 +96,7 @@ async def measure(
         store = LeaseStore(engine)
         settings = Settings(
             database_url=url,
-            upstreams=[{"name": "pay", "url": upstream_url}],  # type: ignore[list-item]
+            upstreams=[{"name": "pay", "url": upstream_url}],
         )
         gateway = Gateway(settings, store)
         proxy_runner, proxy_url = await start(create_proxy_app(gateway))
@@ -119,12 +117,11 @@ async def measure(
             finally:
                 reads.append(time.perf_counter() - started)
 
-        async def timed_judge_at_send(*args: Any) -> Any:
-            result = await judge_again(*args)
+        async def timed_judge_at_send(*args: Any) -> None:
+            await judge_again(*args)
             task = asyncio.current_task()
             assert task is not None
             judged[task] = time.perf_counter()
-            return result
 
         async def headers_sent(*_: Any) -> None:
             task = asyncio.current_task()
@@ -138,9 +135,10 @@ async def measure(
             await send(conn, *args)
             await headers_sent()
 
-        upstream_client._Connection.send = timed_send  # type: ignore[method-assign]
-        gateway.store.claim = timed_claim  # type: ignore[method-assign]
-        gateway._judge_at_send = timed_judge_at_send  # type: ignore[method-assign]
+        # Timers wrapped around the real methods (a measurement, not a test double).
+        setattr(upstream_client._Connection, "send", timed_send)  # noqa: B010
+        setattr(gateway.store, "claim", timed_claim)  # noqa: B010
+        setattr(gateway, "_judge_at_send", timed_judge_at_send)  # noqa: B010
 
         leases = [
             await store.acquire(job_id=f"job-{i}", owner="w", ttl=600, queue="window")
