@@ -171,15 +171,17 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
 def test_quick_soak_checks_the_bare_proxy_in_each_interval(tmp_path: Path) -> None:
     """With --soak-check the last part of each interval goes to the bare proxy, so each
     interval carries the machine's speed beside the gateway's; the flat verdict is then on
-    the ratio between them."""
+    the ratio between them. Driven by the lean client (``--client lean``)."""
     out = tmp_path / "soak.json"
     result = run_quick(
         "--soak", "4", "--soak-interval", "2", "--soak-check", "0.5", "--backends", "sqlite",
-        "--json", str(out),
+        "--json", str(out), "--client", "lean",
     )  # fmt: skip
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     [row] = json.loads(out.read_text())["rows"]  # no bare soak of its own: only the checks
     assert row["backend"] == "sqlite" and [i["start_seconds"] for i in row["intervals"]] == [0, 2]
+    # Driven by the lean client (the gateway's own), both the gateway and the checks.
+    assert row["load_generator"].startswith("bench.driver: lean client")
     for i in row["intervals"]:
         assert i["check_rps"] > 0 and i["check_p99_ms"] >= i["check_p50_ms"] > 0, i
         assert i["rps_ratio"] == i["rps"] / i["check_rps"]
