@@ -26,7 +26,7 @@ DIALECTS = ("postgresql", "sqlite")
 # The states the SQL may name: "{State.LEASED}" becomes 'leased'.
 CONSTANTS: dict[str, type[StrEnum]] = {"State": State, "RecordState": RecordState}
 
-_HEADER = re.compile(r"^-- name: ([a-z_]+)( \(many\))?\s*$", re.MULTILINE)
+_HEADER = re.compile(r"^-- name: ([a-z_]+)( \(many(, one at a time)?\))?\s*$", re.MULTILINE)
 _CONSTANT = re.compile(r"\{(\w+)\.(\w+)\}")
 _PLACEHOLDER = re.compile(r"\{(?!now\})[^}]*\}")
 _END = re.compile(r";\s*$", re.MULTILINE)
@@ -36,12 +36,14 @@ _END = re.compile(r";\s*$", re.MULTILINE)
 class Operation:
     """A named state change: ``statements`` run in order in one transaction (each one's
     first row merged into the answer, its columns parameters of the ones after it);
-    ``many``: the form concurrent callers share on PostgreSQL."""
+    ``many``: the form concurrent callers share on PostgreSQL; ``one_at_a_time``: its
+    batches are sent one after another, never two at once."""
 
     name: str
     doc: str
     statements: tuple[Statement, ...]
     many: Statement | None = None
+    one_at_a_time: bool = False
 
     @cached_property
     def batched(self) -> Batched | None:
@@ -50,7 +52,10 @@ class Operation:
             return None
         if len(self.statements) > 1:
             raise ValueError(f"{self.name}: a batched operation is one statement")
-        return Batched(self.many, self.statements[0] if self.statements else None)
+        single = self.statements[0] if self.statements else None
+        if self.one_at_a_time:
+            return Batched(self.many, single, lanes=1)
+        return Batched(self.many, single)
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -105,8 +110,11 @@ def parse(text: str, source: str = "<sql>") -> dict[str, Operation]:
     headers = list(_HEADER.finditer(text))
     singles: dict[str, tuple[str, tuple[Statement, ...]]] = {}
     manys: dict[str, Statement] = {}
+    one_at_a_time: set[str] = set()
     for i, header in enumerate(headers):
         name, many = header.group(1), bool(header.group(2))
+        if header.group(3):
+            one_at_a_time.add(name)
         end = headers[i + 1].start() if i + 1 < len(headers) else len(text)
         body = text[header.end() : end]
         doc_lines: list[str] = []
@@ -136,7 +144,9 @@ def parse(text: str, source: str = "<sql>") -> dict[str, Operation]:
     operations = {}
     for name in dict.fromkeys([*singles, *manys]):
         doc, statements = singles.get(name, ("", ()))
-        operations[name] = Operation(name, doc, statements, manys.get(name))
+        operations[name] = Operation(
+            name, doc, statements, manys.get(name), one_at_a_time=name in one_at_a_time
+        )
     return operations
 
 

@@ -103,16 +103,27 @@ def _first_word(sql: str) -> str:
     return ""
 
 
+# Batched statements: at most this many of one kind in flight at once; callers arriving
+# meanwhile wait and go together in the next one (up to MAX_BATCH).
+BATCH_LANES = 2
+MAX_BATCH = 64
+
+
 class Batched:
     """A statement that concurrent callers share on PostgreSQL: ``many`` runs over
     arrays (``:name`` is then the list of every caller's ``name``, in order) and
     returns a column ``n``, the 1-based position of the caller a row answers.
     ``single`` is the same for one caller's plain parameters (SQLite runs only that);
-    without it a lone caller is sent ``many`` over arrays of one."""
+    without it a lone caller is sent ``many`` over arrays of one. ``lanes``: how many
+    of its batches may be in flight at once (1 for a statement whose batches would
+    contend for the same rows)."""
 
-    def __init__(self, many: Statement, single: Statement | None = None) -> None:
+    def __init__(
+        self, many: Statement, single: Statement | None = None, *, lanes: int = BATCH_LANES
+    ) -> None:
         self.many = many
         self.single = single
+        self.lanes = lanes
 
 
 class Direct:
@@ -228,7 +239,7 @@ class PostgresDirect(Direct):
         coalescer = self._coalescers.get(statement)
         if coalescer is None:
             coalescer = self._coalescers[statement] = Coalescer(
-                partial(self._fetch_many, statement), lanes=BATCH_LANES, max_batch=MAX_BATCH
+                partial(self._fetch_many, statement), lanes=statement.lanes, max_batch=MAX_BATCH
             )
         return await coalescer.submit(params)
 
@@ -358,11 +369,6 @@ def _arrays(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     arrays["now"] = calls[0].get("now")
     return arrays
 
-
-# Batched statements: at most this many of one kind in flight at once; callers arriving
-# meanwhile wait and go together in the next one (up to MAX_BATCH).
-BATCH_LANES = 2
-MAX_BATCH = 64
 
 Item = TypeVar("Item")
 Answer = TypeVar("Answer")

@@ -7,7 +7,8 @@
 -- statements after it (NULL when it returned no row). "-- name: <operation> (many)" is
 -- the form that concurrent callers share (lease_core.direct.Batched): each ":name" is
 -- then the array of every caller's value, and the column "n" says which caller a row
--- answers. "{now}" is the authoritative time (PostgreSQL's clock, or an injected one);
+-- answers; "(many, one at a time)": its batches are sent one after another, never two
+-- at once (they would contend for the same rows). "{now}" is the authoritative time (PostgreSQL's clock, or an injected one);
 -- "{State.X}" and "{RecordState.X}" are the states of lease_core.rules, as literals.
 -- lease_core/sql/sqlite.sql defines the same operations for SQLite; those whose SQL is
 -- the same on both are in lease_core/sql/common.sql instead (an operation lives in
@@ -63,11 +64,14 @@ SELECT granted.*, granted.job_id IS NOT NULL AS granted,
        found.state AS found_state, found.lease_expires_at AS found_expires_at
 FROM found LEFT JOIN granted ON true;
 
--- name: claim (many)
+-- name: claim (many, one at a time)
 -- Lease the next claimable job of a queue (pending and due, or leased with an expired
 -- lease, with attempts left), and record the grant. For each queue asked for, as many
 -- candidates as callers (skipping rows other claims hold), in claimable order; the k-th
--- caller of a queue gets its k-th candidate, or nothing when the queue had fewer.
+-- caller of a queue gets its k-th candidate, or nothing when the queue had fewer. One
+-- batch at a time: two at once go for the same first rows of the queue, each skipping
+-- the rows the other holds and re-checking the ones it has just claimed (the benchmark
+-- saw PostgreSQL spend two to three times the CPU per claim that way).
 WITH input AS (
     SELECT i.*, row_number() OVER (PARTITION BY i.queue ORDER BY i.n) AS k
     FROM unnest(CAST(:queue AS text[]), CAST(:owner AS text[]), CAST(:token_hash AS text[]),

@@ -9,7 +9,7 @@ import pytest
 
 from lease_core import catalogue
 from lease_core.catalogue import CatalogueError, parse
-from lease_core.direct import _PARAM
+from lease_core.direct import _PARAM, BATCH_LANES
 from lease_core.rules import RecordState, State
 
 CATALOGUES = {dialect: catalogue.load(dialect) for dialect in catalogue.DIALECTS}
@@ -96,6 +96,23 @@ SELECT i.n FROM unnest(CAST(:a AS int[])) WITH ORDINALITY AS i(a, n);
     assert ops["one"].batched is not None and ops["one"].batched.single is ops["one"].statements[0]
     assert [s.text for s in ops["two"].statements] == ["SELECT 1 AS x", "SELECT :x AS y"]
     assert ops["two"].batched is None
+
+
+def test_a_batched_form_may_go_one_batch_at_a_time() -> None:
+    ops = parse(
+        """
+-- name: shared (many)
+SELECT i.n FROM unnest(CAST(:a AS int[])) WITH ORDINALITY AS i(a, n);
+-- name: serial (many, one at a time)
+SELECT i.n FROM unnest(CAST(:a AS int[])) WITH ORDINALITY AS i(a, n);
+"""
+    )
+    shared, serial = ops["shared"].batched, ops["serial"].batched
+    assert shared is not None and shared.lanes == BATCH_LANES > 1
+    assert serial is not None and serial.lanes == 1
+    # The claim is the one that contends with itself (the same first rows of a queue).
+    claim = catalogue.load("postgresql")["claim"].batched
+    assert claim is not None and claim.lanes == 1
 
 
 @pytest.mark.parametrize(
