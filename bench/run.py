@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="soak mode: the driver writes to the bare proxy instead during the last SECONDS "
         "of each interval (5 is plenty), so each interval has the machine's speed beside "
-        "the gateway's; the flat verdict is then on the ratio to the bare proxy, which this "
-        "VM's own drift of 10-30 %% over ten minutes does not move",
+        "the gateway's, and their ratio per interval (shown, not judged: the verdict stays "
+        "on the gateway's own numbers)",
     )
     parser.add_argument(
         "--soak-png",
@@ -1905,12 +1905,13 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
             for i in intervals:
                 i["rps_ratio"] = i["rps"] / i["check_rps"] if i["check_rps"] else 0.0
                 i["p99_ratio"] = i["p99_ms"] / i["check_p99_ms"] if i["check_p99_ms"] else 0.0
-        # With checks, the verdict is on the ratios to the bare proxy of the same
-        # interval: the machine's own speed divides out.
-        rps_key, p99_key = ("rps_ratio", "p99_ratio") if checked else ("rps", "p99_ms")
+        # The verdict is on the gateway's own numbers. The checks' ratios are shown
+        # beside them: five seconds of the bare proxy turned out to vary more than a
+        # minute of the gateway on this VM (docs/performance.md, the soak), so they
+        # read the machine, they do not judge.
         first, last = intervals[0], intervals[-1]
-        rps_change = last[rps_key] / first[rps_key] - 1 if first[rps_key] else None
-        p99_change = last[p99_key] / first[p99_key] - 1 if first[p99_key] else None
+        rps_change = last["rps"] / first["rps"] - 1 if first["rps"] else None
+        p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else None
         flat = (
             rps_change is not None
             and rps_change >= -SOAK_FLAT
@@ -1942,29 +1943,28 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
                 head += more
                 for line, interval in zip(body, intervals, strict=True):
                     line += cells(interval.get(key) or {})
-        trend = row["soak_trend"] = soak_trend([i[rps_key] for i in intervals])
+        trend = row["soak_trend"] = soak_trend([i["rps"] for i in intervals])
         lines.append("")
         lines.append(f"{name}:" if not bare else f"{name} (the machine's own drift, not judged):")
         lines.append(table(head, body))
-        if checked:
-            raw_rps = intervals[-1]["rps"] / intervals[0]["rps"] - 1 if intervals[0]["rps"] else 0
-            raw_bare = (
-                intervals[-1]["check_rps"] / intervals[0]["check_rps"] - 1
-                if intervals[0]["check_rps"]
-                else 0
-            )
-            row["soak_raw_rps_change"], row["soak_bare_rps_change"] = raw_rps, raw_bare
-            lines.append(
-                f"last vs first, raw: fenced writes {fmt(100 * raw_rps, 1)} %, the bare proxy "
-                f"beside them {fmt(100 * raw_bare, 1)} % (the machine's drift)"
-            )
         lines.append(
-            ("last vs first, as ratios to the bare proxy: " if checked else "last vs first: ")
-            + f"throughput {fmt(100 * (rps_change or 0), 1)} %, "
+            f"last vs first: throughput {fmt(100 * (rps_change or 0), 1)} %, "
             f"p99 {fmt(100 * (p99_change or 0), 1)} %"
             + ("" if bare else f" -> {verdict(flat)}")
             + f"; fitted trend over the soak {fmt(100 * trend, 1)} %"
         )
+        if checked:
+            ratio_rps = last["rps_ratio"] / first["rps_ratio"] - 1 if first["rps_ratio"] else 0
+            ratio_p99 = last["p99_ratio"] / first["p99_ratio"] - 1 if first["p99_ratio"] else 0
+            bare_rps = last["check_rps"] / first["check_rps"] - 1 if first["check_rps"] else 0
+            row["soak_ratio_rps_change"], row["soak_ratio_p99_change"] = ratio_rps, ratio_p99
+            row["soak_bare_rps_change"] = bare_rps
+            lines.append(
+                f"beside it, the bare proxy's last check vs its first: {fmt(100 * bare_rps, 1)} % "
+                f"(the machine's drift); as ratios to it, throughput {fmt(100 * ratio_rps, 1)} "
+                f"%, p99 {fmt(100 * ratio_p99, 1)} %; fitted trend of the ratio "
+                f"{fmt(100 * soak_trend([i['rps_ratio'] for i in intervals]), 1)} % (not judged)"
+            )
         if bare:
             continue
         change = row.get("postgres_change")
