@@ -240,7 +240,9 @@ WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 -- :attempt until :deadline_in from now, so a newer generation's write waits for it and a
 -- worker's retry is told it is in progress; its re-sends are counted. The IMMEDIATE
 -- transaction keeps every other writer out, so no two claims take one record. No row:
--- nothing to resolve now.
+-- nothing to resolve now. The candidates come from the two partial indexes (unknown
+-- records, records in flight): never a scan of every record, which would hold the write
+-- lock for as long as the table is large, every resolve round.
 UPDATE idempotency_records
 SET state = {RecordState.IN_FLIGHT}, attempt = :attempt, deadline = {now} + :deadline_in,
     resolve_attempts = resolve_attempts + 1, updated_at = {now}
@@ -248,9 +250,13 @@ WHERE (job_id, key) = (
     SELECT r.job_id, r.key
     FROM idempotency_records AS r
     JOIN fences AS f ON f.job_id = r.job_id AND f.generation <= r.generation
-    WHERE r.upstream = :upstream
-      AND (r.state = {RecordState.UNKNOWN}
-           OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= {now}))
+    WHERE r.rowid IN (
+        SELECT rowid FROM idempotency_records WHERE state = {RecordState.UNKNOWN}
+        UNION ALL
+        SELECT rowid FROM idempotency_records
+        WHERE state = {RecordState.IN_FLIGHT} AND deadline <= {now}
+    )
+      AND r.upstream = :upstream
       AND r.request_body IS NOT NULL
       AND r.created_at > {now} - :window
       AND r.resolve_attempts < :max_attempts

@@ -368,3 +368,22 @@ async def test_a_resolution_claimed_during_a_newer_admission_is_waited_for(
         upstream_key("job-1", "charge-1"),
         upstream_key("job-1", "refund-1"),
     ]
+
+
+async def test_a_resolution_whose_re_send_never_ended_is_claimed_again_once_overdue(
+    lost_and_due: tuple[Any, dict[str, Any]], stripe: StripeLike, clock: FakeClock
+) -> None:
+    """A replica that claimed a record for a re-send and died leaves it in flight; once
+    its deadline has passed the next round claims it again (the "in flight and overdue"
+    candidates, read from the in-flight index) and resolves it."""
+    stack, _ = lost_and_due
+    gateway = gateway_of(stack)
+    claim = gateway.store.claim_resolution
+    taken = await claim("pay", window=3600, max_attempts=5, pause=1, deadline_in=10)
+    assert taken is not None and taken.key == "charge-1"
+    # In flight under the dead replica's attempt: not claimable before its deadline.
+    assert await claim("pay", window=3600, max_attempts=5, pause=1, deadline_in=10) is None
+    clock.advance(11)
+    assert await gateway.resolver.run_once() == 1
+    assert stripe.charges == 1 and len(stripe.received) == 2
+    assert await outcomes(stack) == []

@@ -151,6 +151,20 @@ def cases(token_hash: str) -> dict[str, tuple[Statement | None, dict[str, Any], 
             {"queue": ["q"], "owner": ["w2"], "token_hash": ["t" * 64], "ttl": [60.0]},
             1,
         ),
+        # Not a write's own statement, but every resolve round runs it (every 2 s by
+        # default) while the writes go on: it must not read every record either.
+        "a resolver's claim": (
+            SQL["claim_resolution"].statements[0],
+            {
+                "upstream": "u",
+                "window": 86400.0,
+                "max_attempts": 5,
+                "pause": 1.0,
+                "deadline_in": 30.0,
+                "attempt": "resolve-1",
+            },
+            1,
+        ),
     }
 
 
