@@ -71,7 +71,7 @@ FROM found LEFT JOIN granted ON true;
 -- caller of a queue gets its k-th candidate, or nothing when the queue had fewer. One
 -- batch at a time: two at once go for the same first rows of the queue, each skipping
 -- the rows the other holds and re-checking the ones it has just claimed (the benchmark
--- saw PostgreSQL spend two to three times the CPU per claim that way).
+-- saw PostgreSQL spend four to seven times the CPU per claim that way).
 WITH input AS (
     SELECT i.*, row_number() OVER (PARTITION BY i.queue ORDER BY i.n) AS k
     FROM unnest(CAST(:queue AS text[]), CAST(:owner AS text[]), CAST(:token_hash AS text[]),

@@ -353,7 +353,7 @@ async def test_postgres_claims_of_one_gateway_go_one_batch_at_a_time(
 ) -> None:
     """Two claim batches of one gateway at once would contend for the same first rows of
     the queue: each skips the rows the other holds and re-checks the ones the other has
-    just claimed. Under the benchmark's load that cost PostgreSQL two to three times the
+    just claimed. Under the benchmark's load that cost PostgreSQL four to seven times the
     CPU per claim in some runs (claims at 0.35-0.58 of the raw floor, in others 1.0). So a
     gateway sends one claim statement at a time; the callers that arrive meanwhile go
     together in the next. Shown with the jobs table locked: the first claim waits on the
