@@ -1791,7 +1791,7 @@ def run(opts: Options) -> int:
             rows.append(write_row("upstream direct (reference)", None, None, result))
         bare_runs: list[dict[str, Any]] = []
         bare_proxy: Child | None = None
-        bare_url: str | None = None
+        check_url: str | None = None  # the soak's checks write here (--soak-check)
         if "bare" in opts.targets or opts.soak_check:
             bare_proxy, bare_url = start_server(
                 children,
@@ -1804,13 +1804,17 @@ def run(opts: Options) -> int:
                 rss_pid=bare_proxy.pid,
             )
 
-            def measure_bare(name: str, label: str, url: str = bare_url + WRITE_PATH) -> None:
+            bare_target = bare_url + WRITE_PATH
+            if opts.soak_check:
+                check_url = bare_target
+
+            def measure_bare(name: str, label: str) -> None:
                 result = run_driver(
                     children,
                     opts,
                     name,
                     "writes",
-                    ["--target", url],
+                    ["--target", bare_target],
                     bare_watch,
                     profile_pid=bare_proxy.pid if bare_proxy else None,
                 )
@@ -1819,7 +1823,6 @@ def run(opts: Options) -> int:
 
             if "bare" in opts.targets:
                 measure_bare("bare", "bare aiohttp proxy (floor)")
-        check_url = bare_url + WRITE_PATH if bare_url and opts.soak_check else None
         if "writes" in opts.targets or "lease" in opts.targets:
             for backend in opts.backends:
                 try:

@@ -17,7 +17,7 @@ from enum import StrEnum
 from functools import cache, cached_property
 from pathlib import Path
 
-from .direct import Batched, Statement
+from .direct import BATCH_LANES, Batched, Statement
 from .rules import RecordState, State
 
 SQL_DIR = Path(__file__).parent / "sql"
@@ -53,9 +53,7 @@ class Operation:
         if len(self.statements) > 1:
             raise ValueError(f"{self.name}: a batched operation is one statement")
         single = self.statements[0] if self.statements else None
-        if self.one_at_a_time:
-            return Batched(self.many, single, lanes=1)
-        return Batched(self.many, single)
+        return Batched(self.many, single, lanes=1 if self.one_at_a_time else BATCH_LANES)
 
     def __hash__(self) -> int:
         return hash(self.name)

@@ -8,8 +8,9 @@
 -- the form that concurrent callers share (lease_core.direct.Batched): each ":name" is
 -- then the array of every caller's value, and the column "n" says which caller a row
 -- answers; "(many, one at a time)": its batches are sent one after another, never two
--- at once (they would contend for the same rows). "{now}" is the authoritative time (PostgreSQL's clock, or an injected one);
--- "{State.X}" and "{RecordState.X}" are the states of lease_core.rules, as literals.
+-- at once (they would contend for the same rows). "{now}" is the authoritative time
+-- (PostgreSQL's clock, or an injected one); "{State.X}" and "{RecordState.X}" are the
+-- states of lease_core.rules, as literals.
 -- lease_core/sql/sqlite.sql defines the same operations for SQLite; those whose SQL is
 -- the same on both are in lease_core/sql/common.sql instead (an operation lives in
 -- exactly one file).
