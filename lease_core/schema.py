@@ -48,6 +48,14 @@ jobs = sa.Table(
     ),
     sa.Index("ix_jobs_lease_token_hash", "lease_token_hash", unique=True),
     sa.Index("ix_jobs_queue_state", "queue", "state", "created_at"),
+    # The leases being worked on, by expiry: the upkeep's "expired on the last attempt"
+    # reads these, never every job ever enqueued.
+    sa.Index(
+        "ix_jobs_leased",
+        "lease_expires_at",
+        postgresql_where=sa.text("state = 'leased'"),
+        sqlite_where=sa.text("state = 'leased'"),
+    ),
 )
 
 # Every grant ever made, by token hash: an earlier generation's token stays recognisable
@@ -62,6 +70,8 @@ leases = sa.Table(
     sa.Column("granted_at", sa.Float, nullable=False),
     sa.Column("expires_at", sa.Float, nullable=False),
     sa.UniqueConstraint("job_id", "generation"),
+    # The upkeep forgets grants by their expiry (written once, at the grant).
+    sa.Index("ix_leases_expires_at", "expires_at"),
 )
 
 # The last generation of each purged job, so a job created again under the same id

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestClient
 
 from gateway.server import create_control_app
+from lease_core import exceptions as exc
 from lease_core import rules
 from lease_core.schema import job_tombstones, jobs, leases
 from lease_core.store import LeaseStore
@@ -439,6 +440,39 @@ async def test_expired_lease_on_the_last_attempt_is_not_claimed(
     job = await api("GET", "/v1/jobs/j", 200)
     assert job["state"] == "failed"
     assert job["error"]
+
+
+async def test_a_renewed_lease_is_not_failed_at_its_first_expiry(
+    api: Call, clock: FakeClock, store: LeaseStore
+) -> None:
+    # The upkeep finds expired leases through the index of leased jobs by expiry, which
+    # every renewal moves.
+    await api("POST", "/v1/jobs", 201, json={"queue": "q", "job_id": "j", "max_attempts": 1})
+    lease = await api("POST", "/v1/queues/q/claim", 200, json={"owner": "w", "ttl_seconds": 5})
+    clock.advance(4)
+    await api("POST", "/v1/leases/renew", 200, json={"lease_token": lease["lease_token"]})
+    clock.advance(4)  # past the first expiry, within the renewed one
+    assert await store.fail_exhausted() == 0
+    clock.advance(2)
+    assert await store.fail_exhausted() == 1
+    assert (await api("GET", "/v1/jobs/j", 200))["state"] == "failed"
+
+
+async def test_old_grants_are_forgotten_but_a_jobs_current_grant_is_kept(
+    api: Call, clock: FakeClock, store: LeaseStore
+) -> None:
+    await api("POST", "/v1/jobs", 201, json={"queue": "q", "job_id": "j"})
+    first = await api("POST", "/v1/queues/q/claim", 200, json={"owner": "w", "ttl_seconds": 5})
+    clock.advance(6)
+    current = await api("POST", "/v1/queues/q/claim", 200, json={"owner": "w", "ttl_seconds": 5})
+    clock.advance(20)  # both grants expired more than 10 s ago
+    assert await store.purge_grants(10) == 1  # the first; the current one stays
+    assert await store.purge_grants(10) == 0
+    # A kept grant's token is still known (its lease expired); a forgotten one is not.
+    with pytest.raises(exc.LeaseExpired):
+        await store.renew(current["lease_token"])
+    with pytest.raises(exc.InvalidLeaseToken):
+        await store.renew(first["lease_token"])
 
 
 # -- listing ------------------------------------------------------------------------------------
