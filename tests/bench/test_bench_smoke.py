@@ -239,3 +239,18 @@ def test_the_soaks_trend_is_the_fitted_lines_change() -> None:
     assert round(flat_with_a_dip[-1] / flat_with_a_dip[0] - 1, 9) == -0.2  # last vs first
     assert -0.11 < soak_trend(flat_with_a_dip) < 0  # about half of it
     assert soak_trend([5.0]) == 0.0
+
+
+def test_sqlite_growth_reports_each_step() -> None:
+    """bench.sqlite_growth: the gateway's admit and settle in process, the cost per write
+    at each step of the records table's growth (that it works, not its speed)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.sqlite_growth", "--writes", "96", "--step", "48",
+         "--jobs", "4", "--concurrency", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [s["records"] for s in steps] == [48, 96]
+    for s in steps:
+        assert s["us_per_write"] > 0 and s["cpu_us_per_write"] > 0 and s["file_mib"] > 0, s
