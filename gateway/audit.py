@@ -15,6 +15,7 @@ from urllib.parse import unquote_plus
 import sqlalchemy as sa
 
 from lease_core import exceptions as lease_exc
+from lease_core.backend import PURGE_BATCH
 from lease_core.store import LeaseStore, rfc3339
 
 from .config import GatewaySettings
@@ -168,19 +169,23 @@ class Audit:
         )
 
     async def purge(
-        self, older_than_seconds: float, grouped_older_than_seconds: float | None = None
+        self,
+        older_than_seconds: float,
+        grouped_older_than_seconds: float | None = None,
+        *,
+        batch: int = PURGE_BATCH,
     ) -> int:
         """Entries older than ``older_than_seconds``, grouped ones (requests without a
-        lease) older than ``grouped_older_than_seconds``; how many rows went."""
-        row = await self.lease_store.backend.run(
+        lease) older than ``grouped_older_than_seconds``, ``batch`` per transaction; how
+        many rows went."""
+        return await self.lease_store.backend.run_in_batches(
             "purge_audit",
+            batch=batch,
             older_than=float(older_than_seconds),
             grouped_older_than=(
                 None if grouped_older_than_seconds is None else float(grouped_older_than_seconds)
             ),
         )
-        assert row is not None
-        return int(row["changed"])
 
 
 def audit_path(raw_path: str, allowed: Collection[str] = ()) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from lease_core import rules, tokens
+from lease_core.backend import PURGE_BATCH
 from lease_core.rules import State
 from lease_core.store import LeaseStore
 
@@ -454,11 +455,12 @@ class GatewayStore:
 
     # -- retention ---------------------------------------------------------------------
 
-    async def purge_records(self, older_than_seconds: float) -> int:
-        """Drop settled records past retention; never an unknown one."""
-        row = await self.backend.run("purge_records", older_than=float(older_than_seconds))
-        assert row is not None
-        return int(row["changed"])
+    async def purge_records(self, older_than_seconds: float, *, batch: int = PURGE_BATCH) -> int:
+        """Drop settled records past retention, ``batch`` per transaction; never an
+        unknown one. How many."""
+        return await self.backend.run_in_batches(
+            "purge_records", batch=batch, older_than=float(older_than_seconds)
+        )
 
 
 def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:

@@ -17,6 +17,9 @@ from .metrics import Metrics
 
 Row = Mapping[str, Any]
 
+# Rows a purge removes per transaction (``Backend.run_in_batches``).
+PURGE_BATCH = 1000
+
 
 class Backend:
     """The operations of one database. A new backend is one dialect's SQL file in
@@ -33,6 +36,20 @@ class Backend:
     @property
     def sqlite(self) -> bool:
         return self.direct.sqlite
+
+    async def run_in_batches(self, name: str, *, batch: int = PURGE_BATCH, **params: Any) -> int:
+        """Operation ``name``, a purge that removes ``:limit`` rows at most and says how
+        many (``changed``), run again until a run removes fewer than ``batch``; how many
+        in all. Each run is its own short transaction: on SQLite, writes go on between
+        them instead of waiting behind one long delete."""
+        total = 0
+        while True:
+            row = await self.run(name, limit=batch, **params)
+            assert row is not None
+            changed = int(row["changed"])
+            total += changed
+            if changed < batch:
+                return total
 
     async def run(self, name: str, **params: Any) -> Row | None:
         """Operation ``name`` with ``params`` (and ``now``, the injected clock's reading,

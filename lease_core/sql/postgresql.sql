@@ -454,10 +454,19 @@ WHERE job_id = :job_id AND key = :key
 RETURNING 1 AS changed;
 
 -- name: purge_records
--- Completed records past retention; never an unknown or in-flight one. How many.
+-- Completed records past retention, the oldest :limit of them (those another replica's
+-- upkeep holds are skipped); never an unknown or in-flight one. How many.
+-- The rows are found once and deleted by their row ids (a TID scan, whatever the
+-- statistics say).
 WITH purged AS (
     DELETE FROM idempotency_records
-    WHERE state = {RecordState.COMPLETED} AND updated_at < {now} - :older_than
+    WHERE ctid = ANY (ARRAY(
+        SELECT ctid FROM idempotency_records
+        WHERE state = {RecordState.COMPLETED} AND updated_at < {now} - :older_than
+        ORDER BY updated_at
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ))
     RETURNING 1
 )
 SELECT count(*) AS changed FROM purged;
@@ -469,11 +478,17 @@ SELECT count(*) AS changed FROM purged;
 
 -- name: purge_audit
 -- Entries older than :older_than seconds, grouped ones (requests without a lease) older
--- than :grouped_older_than (by their last request); how many.
+-- than :grouped_older_than (by their last request), :limit of them at most (those
+-- another replica's upkeep holds are skipped); how many.
 WITH purged AS (
     DELETE FROM audit_log
-    WHERE at < {now} - :older_than
-       OR (group_key IS NOT NULL AND COALESCE(last_at, at) < {now} - :grouped_older_than)
+    WHERE id = ANY (ARRAY(
+        SELECT id FROM audit_log
+        WHERE at < {now} - :older_than
+           OR (group_key IS NOT NULL AND COALESCE(last_at, at) < {now} - :grouped_older_than)
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ))
     RETURNING 1
 )
 SELECT count(*) AS changed FROM purged;

@@ -291,9 +291,15 @@ WHERE job_id = :job_id AND key = :key
 RETURNING 1 AS changed;
 
 -- name: purge_records
--- Completed records past retention; never an unknown or in-flight one. How many.
+-- Completed records past retention, the oldest :limit of them; never an unknown or
+-- in-flight one. How many.
 DELETE FROM idempotency_records
-WHERE state = {RecordState.COMPLETED} AND updated_at < {now} - :older_than;
+WHERE rowid IN (
+    SELECT rowid FROM idempotency_records
+    WHERE state = {RecordState.COMPLETED} AND updated_at < {now} - :older_than
+    ORDER BY updated_at
+    LIMIT :limit
+);
 SELECT changes() AS changed;
 
 
@@ -303,10 +309,15 @@ SELECT changes() AS changed;
 
 -- name: purge_audit
 -- Entries older than :older_than seconds, grouped ones (requests without a lease) older
--- than :grouped_older_than (by their last request); how many. A group key is a non-empty
--- string, so group_key >= '' is "grouped" in a form the group-key index can serve (SQLite
--- scans the table for IS NOT NULL): each side of the OR goes through its own index.
+-- than :grouped_older_than (by their last request), :limit of them at most; how many. A
+-- group key is a non-empty string, so group_key >= '' is "grouped" in a form the
+-- group-key index can serve (SQLite scans the table for IS NOT NULL): each side of the
+-- OR goes through its own index.
 DELETE FROM audit_log
-WHERE at < {now} - :older_than
-   OR (group_key >= '' AND COALESCE(last_at, at) < {now} - :grouped_older_than);
+WHERE id IN (
+    SELECT id FROM audit_log
+    WHERE at < {now} - :older_than
+       OR (group_key >= '' AND COALESCE(last_at, at) < {now} - :grouped_older_than)
+    LIMIT :limit
+);
 SELECT changes() AS changed;

@@ -379,6 +379,21 @@ async def test_retention_purges_old_entries(
     assert new["generation"] == 2
 
 
+async def test_the_audit_is_purged_in_batches(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    audit = stack.control.app[GATEWAY_STATE].audit
+    old = await stack.lease("job-1", owner="a", ttl=10)
+    clock.advance(11)
+    await stack.lease("job-1", owner="b", ttl=600)
+    for i in range(11):
+        await stack.write("/pay/x", old, key=f"k{i}")  # stale: audited
+    clock.advance(DAY)
+    assert await audit.purge(0.5 * DAY, batch=3) == 11
+    assert (await page(stack))["items"] == []
+
+
 async def test_query_string_kept_out_of_the_audit_unless_allowed(
     make_stack: Any, upstream: Upstream
 ) -> None:

@@ -723,3 +723,32 @@ async def test_records_past_retention_are_purged_but_unknown_ones_kept(
     # The unknown one is never purged by retention.
     await problem(await stack.write("/pay/c", lease, key="unknown"), 409, "outcome-unknown")
     assert [r["key"] for r in upstream.received] == ["done", "unknown", "done"]
+
+
+async def test_retention_purges_in_batches_of_short_transactions(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    """One purge statement removes ``:limit`` records at most (the oldest first), so no
+    transaction holds SQLite's write lock for a whole backlog; the store runs it until
+    the backlog is gone. Unknown outcomes stay."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    gateway = stack.control.app[GATEWAY_STATE]
+    lease = await stack.lease("job-1", ttl=600)
+    for i in range(25):
+        await ok(await stack.write("/pay/c", lease, key=f"k{i:02d}"))
+        clock.advance(1)
+    upstream.status = 502
+    await ok(await stack.write("/pay/c", lease, key="unknown"), 502)
+    clock.advance(100)
+
+    first = await gateway.store.backend.run("purge_records", older_than=110.0, limit=10)
+    # k00..k14 are older than 110 s; the oldest ten went, k10 still replays.
+    assert first is not None and first["changed"] == 10
+    await replayed(await stack.write("/pay/c", lease, key="k10"))
+    assert await gateway.store.purge_records(60, batch=4) == 15
+    assert await gateway.store.purge_records(0, batch=4) == 0
+    upstream.status = 201
+    # Every completed record is gone (the keys are sent again); the unknown one stays.
+    await ok(await stack.write("/pay/c", lease, key="k00"))
+    await ok(await stack.write("/pay/c", lease, key="k24"))
+    await problem(await stack.write("/pay/c", lease, key="unknown"), 409, "outcome-unknown")
