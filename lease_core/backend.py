@@ -38,10 +38,19 @@ class Backend:
         return self.direct.sqlite
 
     async def run_in_batches(self, name: str, *, batch: int = PURGE_BATCH, **params: Any) -> int:
-        """Operation ``name``, a purge that removes ``:limit`` rows at most and says how
-        many (``changed``), run again until a run removes fewer than ``batch``; how many
-        in all. Each run is its own short transaction: on SQLite, writes go on between
-        them instead of waiting behind one long delete."""
+        """Operation ``name``, a purge that removes ``:limit`` rows at most (NULL: all)
+        and says how many (``changed``); how many in all.
+
+        On SQLite it runs with ``batch`` as the limit, again until a run removes fewer:
+        each run is its own short transaction, and writes go on between them instead of
+        waiting behind one long delete under the file's one write lock. On PostgreSQL it
+        runs once, without a limit: a delete there holds up no other writer, and every
+        batch would read again the rows the batches before it deleted (dead until
+        vacuumed), so a backlog would cost its square."""
+        if not self.sqlite:
+            row = await self.run(name, limit=None, **params)
+            assert row is not None
+            return int(row["changed"])
         total = 0
         while True:
             row = await self.run(name, limit=batch, **params)

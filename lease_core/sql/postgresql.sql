@@ -454,8 +454,8 @@ WHERE job_id = :job_id AND key = :key
 RETURNING 1 AS changed;
 
 -- name: purge_records
--- Completed records past retention, the oldest :limit of them (those another replica's
--- upkeep holds are skipped); never an unknown or in-flight one. How many.
+-- Completed records past retention, the oldest :limit of them (NULL: all; those another
+-- replica's upkeep holds are skipped); never an unknown or in-flight one. How many.
 -- The rows are found once and deleted by their row ids (a TID scan, whatever the
 -- statistics say).
 WITH purged AS (
@@ -478,8 +478,8 @@ SELECT count(*) AS changed FROM purged;
 
 -- name: purge_audit
 -- Entries older than :older_than seconds, grouped ones (requests without a lease) older
--- than :grouped_older_than (by their last request), :limit of them at most (those
--- another replica's upkeep holds are skipped); how many.
+-- than :grouped_older_than (by their last request), :limit of them at most (NULL: all;
+-- those another replica's upkeep holds are skipped); how many.
 WITH purged AS (
     DELETE FROM audit_log
     WHERE id = ANY (ARRAY(

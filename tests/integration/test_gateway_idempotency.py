@@ -730,7 +730,8 @@ async def test_retention_purges_in_batches_of_short_transactions(
 ) -> None:
     """One purge statement removes ``:limit`` records at most (the oldest first), so no
     transaction holds SQLite's write lock for a whole backlog; the store runs it until
-    the backlog is gone. Unknown outcomes stay."""
+    the backlog is gone (on SQLite in batches, on PostgreSQL in one statement). Unknown
+    outcomes stay."""
     stack = await make_stack(upstreams=[upstream_config(upstream)])
     gateway = stack.control.app[GATEWAY_STATE]
     lease = await stack.lease("job-1", ttl=600)
