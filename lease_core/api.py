@@ -100,10 +100,15 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# One decoder for every body: ``json.loads`` with these hooks builds a new one per call.
+_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constants)
+
+
 def parse_json(raw: bytes) -> Any:
-    """Strict JSON: no NaN or Infinity, no numbers that overflow a double."""
+    """Strict JSON: no NaN or Infinity, no numbers that overflow a double. The bytes are
+    decoded as ``json.loads`` decodes them (UTF-8, -16 or -32, a UTF-8 BOM skipped)."""
     try:
-        return json.loads(raw, parse_float=_finite_float, parse_constant=_no_constants)
+        return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except (ValueError, RecursionError) as error:
         raise exc.InvalidRequest(f"body: malformed JSON ({error})", field="body") from error
 
