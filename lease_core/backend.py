@@ -48,17 +48,19 @@ class Backend:
         batch would read again the rows the batches before it deleted (dead until
         vacuumed), so a backlog would cost its square."""
         if not self.sqlite:
-            row = await self.run(name, limit=None, **params)
-            assert row is not None
-            return int(row["changed"])
+            return await self.count(name, limit=None, **params)
         total = 0
         while True:
-            row = await self.run(name, limit=batch, **params)
-            assert row is not None
-            changed = int(row["changed"])
+            changed = await self.count(name, limit=batch, **params)
             total += changed
             if changed < batch:
                 return total
+
+    async def count(self, name: str, **params: Any) -> int:
+        """Operation ``name``, one that says how many rows it changed (``changed``)."""
+        row = await self.run(name, **params)
+        assert row is not None
+        return int(row["changed"])
 
     async def run(self, name: str, **params: Any) -> Row | None:
         """Operation ``name`` with ``params`` (and ``now``, the injected clock's reading,

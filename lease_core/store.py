@@ -308,17 +308,12 @@ class LeaseStore:
     async def fail_exhausted(self) -> int:
         """Expired leases on their last attempt become ``failed`` (a worker that keeps
         crashing on a job must not get it forever). Returns how many."""
-        return await self._count("fail_exhausted")
+        return await self.backend.count("fail_exhausted")
 
     async def purge_grants(self, older_than_seconds: float) -> int:
         """Forget grants older than the audit's retention (their tokens then answer
         'invalid' instead of 'stale'); the current grant of a job is always kept."""
-        return await self._count("purge_grants", older_than=float(older_than_seconds))
-
-    async def _count(self, operation: str, **params: Any) -> int:
-        row = await self.backend.run(operation, **params)
-        assert row is not None
-        return int(row["changed"])
+        return await self.backend.count("purge_grants", older_than=float(older_than_seconds))
 
 
 def _json(value: Any) -> Any:
