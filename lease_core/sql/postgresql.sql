@@ -456,8 +456,8 @@ RETURNING 1 AS changed;
 -- name: purge_records
 -- Completed records past retention, the oldest :limit of them (NULL: all; those another
 -- replica's upkeep holds are skipped); never an unknown or in-flight one. How many.
--- The rows are found once and deleted by their row ids (a TID scan, whatever the
--- statistics say).
+-- The rows are found once and deleted by their row ids (a TID scan with no statistics
+-- and with stale ones).
 WITH purged AS (
     DELETE FROM idempotency_records
     WHERE ctid = ANY (ARRAY(

@@ -254,3 +254,4 @@ def test_sqlite_growth_reports_each_step() -> None:
     assert [s["records"] for s in steps] == [48, 96]
     for s in steps:
         assert s["us_per_write"] > 0 and s["cpu_us_per_write"] > 0 and s["file_mib"] > 0, s
+        assert s["writes_per_write"] > 0, s  # every write commits pages (Linux: /proc)
