@@ -1374,6 +1374,25 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def own_work_lines(lease: list[dict[str, Any]]) -> list[str]:
+    """Per backend: the gateway's CPU per renewal against aiohttp's alone (HTTP alone),
+    and what is left, the lease API's own work."""
+    out = []
+    for backend in dict.fromkeys(r["backend"] for r in lease):
+        found = {
+            r["path"]: r.get("server_cpu_ms_per_request")
+            for r in lease
+            if r["backend"] == backend and r["operation"] == "renewals"
+        }
+        api, alone = found.get("HTTP API"), found.get("HTTP alone")
+        if api and alone:
+            out.append(
+                f"renewals on {backend}: the gateway's CPU {api:.3f} ms a renewal, HTTP alone "
+                f"{alone:.3f} ms; the lease API's own work {api - alone:.3f} ms"
+            )
+    return out
+
+
 def cpu_text(row: dict[str, Any], names: Sequence[str]) -> str:
     cpu = row.get("cpu_percent") or {}
     return "/".join("-" if cpu.get(n) is None else f"{cpu[n]:.0f}" for n in names)
@@ -1493,6 +1512,7 @@ def report(rows: list[dict[str, Any]], opts: Options) -> str:
                 body,
             )
         )
+        out.extend(own_work_lines(lease))
     if opts.quick:
         out.append("\n(--quick: a smoke run; the numbers are not judged)")
     return "\n".join(out)
@@ -1741,6 +1761,7 @@ def run_lease(
         ["--database-url", db.url, "--job-prefix", f"{tag}-r"],
         watch,
     )
+    results["renewals-bare"] = measure_bare_renewals(children, opts, backend)
     for operation in ("claims", "renewals"):
         http, raw = results[f"{operation}-http"], results[f"{operation}-raw"]
         ratio = http["rps"] / raw["rps"] if raw["rps"] else None
@@ -1758,6 +1779,31 @@ def run_lease(
                 row["ratio_target"] = target
                 row["ratio_ok"] = None if ratio is None else ratio >= target
             rows.append(row)
+    rows.append(
+        {"section": "lease", "operation": "renewals", "backend": backend, "path": "HTTP alone"}
+        | results["renewals-bare"]
+    )
+
+
+def measure_bare_renewals(children: Children, opts: Options, backend: str) -> dict[str, Any]:
+    """Renewals against ``bench.bare_lease`` (aiohttp answering a lease document, no
+    database): aiohttp's and the loop's CPU per renewal, measured beside the gateway's."""
+    server, url = start_server(
+        children, f"bare-lease-{backend}", [sys.executable, "-m", "bench.bare_lease"]
+    )
+    try:
+        watch = Watch({"server": server.pid, "orchestrator": os.getpid()}, postgres_db=None)
+        return run_driver(
+            children,
+            opts,
+            f"renewals-bare-{backend}",
+            "renewals",
+            ["--control", url, "--tag", "bare"],
+            watch,
+            profile_pid=server.pid,
+        )
+    finally:
+        children.stop(server)
 
 
 def run(opts: Options) -> int:

@@ -1,0 +1,76 @@
+"""HTTP alone: what any aiohttp lease API pays before it does a thing of its own.
+
+One aiohttp server (uvloop, no access log, as ``fencegate serve`` runs) that answers the
+benchmark's renewals as the lease API does, with no database, no batching, no checks:
+read the JSON body, parse it, answer a lease document of the same shape and size (its
+expiry moved on by the asked TTL). ``PUT /v1/jobs/{job_id}/lease`` hands out a token so
+the driver's ``renewals`` mode runs against it unchanged. Beside the gateway's renewals
+its CPU per request is aiohttp's and the loop's share of the gateway's, and what is left
+is the lease API's own work (``docs/performance.md``).
+
+Run alone: ``python -m bench.bare_lease --port 8091``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from aiohttp import web
+
+if __package__ in (None, ""):  # run as a file: python bench/bare_lease.py
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import run, serve_app
+
+
+def _lease(job_id: str, ttl: float) -> dict[str, object]:
+    expires = datetime.fromtimestamp(time.time() + ttl, UTC)
+    return {
+        "job_id": job_id,
+        "generation": 1,
+        "owner": f"bench-{job_id}",
+        "expires_at": expires.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "ttl_seconds": ttl,
+        "payload": None,
+    }
+
+
+async def acquire(request: web.Request) -> web.Response:
+    body = json.loads(await request.read())
+    job_id = request.match_info["job_id"]
+    lease = _lease(job_id, float(body.get("ttl_seconds") or 60.0))
+    lease["lease_token"] = "fgl_" + secrets.token_urlsafe(24)
+    return web.json_response(lease, status=201)
+
+
+async def renew(request: web.Request) -> web.Response:
+    body = json.loads(await request.read())
+    # Which job a token belongs to is the database's to say; every answer names one.
+    return web.json_response(_lease("bench-job", float(body.get("ttl_seconds") or 60.0)))
+
+
+def create_app() -> web.Application:
+    app = web.Application()
+    app.router.add_put("/v1/jobs/{job_id}/lease", acquire)
+    app.router.add_post("/v1/leases/renew", renew)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    run(serve_app(create_app(), args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()
