@@ -13,7 +13,6 @@ Run alone: ``python -m bench.bare_lease --port 8091``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import time
@@ -28,7 +27,7 @@ if __package__ in (None, ""):  # run as a file: python bench/bare_lease.py
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import run, serve_app
+from bench.common import serve_main
 
 
 def _lease(job_id: str, ttl: float) -> dict[str, object]:
@@ -65,11 +64,7 @@ def create_app() -> web.Application:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    args = parser.parse_args(argv)
-    run(serve_app(create_app(), args.host, args.port))
+    serve_main(__doc__, create_app, argv)
 
 
 if __name__ == "__main__":

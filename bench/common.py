@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import signal
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -63,3 +64,15 @@ async def serve_app(app: web.Application, host: str, port: int) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def serve_main(
+    doc: str | None, create_app: Callable[[], web.Application], argv: Sequence[str] | None
+) -> None:
+    """The command line of a benchmark server with no options of its own: ``--host``,
+    ``--port``, then ``create_app()`` served until stopped."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    run(serve_app(create_app(), args.host, args.port))

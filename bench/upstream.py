@@ -6,7 +6,6 @@ Run alone: ``python -m bench.upstream --port 9000``.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -17,7 +16,7 @@ if __package__ in (None, ""):  # run as a file: python bench/upstream.py
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import run, serve_app
+from bench.common import serve_main
 
 BODY = b'{"id":"ch_bench","object":"charge","status":"succeeded","amount":1250}'
 
@@ -34,11 +33,7 @@ def create_app() -> web.Application:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    args = parser.parse_args(argv)
-    run(serve_app(create_app(), args.host, args.port))
+    serve_main(__doc__, create_app, argv)
 
 
 if __name__ == "__main__":
