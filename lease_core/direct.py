@@ -55,6 +55,11 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 _SERVER_NOW = "CAST(extract(epoch FROM now()) AS double precision)"
 
 
+def parameter_names(text: str) -> list[str]:
+    """The ``:name`` parameters of a statement's text, in order (``::`` casts are not)."""
+    return _PARAM.findall(text)
+
+
 class Statement:
     """One SQL statement written once, with ``:name`` parameters and ``{now}`` where
     the authoritative time goes: a ``:now`` parameter (SQLite, or an injected clock)

@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 
 from lease_core import catalogue
-from lease_core.direct import _PARAM
+from lease_core.direct import parameter_names
 
 # What a statement names in its own FROM that is not a table (its CTEs).
 NOT_TABLES = {"clock", "one"}
@@ -25,7 +25,7 @@ def full_scans(database: Path) -> set[tuple[str, str]]:
     with sqlite3.connect(database) as conn:
         for name, operation in catalogue.load("sqlite").items():
             for statement in operation.statements:
-                params = dict.fromkeys(_PARAM.findall(statement.sqlite))
+                params = dict.fromkeys(parameter_names(statement.sqlite))
                 for row in conn.execute("EXPLAIN QUERY PLAN " + statement.sqlite, params):
                     match = _FULL_SCAN.fullmatch(row[3])
                     if match and match.group(1) not in NOT_TABLES:

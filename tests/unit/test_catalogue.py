@@ -9,7 +9,7 @@ import pytest
 
 from lease_core import catalogue
 from lease_core.catalogue import CatalogueError, parse
-from lease_core.direct import _PARAM, BATCH_LANES
+from lease_core.direct import BATCH_LANES, parameter_names
 from lease_core.rules import RecordState, State
 
 CATALOGUES = {dialect: catalogue.load(dialect) for dialect in catalogue.DIALECTS}
@@ -17,7 +17,7 @@ CATALOGUES = {dialect: catalogue.load(dialect) for dialect in catalogue.DIALECTS
 
 def parameters(operation: catalogue.Operation) -> set[str]:
     statements = [*operation.statements, *([operation.many] if operation.many else [])]
-    return {name for s in statements for name in _PARAM.findall(s.text)} - {"now"}
+    return {name for s in statements for name in parameter_names(s.text)} - {"now"}
 
 
 def test_every_dialect_defines_the_same_operations() -> None:
