@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -28,6 +29,10 @@ from .direct import is_unavailable
 from .metrics import Metrics
 from .rules import State
 from .schema import jobs
+
+# How often purge_grants looks at every grant past the retention, not only those that
+# crossed it since its last step.
+GRANT_SWEEP_SECONDS = 86_400.0
 
 
 def rfc3339(ts: float | None) -> str | None:
@@ -120,6 +125,9 @@ class LeaseStore:
         self.backend = Backend(engine, clock=clock, metrics=metrics)
         self.dialect = self.backend.dialect
         self.metrics = self.backend.metrics
+        # purge_grants: the cutoff of its last step; when it next looks at all grants.
+        self._grants_cutoff: float | None = None
+        self._grants_sweep_due = -math.inf
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
@@ -312,8 +320,27 @@ class LeaseStore:
 
     async def purge_grants(self, older_than_seconds: float) -> int:
         """Forget grants older than the audit's retention (their tokens then answer
-        'invalid' instead of 'stale'); the current grant of a job is always kept."""
-        return await self.backend.count("purge_grants", older_than=float(older_than_seconds))
+        'invalid' instead of 'stale'); the current grant of a job is always kept.
+
+        A step looks only at the grants that crossed the retention since the previous
+        step: the current grants kept then (one per job, for ever) are not read again at
+        every step. Such a grant becomes one to forget only when its job is granted
+        again; the first step, and one every ``GRANT_SWEEP_SECONDS``, look at all old
+        grants and find those."""
+        now = self.dialect.injected_now()
+        now = time.time() if now is None else now  # schedules the sweep, decides nothing
+        since = self._grants_cutoff
+        full = since is None or now >= self._grants_sweep_due
+        row = await self.backend.run(
+            "purge_grants",
+            older_than=float(older_than_seconds),
+            since=-math.inf if full else since,
+        )
+        assert row is not None
+        self._grants_cutoff = float(row["cutoff"])
+        if full:
+            self._grants_sweep_due = now + GRANT_SWEEP_SECONDS
+        return int(row["changed"])
 
 
 def _json(value: Any) -> Any:

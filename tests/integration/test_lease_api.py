@@ -24,7 +24,7 @@ from gateway.server import create_control_app
 from lease_core import exceptions as exc
 from lease_core import rules
 from lease_core.schema import job_tombstones, jobs, leases
-from lease_core.store import LeaseStore
+from lease_core.store import GRANT_SWEEP_SECONDS, LeaseStore
 from tests.support import FakeClock
 
 Client = TestClient[Any, Any]
@@ -471,6 +471,28 @@ async def test_old_grants_are_forgotten_but_a_jobs_current_grant_is_kept(
     # A kept grant's token is still known (its lease expired); a forgotten one is not.
     with pytest.raises(exc.LeaseExpired):
         await store.renew(current["lease_token"])
+    with pytest.raises(exc.InvalidLeaseToken):
+        await store.renew(first["lease_token"])
+
+
+async def test_a_kept_grant_is_not_looked_at_again_until_the_daily_sweep(
+    api: Call, clock: FakeClock, store: LeaseStore
+) -> None:
+    # Each step looks at the grants that crossed the retention since the step before: a
+    # job's current grant, kept when it crossed, is not read again once a minute for ever.
+    # Granted again later, the job's old grant is found by the sweep of all old grants
+    # (the first step, then once a day).
+    await api("POST", "/v1/jobs", 201, json={"queue": "q", "job_id": "j"})
+    first = await api("POST", "/v1/queues/q/claim", 200, json={"owner": "w", "ttl_seconds": 5})
+    clock.advance(20)
+    assert await store.purge_grants(10) == 0  # the first step sweeps all: kept, current
+    await api("POST", "/v1/queues/q/claim", 200, json={"owner": "w", "ttl_seconds": 5})
+    clock.advance(20)
+    assert await store.purge_grants(10) == 0  # the first grant crossed before: not seen
+    with pytest.raises(exc.StaleGeneration):
+        await store.renew(first["lease_token"])
+    clock.advance(GRANT_SWEEP_SECONDS)
+    assert await store.purge_grants(10) == 1  # the daily sweep
     with pytest.raises(exc.InvalidLeaseToken):
         await store.renew(first["lease_token"])
 
