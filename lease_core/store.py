@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from . import exceptions as exc
 from . import rules, tokens
-from .backend import Backend
+from .backend import PURGE_BATCH, Backend
 from .db import Clock
 from .direct import is_unavailable
 from .metrics import Metrics
@@ -318,7 +318,7 @@ class LeaseStore:
         crashing on a job must not get it forever). Returns how many."""
         return await self.backend.count("fail_exhausted")
 
-    async def purge_grants(self, older_than_seconds: float) -> int:
+    async def purge_grants(self, older_than_seconds: float, *, batch: int = PURGE_BATCH) -> int:
         """Forget grants older than the audit's retention (their tokens then answer
         'invalid' instead of 'stale'); the current grant of a job is always kept.
 
@@ -326,21 +326,33 @@ class LeaseStore:
         step: the current grants kept then (one per job, for ever) are not read again at
         every step. Such a grant becomes one to forget only when its job is granted
         again; the first step, and one every ``GRANT_SWEEP_SECONDS``, look at all old
-        grants and find those."""
+        grants and find those. On SQLite that sweep goes in slices of ``batch`` grants,
+        each its own short transaction (as ``Backend.run_in_batches`` does); on
+        PostgreSQL, where a delete holds up no other writer, in one statement."""
         now = self.dialect.injected_now()
         now = time.time() if now is None else now  # schedules the sweep, decides nothing
+        older = float(older_than_seconds)
         since = self._grants_cutoff
         full = since is None or now >= self._grants_sweep_due
-        row = await self.backend.run(
-            "purge_grants",
-            older_than=float(older_than_seconds),
-            since=-math.inf if full else since,
-        )
-        assert row is not None
-        self._grants_cutoff = float(row["cutoff"])
+        lo = -math.inf if full or since is None else since
+        total = 0
+        while True:
+            until = math.inf
+            if full and self.backend.sqlite:
+                found = await self.backend.run("grant_slice_end", since=lo, batch=batch)
+                assert found is not None
+                if found["slice_end"] is not None:
+                    until = float(found["slice_end"])
+            row = await self.backend.run("purge_grants", older_than=older, since=lo, until=until)
+            assert row is not None
+            total += int(row["changed"])
+            self._grants_cutoff = cutoff = float(row["cutoff"])
+            if until >= cutoff:
+                break
+            lo = until
         if full:
             self._grants_sweep_due = now + GRANT_SWEEP_SECONDS
-        return int(row["changed"])
+        return total
 
 
 def _json(value: Any) -> Any:

@@ -13,6 +13,14 @@ WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expire
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
+-- name: grant_slice_end
+-- Read only: where a slice of :batch grants after :since ends, in order of expiry (the
+-- expiry of the next grant after them); NULL when no more than :batch are left.
+SELECT (
+    SELECT expires_at FROM leases WHERE expires_at > :since
+    ORDER BY expires_at LIMIT 1 OFFSET :batch
+) AS slice_end;
+
 -- name: lease_refusal
 -- Read only: the grant behind a token and its job now, to say why the token's lease is
 -- not current (lease_core.rules.refusal_reason). No row: no such token.

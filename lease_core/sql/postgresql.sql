@@ -206,15 +206,15 @@ WITH failed AS (
 SELECT count(*) AS changed FROM failed;
 
 -- name: purge_grants
--- Forget grants that expired before the cutoff ({now} - :older_than seconds) and not
--- before :since (the previous step's cutoff: a grant is looked at when it crosses the
--- cutoff, not again at every step; -Infinity looks at all); their tokens then answer
--- "invalid" instead of "stale". A job's current grant is always kept. How many, and the
--- cutoff.
+-- Forget grants that expired before the cutoff ({now} - :older_than seconds), from
+-- :since (the previous step's cutoff: a grant is looked at when it crosses the cutoff,
+-- not again at every step; -Infinity looks at all) to before :until (Infinity: the
+-- cutoff); their tokens then answer "invalid" instead of "stale". A job's current grant
+-- is always kept. How many, and the cutoff.
 WITH purged AS (
     DELETE FROM leases AS l
     WHERE l.expires_at >= CAST(:since AS double precision)
-      AND l.expires_at < {now} - :older_than
+      AND l.expires_at < LEAST(CAST(:until AS double precision), {now} - :older_than)
       AND NOT EXISTS (
           SELECT 1 FROM jobs AS j WHERE j.job_id = l.job_id AND j.generation = l.generation
       )

@@ -131,12 +131,13 @@ WHERE state = {State.LEASED} AND lease_expires_at <= {now} AND attempts >= max_a
 SELECT changes() AS changed;
 
 -- name: purge_grants
--- Forget grants that expired before the cutoff ({now} - :older_than seconds) and not
--- before :since (the previous step's cutoff: a grant is looked at when it crosses the
--- cutoff, not again at every step; -Infinity looks at all); a job's current grant is
--- always kept. How many, and the cutoff.
+-- Forget grants that expired before the cutoff ({now} - :older_than seconds), from
+-- :since (the previous step's cutoff: a grant is looked at when it crosses the cutoff,
+-- not again at every step; -Infinity looks at all) to before :until (Infinity: the
+-- cutoff; a sweep of all grants goes in slices); a job's current grant is always kept.
+-- How many, and the cutoff.
 DELETE FROM leases
-WHERE expires_at >= :since AND expires_at < {now} - :older_than
+WHERE expires_at >= :since AND expires_at < MIN(:until, {now} - :older_than)
   AND NOT EXISTS (
       SELECT 1 FROM jobs AS j
       WHERE j.job_id = leases.job_id AND j.generation = leases.generation

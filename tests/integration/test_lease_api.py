@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -495,6 +496,35 @@ async def test_a_kept_grant_is_not_looked_at_again_until_the_daily_sweep(
     assert await store.purge_grants(10) == 1  # the daily sweep
     with pytest.raises(exc.InvalidLeaseToken):
         await store.renew(first["lease_token"])
+
+
+async def test_the_sweep_of_all_old_grants_goes_in_slices(
+    api: Call, clock: FakeClock, store: LeaseStore
+) -> None:
+    # Five jobs granted twice each, the first grants expiring a second apart; on SQLite
+    # the sweep looks at them two at a time, each slice its own transaction.
+    for i in range(5):
+        await api("POST", "/v1/jobs", 201, json={"queue": "q", "job_id": f"j{i}"})
+    for _ in range(5):
+        await api("POST", "/v1/queues/q/claim", 200, json={"owner": "w", "ttl_seconds": 5})
+        clock.advance(1)
+    clock.advance(10)
+    current = [
+        await api("POST", "/v1/queues/q/claim", 200, json={"owner": "w", "ttl_seconds": 5})
+        for _ in range(5)
+    ]
+    clock.advance(30)
+    async with store.engine.connect() as conn:
+        expiries = sorted((await conn.execute(sa.select(leases.c.expires_at))).scalars())
+    # A slice of two after the start ends at the third grant's expiry; none past the end.
+    found = await store.backend.run("grant_slice_end", since=-math.inf, batch=2)
+    assert found is not None and found["slice_end"] == expiries[2]
+    found = await store.backend.run("grant_slice_end", since=expiries[7], batch=2)
+    assert found is not None and found["slice_end"] is None
+    assert await store.purge_grants(10, batch=2) == 5  # every first grant, slice by slice
+    for lease in current:  # the current grants stay: their leases expired, not forgotten
+        with pytest.raises(exc.LeaseExpired):
+            await store.renew(lease["lease_token"])
 
 
 # -- listing ------------------------------------------------------------------------------------
