@@ -17,7 +17,7 @@ import json
 import secrets
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from typing import Any
 
 from aiohttp import web
 
@@ -28,32 +28,32 @@ if __package__ in (None, ""):  # run as a file: python bench/bare_lease.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import serve_main
+from lease_core.store import LeaseRecord
 
 
-def _lease(job_id: str, ttl: float) -> dict[str, object]:
-    expires = datetime.fromtimestamp(time.time() + ttl, UTC)
-    return {
-        "job_id": job_id,
-        "generation": 1,
-        "owner": f"bench-{job_id}",
-        "expires_at": expires.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "ttl_seconds": ttl,
-        "payload": None,
-    }
+def _lease(job_id: str, body: bytes, token: str | None = None) -> dict[str, Any]:
+    """The lease document the lease API answers (its own ``LeaseRecord``)."""
+    ttl = float(json.loads(body).get("ttl_seconds") or 60.0)
+    return LeaseRecord(
+        job_id=job_id,
+        generation=1,
+        owner=f"bench-{job_id}",
+        expires_at=time.time() + ttl,
+        ttl_seconds=ttl,
+        payload=None,
+        lease_token=token,
+    ).to_json()
 
 
 async def acquire(request: web.Request) -> web.Response:
-    body = json.loads(await request.read())
-    job_id = request.match_info["job_id"]
-    lease = _lease(job_id, float(body.get("ttl_seconds") or 60.0))
-    lease["lease_token"] = "fgl_" + secrets.token_urlsafe(24)
+    token = "fgl_" + secrets.token_urlsafe(24)
+    lease = _lease(request.match_info["job_id"], await request.read(), token)
     return web.json_response(lease, status=201)
 
 
 async def renew(request: web.Request) -> web.Response:
-    body = json.loads(await request.read())
     # Which job a token belongs to is the database's to say; every answer names one.
-    return web.json_response(_lease("bench-job", float(body.get("ttl_seconds") or 60.0)))
+    return web.json_response(_lease("bench-job", await request.read()))
 
 
 def create_app() -> web.Application:
