@@ -141,30 +141,33 @@ class Direct:
         """Run one statement as its own transaction; its first row, if any."""
         raise NotImplementedError
 
-    async def fetchrow_batched(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
+    def fetchrow_batched(
+        self, statement: Batched, params: Mapping[str, Any]
+    ) -> Awaitable[Row | None]:
         """``fetchrow`` of ``statement.single``, where concurrent callers may share one
         round trip and one commit (PostgreSQL)."""
         if statement.single is None:
             raise TypeError("this statement has no form for one caller")
-        return await self.fetchrow(statement.single, params)
+        return self.fetchrow(statement.single, params)
 
     async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """SQLite only: ``work`` in a write transaction; its result once committed; its
         writes rolled back when it raises."""
         raise NotImplementedError
 
-    async def execute(self, operation: Operation, params: Mapping[str, Any]) -> Row | None:
+    def execute(self, operation: Operation, params: Mapping[str, Any]) -> Awaitable[Row | None]:
         """Run a catalogue operation (``lease_core.catalogue``) as one transaction: its
-        answer, or None when none of its statements returned a row."""
+        answer, or None when none of its statements returned a row. Returns what to
+        await (no coroutine of its own: this sits on every hot call's path)."""
         batched = operation.batched
         if batched is not None and not self.sqlite:
-            return await self.fetchrow_batched(batched, params)
+            return self.fetchrow_batched(batched, params)
         statements = operation.statements
         if not statements:
             raise TypeError(f"{operation.name}: no form for one caller")
         if len(statements) == 1:
-            return await self.fetchrow(statements[0], params)
-        return await self._chain(statements, params)
+            return self.fetchrow(statements[0], params)
+        return self._chain(statements, params)
 
     async def _chain(
         self, statements: Sequence[Statement], params: Mapping[str, Any]
@@ -240,13 +243,15 @@ class PostgresDirect(Direct):
         row: Row | None = await self._send("fetchrow", statement, params)
         return row
 
-    async def fetchrow_batched(self, statement: Batched, params: Mapping[str, Any]) -> Row | None:
+    def fetchrow_batched(
+        self, statement: Batched, params: Mapping[str, Any]
+    ) -> Awaitable[Row | None]:
         coalescer = self._coalescers.get(statement)
         if coalescer is None:
             coalescer = self._coalescers[statement] = Coalescer(
                 partial(self._fetch_many, statement), lanes=statement.lanes, max_batch=MAX_BATCH
             )
-        return await coalescer.submit(params)
+        return coalescer.submit(params)
 
     async def _fetch_many(
         self, statement: Batched, calls: list[Mapping[str, Any]]
@@ -399,7 +404,9 @@ class Coalescer(Generic[Item, Answer]):
         self._running = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def submit(self, item: Item) -> Answer:
+    def submit(self, item: Item) -> asyncio.Future[Answer]:
+        """Queue ``item``; the future its answer arrives on (cancelling it drops the
+        answer, not the batch)."""
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._queued.append((item, future))
         if self._running < self._lanes:
@@ -407,7 +414,7 @@ class Coalescer(Generic[Item, Answer]):
             task = asyncio.ensure_future(self._drain())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await future
+        return future
 
     async def _drain(self) -> None:
         try:
