@@ -5,12 +5,11 @@ everything; ``/healthz`` and ``/readyz`` are open."""
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from lease_core import exceptions as exc
+from lease_core.problems import Check
 
 from .config import AuthSettings
 
@@ -20,7 +19,6 @@ OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"}
 )
 METRICS_PATH = "/metrics"
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _matches(presented: bytes, tokens: list[bytes]) -> bool:
@@ -31,29 +29,29 @@ def _matches(presented: bytes, tokens: list[bytes]) -> bool:
     return found
 
 
-def auth_middleware(settings: AuthSettings) -> Middleware:
+def auth_check(settings: AuthSettings) -> Check:
+    """The control listener's check of a request's bearer token (run by its
+    ``problem_middleware``, which answers the refusals)."""
     admin = [t.get_secret_value().encode() for t in settings.admin_tokens]
     worker = [t.get_secret_value().encode() for t in settings.worker_tokens]
     scrape = [t.get_secret_value().encode() for t in settings.metrics_tokens]
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def check(request: web.Request) -> None:
         if request.path in OPEN_PATHS or not settings.enabled:
-            return await handler(request)
+            return
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise exc.Unauthorized("send Authorization: Bearer <token>")
         token = presented.strip().encode("utf-8", "surrogateescape")
         if _matches(token, admin):
-            return await handler(request)
+            return
         if _matches(token, scrape):
             if request.path != METRICS_PATH:
                 raise exc.Forbidden("metrics tokens may only read /metrics")
-            return await handler(request)
+            return
         if not _matches(token, worker):
             raise exc.Unauthorized("unknown bearer token")
         if not request.path.startswith("/v1/"):
             raise exc.Forbidden("worker tokens may only use /v1/; this path needs an admin token")
-        return await handler(request)
 
-    return middleware
+    return check

@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
-from lease_core.problems import problem_response
+from lease_core.problems import Check, problem_response
 
 from .config import GatewaySettings, UpstreamSettings
 from .fence import Hasher, Reason
@@ -82,33 +81,34 @@ async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
         yield chunk
 
 
-def body_deadline_middleware(limits: GatewaySettings) -> Middleware:
+def body_deadline_check(limits: GatewaySettings) -> Check:
     """The control listener's bodies (lease and admin calls, a few KiB of JSON) must
     arrive within ``body_timeout_seconds`` too: read whole before the handler runs,
     or answered 408 with the connection closed, so a client that sends a head and then
-    trickles its body cannot hold a connection and a handler for ever."""
+    trickles its body cannot hold a connection and a handler for ever. A check run by
+    the listener's ``problem_middleware``."""
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.body_exists and not request.content.is_eof():
-            try:
-                async with asyncio.timeout(limits.body_timeout_seconds):
-                    await request.read()  # kept by the request for the handler
-            except TimeoutError:
-                response = problem_response(
-                    status=408,
-                    reason=Reason.HTTP_ERROR,
-                    title="Request Timeout",
-                    detail="The request body did not arrive in time (body_timeout_seconds).",
-                )
-                # Sent at once, then the connection closed: aiohttp would otherwise keep
-                # reading the rest of the slow body (its lingering close) first.
-                response.force_close()
-                with contextlib.suppress(ConnectionError, RuntimeError):
-                    await response.prepare(request)
-                    await response.write_eof()
-                request.protocol.force_close()
-                return response
-        return await handler(request)
+    async def check(request: web.Request) -> web.StreamResponse | None:
+        if not request.body_exists or request.content.is_eof():
+            return None
+        try:
+            async with asyncio.timeout(limits.body_timeout_seconds):
+                await request.read()  # kept by the request for the handler
+        except TimeoutError:
+            response = problem_response(
+                status=408,
+                reason=Reason.HTTP_ERROR,
+                title="Request Timeout",
+                detail="The request body did not arrive in time (body_timeout_seconds).",
+            )
+            # Sent at once, then the connection closed: aiohttp would otherwise keep
+            # reading the rest of the slow body (its lingering close) first.
+            response.force_close()
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await response.prepare(request)
+                await response.write_eof()
+            request.protocol.force_close()
+            return response
+        return None
 
-    return middleware
+    return check

@@ -26,8 +26,8 @@ from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
 from . import admin, dashboard, logs, migrate, tasks, tls, tracing
-from .auth import auth_middleware
-from .body import body_deadline_middleware
+from .auth import auth_check
+from .body import body_deadline_check
 from .config import ConfigError, Settings, parse_listen
 from .logs import request_id_middleware
 from .parse_errors import ProblemRunner
@@ -74,9 +74,7 @@ def create_control_app(
     app = web.Application(
         middlewares=[
             request_id_middleware,
-            problem_middleware,
-            auth_middleware(settings.auth),
-            body_deadline_middleware(settings.gateway),
+            problem_middleware(auth_check(settings.auth), body_deadline_check(settings.gateway)),
         ],
         client_max_size=CONTROL_MAX_BODY,
     )
