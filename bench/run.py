@@ -60,6 +60,9 @@ WRITE_PATH = "/bench/charge"
 WRITE_RPS_TARGET = {"sqlite": 0.6, "postgres": 0.6}
 P99_TARGET = 1.5
 LEASE_TARGET = 0.8
+# The renewals' third comparison on PostgreSQL: HTTP and the store's batched statement
+# with nothing else (bench.lean_lease).
+LEAN_PATH = "HTTP + batched SQL"
 
 ALL_TARGETS = ("direct", "bare", "writes", "lease")
 
@@ -1390,6 +1393,12 @@ def own_work_lines(lease: list[dict[str, Any]]) -> list[str]:
                 f"renewals on {backend}: the gateway's CPU {api:.3f} ms a renewal, HTTP alone "
                 f"{alone:.3f} ms; the lease API's own work {api - alone:.3f} ms"
             )
+        lean = found.get(LEAN_PATH)
+        if api and lean:
+            out.append(
+                f"renewals on {backend}: {LEAN_PATH} {lean:.3f} ms a renewal; the gateway's "
+                f"handling beyond it {api - lean:.3f} ms"
+            )
     return out
 
 
@@ -1762,6 +1771,8 @@ def run_lease(
         watch,
     )
     results["renewals-bare"] = measure_bare_renewals(children, opts, backend)
+    if backend == "postgres":
+        results["renewals-lean"] = measure_lean_renewals(children, opts, db, control)
     for operation in ("claims", "renewals"):
         http, raw = results[f"{operation}-http"], results[f"{operation}-raw"]
         ratio = http["rps"] / raw["rps"] if raw["rps"] else None
@@ -1783,6 +1794,13 @@ def run_lease(
         {"section": "lease", "operation": "renewals", "backend": backend, "path": "HTTP alone"}
         | results["renewals-bare"]
     )
+    if "renewals-lean" in results:
+        lean, raw = results["renewals-lean"], results["renewals-raw"]
+        rows.append(
+            {"section": "lease", "operation": "renewals", "backend": backend, "path": LEAN_PATH}
+            | lean
+            | {"ratio": lean["rps"] / raw["rps"] if raw["rps"] else None}
+        )
 
 
 def measure_bare_renewals(children: Children, opts: Options, backend: str) -> dict[str, Any]:
@@ -1799,6 +1817,39 @@ def measure_bare_renewals(children: Children, opts: Options, backend: str) -> di
             f"renewals-bare-{backend}",
             "renewals",
             ["--control", url, "--tag", "bare"],
+            watch,
+            profile_pid=server.pid,
+        )
+    finally:
+        children.stop(server)
+
+
+def measure_lean_renewals(
+    children: Children, opts: Options, db: Database, control: str
+) -> dict[str, Any]:
+    """Renewals against ``bench.lean_lease`` (PostgreSQL): HTTP and the store's batched
+    statement with nothing else, the least a lease API over HTTP can cost here."""
+    server, url = start_server(
+        children,
+        "lean-lease",
+        [
+            sys.executable,
+            "-m",
+            "bench.lean_lease",
+            "--database-url",
+            db.dsn,
+            "--leases-from",
+            control,
+        ],
+    )
+    try:
+        watch = Watch({"server": server.pid, "orchestrator": os.getpid()}, postgres_db=db.name)
+        return run_driver(
+            children,
+            opts,
+            "renewals-lean-postgres",
+            "renewals",
+            ["--control", url, "--tag", f"l{secrets.token_hex(2)}"],
             watch,
             profile_pid=server.pid,
         )

@@ -68,7 +68,10 @@ def test_quick_benchmark_reports_every_target(pg_database_url: str, tmp_path: Pa
         for operation in ("claims", "renewals")
         for backend in ("sqlite", "postgres")
         for path in ("HTTP API", "raw SQL")
-    } | {("renewals", backend, "HTTP alone") for backend in ("sqlite", "postgres")}
+    } | {("renewals", backend, "HTTP alone") for backend in ("sqlite", "postgres")} | {
+        # PostgreSQL's renewals also against HTTP and the store's batched statement alone.
+        ("renewals", "postgres", "HTTP + batched SQL")
+    }
     for row in rows:
         name = row.get("target") if row["section"] == "writes" else row["operation"]
         assert row["ok"] > 0 and row["rps"] > 0, (name, row)
@@ -101,6 +104,8 @@ def test_quick_benchmark_reports_every_target(pg_database_url: str, tmp_path: Pa
         ]
         line = f"renewals on {backend}: the gateway's CPU"
         assert (line in table) == all(cpu), (cpu, table)
+    [lean] = [r for r in rows if r["section"] == "lease" and r["path"] == "HTTP + batched SQL"]
+    assert lean["ratio"] is not None and lean["ratio"] > 0, lean
 
 
 def autovacuum(url: str) -> str:
