@@ -4,7 +4,7 @@ store's renewals can cost (PostgreSQL).
 One aiohttp server (uvloop, no access log, no middleware) whose renewals do only what
 no lease API can skip: parse the body, hash the token, send the renewal in the store's
 own batched statement (the catalogue's ``renew (many)``, batched by ``lease_core``'s
-``Coalescer`` with the gateway's lanes, through asyncpg), and answer the lease document
+``Coalescer`` as the gateway batches it, through asyncpg), and answer the lease document
 (its own ``LeaseRecord``). No validation, no checks, no metrics, no problem documents.
 ``PUT /v1/jobs/{job_id}/lease`` is passed on to a real gateway (``--leases-from``), so
 the driver's ``renewals`` mode runs against it unchanged and renews real leases.
@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a file: python bench/lean_lease.py
 
 from bench.common import run, serve_app
 from lease_core import catalogue
-from lease_core.direct import BATCH_LANES, MAX_BATCH, Coalescer
+from lease_core.direct import MAX_BATCH, Coalescer
 from lease_core.store import LeaseRecord
 
 POOL = web.AppKey("pool", Any)
@@ -49,13 +49,14 @@ async def _no_reset(_conn: Any) -> None:
     return None
 
 
-def renew_many() -> str:
-    """The store's batched renewal as the gateway sends it (the server's clock)."""
+def renew_many() -> tuple[str, int]:
+    """The store's batched renewal as the gateway sends it (the server's clock), and how
+    many of its batches the gateway runs at once."""
     batched = catalogue.load("postgresql")["renew"].batched
     assert batched is not None
     text, names = batched.many.postgres(False)
     assert names == ("token_hash", "ttl"), names
-    return text
+    return text, batched.lanes
 
 
 async def acquire(request: web.Request) -> web.Response:
@@ -91,7 +92,7 @@ async def renew(request: web.Request) -> web.Response:
 def create_app(dsn: str, gateway: str, *, pool_size: int = 4) -> web.Application:
     app = web.Application()
     app[GATEWAY] = gateway.rstrip("/")
-    statement = renew_many()
+    statement, lanes = renew_many()
 
     async def resources(app: web.Application) -> Any:
         import asyncpg  # type: ignore[import-untyped]
@@ -109,7 +110,7 @@ def create_app(dsn: str, gateway: str, *, pool_size: int = 4) -> web.Application
             return answers
 
         app[POOL] = pool
-        app[RENEWALS] = Coalescer(batch, lanes=BATCH_LANES, max_batch=MAX_BATCH)
+        app[RENEWALS] = Coalescer(batch, lanes=lanes, max_batch=MAX_BATCH)
         async with aiohttp.ClientSession() as session:
             app[SESSION] = session
             yield

@@ -388,7 +388,13 @@ class Coalescer(Generic[Item, Answer]):
     """Concurrent calls coalesced into batches: while ``lanes`` batches are running,
     new calls queue and go in the next batch. A lone caller is sent at once, so
     batching adds no wait when there is no load. ``run_batch`` returns one answer
-    per call (an exception instance answers that call with that exception)."""
+    per call (an exception instance answers that call with that exception).
+
+    A lane that has answered a batch lets the event loop run once before it takes the
+    next: the callers it just answered go on first (an HTTP handler writes its answer
+    and its client can send again) instead of waiting behind the next batch's send. On
+    PostgreSQL that made renewals through the API 9 % faster and claims 13 %
+    (docs/performance.md)."""
 
     def __init__(
         self,
@@ -437,6 +443,7 @@ class Coalescer(Generic[Item, Answer]):
                         future.set_exception(answer)
                     else:
                         future.set_result(answer)
+                await asyncio.sleep(0)  # the answered callers run before the next send
         finally:
             self._running -= 1
 

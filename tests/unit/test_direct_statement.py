@@ -234,6 +234,33 @@ async def test_max_batch_with_two_lanes() -> None:
     assert [await task for task in tasks] == [i * 10 for i in range(10)]
 
 
+async def test_the_callers_a_batch_answers_run_before_the_lane_sends_again() -> None:
+    # What happened, in order: a batch sent, or a caller going on with its answer.
+    events: list[str] = []
+
+    class Recording(Runner):
+        async def __call__(self, items: list[int]) -> list[int | BaseException]:
+            events.append(f"sent {items}")
+            return await super().__call__(items)
+
+    runner = Recording()
+    coalescer: Coalescer[int, int] = Coalescer(runner, lanes=1, max_batch=64)
+
+    async def caller(item: int) -> None:
+        answer = await coalescer.submit(item)
+        events.append(f"caller {item} got {answer}")
+
+    first = asyncio.ensure_future(caller(1))
+    await runner.until_batches(1)
+    later = asyncio.ensure_future(caller(2))  # queued while the lane is busy
+    await settle_loop()
+    runner.release(0)
+    await runner.until_batches(2)
+    runner.release(1)
+    await asyncio.gather(first, later)
+    assert events == ["sent [1]", "caller 1 got 10", "sent [2]", "caller 2 got 20"]
+
+
 async def test_an_exception_answer_goes_to_its_caller_only() -> None:
     def answer(item: int) -> int | BaseException:
         return ValueError(f"bad {item}") if item == 3 else item * 10
