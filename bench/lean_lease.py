@@ -20,7 +20,6 @@ http://127.0.0.1:8081``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -35,11 +34,10 @@ if __package__ in (None, ""):  # run as a file: python bench/lean_lease.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import run, serve_app
-from lease_core import catalogue
+from lease_core import catalogue, tokens
 from lease_core.direct import MAX_BATCH, Coalescer
 from lease_core.store import LeaseRecord
 
-POOL = web.AppKey("pool", Any)
 RENEWALS = web.AppKey("renewals", Coalescer)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 GATEWAY = web.AppKey("gateway", str)
@@ -73,20 +71,11 @@ async def acquire(request: web.Request) -> web.Response:
 
 async def renew(request: web.Request) -> web.Response:
     body = json.loads(await request.read())
-    token_hash = hashlib.sha256(body["lease_token"].encode("ascii")).hexdigest()
+    token_hash = tokens.hash_token(body["lease_token"])
     row = await request.app[RENEWALS].submit((token_hash, body.get("ttl_seconds")))
     if row is None:
         return web.json_response({"title": "lease lost"}, status=409)
-    return web.json_response(
-        LeaseRecord(
-            job_id=row["job_id"],
-            generation=row["generation"],
-            owner=row["owner"],
-            expires_at=row["lease_expires_at"],
-            ttl_seconds=row["lease_ttl_seconds"],
-            payload=None if row["payload"] is None else json.loads(row["payload"]),
-        ).to_json()
-    )
+    return web.json_response(LeaseRecord.from_row(row).to_json())
 
 
 def create_app(dsn: str, gateway: str, *, pool_size: int = 4) -> web.Application:
@@ -109,7 +98,6 @@ def create_app(dsn: str, gateway: str, *, pool_size: int = 4) -> web.Application
                 answers[row["n"] - 1] = row
             return answers
 
-        app[POOL] = pool
         app[RENEWALS] = Coalescer(batch, lanes=lanes, max_batch=MAX_BATCH)
         async with aiohttp.ClientSession() as session:
             app[SESSION] = session

@@ -1775,7 +1775,7 @@ def run_lease(
         results["renewals-lean"] = measure_lean_renewals(children, opts, db, control)
     for operation in ("claims", "renewals"):
         http, raw = results[f"{operation}-http"], results[f"{operation}-raw"]
-        ratio = http["rps"] / raw["rps"] if raw["rps"] else None
+        ratio = rps_ratio(http, raw)
         target = LEASE_TARGET
         for path, result in (("HTTP API", http), ("raw SQL", raw)):
             row: dict[str, Any] = {
@@ -1799,29 +1799,19 @@ def run_lease(
         rows.append(
             {"section": "lease", "operation": "renewals", "backend": backend, "path": LEAN_PATH}
             | lean
-            | {"ratio": lean["rps"] / raw["rps"] if raw["rps"] else None}
+            | {"ratio": rps_ratio(lean, raw)}
         )
+
+
+def rps_ratio(path: dict[str, Any], floor: dict[str, Any]) -> float | None:
+    """A path's throughput as a share of its floor's, measured in the same run."""
+    return path["rps"] / floor["rps"] if floor["rps"] else None
 
 
 def measure_bare_renewals(children: Children, opts: Options, backend: str) -> dict[str, Any]:
     """Renewals against ``bench.bare_lease`` (aiohttp answering a lease document, no
     database): aiohttp's and the loop's CPU per renewal, measured beside the gateway's."""
-    server, url = start_server(
-        children, f"bare-lease-{backend}", [sys.executable, "-m", "bench.bare_lease"]
-    )
-    try:
-        watch = Watch({"server": server.pid, "orchestrator": os.getpid()}, postgres_db=None)
-        return run_driver(
-            children,
-            opts,
-            f"renewals-bare-{backend}",
-            "renewals",
-            ["--control", url, "--tag", "bare"],
-            watch,
-            profile_pid=server.pid,
-        )
-    finally:
-        children.stop(server)
+    return renewals_against(children, opts, f"bare-{backend}", ["bench.bare_lease"], None)
 
 
 def measure_lean_renewals(
@@ -1829,27 +1819,28 @@ def measure_lean_renewals(
 ) -> dict[str, Any]:
     """Renewals against ``bench.lean_lease`` (PostgreSQL): HTTP and the store's batched
     statement with nothing else, the least a lease API over HTTP can cost here."""
-    server, url = start_server(
-        children,
-        "lean-lease",
-        [
-            sys.executable,
-            "-m",
-            "bench.lean_lease",
-            "--database-url",
-            db.dsn,
-            "--leases-from",
-            control,
-        ],
-    )
+    server = ["bench.lean_lease", "--database-url", db.dsn, "--leases-from", control]
+    return renewals_against(children, opts, "lean-postgres", server, db.name)
+
+
+def renewals_against(
+    children: Children,
+    opts: Options,
+    name: str,
+    server_argv: list[str],
+    postgres_db: str | None,
+) -> dict[str, Any]:
+    """The driver's renewals against a benchmark server (``python -m`` ``server_argv``)
+    started for them, its CPU watched (and PostgreSQL's, given ``postgres_db``)."""
+    server, url = start_server(children, f"{name}-lease", [sys.executable, "-m", *server_argv])
     try:
-        watch = Watch({"server": server.pid, "orchestrator": os.getpid()}, postgres_db=db.name)
+        watch = Watch({"server": server.pid, "orchestrator": os.getpid()}, postgres_db=postgres_db)
         return run_driver(
             children,
             opts,
-            "renewals-lean-postgres",
+            f"renewals-{name}",
             "renewals",
-            ["--control", url, "--tag", f"l{secrets.token_hex(2)}"],
+            ["--control", url, "--tag", f"x{secrets.token_hex(2)}"],
             watch,
             profile_pid=server.pid,
         )

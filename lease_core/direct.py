@@ -435,14 +435,14 @@ class Coalescer(Generic[Item, Answer]):
                             future.set_exception(error)
                     if not isinstance(error, Exception):
                         raise
-                    continue
-                for (_, future), answer in zip(batch, answers, strict=True):
-                    if future.done():
-                        continue
-                    if isinstance(answer, BaseException):
-                        future.set_exception(answer)
-                    else:
-                        future.set_result(answer)
+                else:
+                    for (_, future), answer in zip(batch, answers, strict=True):
+                        if future.done():
+                            continue
+                        if isinstance(answer, BaseException):
+                            future.set_exception(answer)
+                        else:
+                            future.set_result(answer)
                 await asyncio.sleep(0)  # the answered callers run before the next send
         finally:
             self._running -= 1

@@ -87,6 +87,20 @@ class LeaseRecord:
     payload: Any
     lease_token: str | None = None
 
+    @classmethod
+    def from_row(cls, row: Row, token: str | None = None) -> LeaseRecord:
+        """A grant's row as the lease statements return it (its payload as the driver
+        gives a JSON column); ``token``: the new lease's token, only when granted."""
+        return cls(
+            job_id=row["job_id"],
+            generation=row["generation"],
+            owner=row["owner"],
+            expires_at=row["lease_expires_at"],
+            ttl_seconds=row["lease_ttl_seconds"],
+            payload=_json(row["payload"]),
+            lease_token=token,
+        )
+
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "job_id": self.job_id,
@@ -229,7 +243,7 @@ class LeaseStore:
         if row is None:
             return None
         self.metrics.grants.labels("claim").inc()
-        return _lease(row, token)
+        return LeaseRecord.from_row(row, token)
 
     async def acquire(
         self,
@@ -259,7 +273,7 @@ class LeaseStore:
         )
         if row is not None and row["granted"]:
             self.metrics.grants.labels("acquire").inc()
-            return _lease(row, token)
+            return LeaseRecord.from_row(row, token)
         state = row["found_state"] if row is not None else None
         if state in rules.FINISHED:
             raise exc.JobFinished(f"job {job_id!r} is {state}", job_id=job_id)
@@ -274,7 +288,7 @@ class LeaseStore:
     async def renew(self, token: str, ttl: float | None = None) -> LeaseRecord:
         row = await self._on_current("renew", token, ttl=None if ttl is None else float(ttl))
         self.metrics.renewals.inc()
-        return _lease(row, None)
+        return LeaseRecord.from_row(row)
 
     async def complete(self, token: str, result: Any = None) -> JobRecord:
         return _job(await self._on_current("complete", token, result=json.dumps(result)))
@@ -366,19 +380,6 @@ def _job(row: Row) -> JobRecord:
     values["payload"] = _json(values["payload"])
     values["result"] = _json(values["result"])
     return JobRecord(**values)
-
-
-def _lease(row: Row, token: str | None) -> LeaseRecord:
-    """A grant's row."""
-    return LeaseRecord(
-        job_id=row["job_id"],
-        generation=row["generation"],
-        owner=row["owner"],
-        expires_at=row["lease_expires_at"],
-        ttl_seconds=row["lease_ttl_seconds"],
-        payload=_json(row["payload"]),
-        lease_token=token,
-    )
 
 
 def _is_connection_error(error: sa.exc.DBAPIError) -> bool:

@@ -234,8 +234,10 @@ async def test_max_batch_with_two_lanes() -> None:
     assert [await task for task in tasks] == [i * 10 for i in range(10)]
 
 
-async def test_the_callers_a_batch_answers_run_before_the_lane_sends_again() -> None:
-    # What happened, in order: a batch sent, or a caller going on with its answer.
+@pytest.mark.parametrize("fails", [False, True], ids=["answered", "failed"])
+async def test_the_callers_a_batch_answers_run_before_the_lane_sends_again(fails: bool) -> None:
+    # What happened, in order: a batch sent, or a caller going on with its answer (or
+    # with its batch's failure).
     events: list[str] = []
 
     class Recording(Runner):
@@ -244,10 +246,15 @@ async def test_the_callers_a_batch_answers_run_before_the_lane_sends_again() -> 
             return await super().__call__(items)
 
     runner = Recording()
+    if fails:
+        runner.fail_with[0] = RuntimeError("statement failed")
     coalescer: Coalescer[int, int] = Coalescer(runner, lanes=1, max_batch=64)
 
     async def caller(item: int) -> None:
-        answer = await coalescer.submit(item)
+        try:
+            answer: int | str = await coalescer.submit(item)
+        except RuntimeError as error:
+            answer = str(error)
         events.append(f"caller {item} got {answer}")
 
     first = asyncio.ensure_future(caller(1))
@@ -258,7 +265,8 @@ async def test_the_callers_a_batch_answers_run_before_the_lane_sends_again() -> 
     await runner.until_batches(2)
     runner.release(1)
     await asyncio.gather(first, later)
-    assert events == ["sent [1]", "caller 1 got 10", "sent [2]", "caller 2 got 20"]
+    first_answer = "statement failed" if fails else "10"
+    assert events == ["sent [1]", f"caller 1 got {first_answer}", "sent [2]", "caller 2 got 20"]
 
 
 async def test_an_exception_answer_goes_to_its_caller_only() -> None:
