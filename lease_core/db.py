@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from .direct import IN_MEMORY, Direct, create_direct, is_in_memory
+from .direct import IN_MEMORY, Direct, configure_sqlite, create_direct, is_in_memory
 
 Clock = Callable[[], float]
 """Seconds since the epoch. Injected in tests; None means the authoritative clock."""
@@ -80,10 +80,7 @@ def _sqlite_setup(engine: AsyncEngine) -> None:
     def _connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA busy_timeout = 10000")
-        cursor.execute("PRAGMA journal_mode = WAL")
-        cursor.execute("PRAGMA synchronous = NORMAL")
-        cursor.execute("PRAGMA foreign_keys = ON")
+        configure_sqlite(cursor)
         cursor.close()
 
     @event.listens_for(engine.sync_engine, "begin")

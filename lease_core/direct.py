@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import re
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import sqlalchemy as sa
 
@@ -505,7 +506,9 @@ CHECKPOINT_EVERY = 200
 # the log starts again from its beginning only once every frame is copied before the
 # next write begins: never while the event loop writes without a pause (the benchmark's
 # soak grew it past a gigabyte). Past this size the database thread restarts it, and
-# every connection cuts the file back to it (``journal_size_limit``).
+# every connection cuts the file back to it (``journal_size_limit``). The event loop
+# reads the file's size itself at every checkpoint it asks for, so the bound is this
+# plus ``CHECKPOINT_EVERY`` operations, however far behind the thread is (a slow disk).
 WAL_LIMIT_BYTES = 64 * 1024 * 1024
 # How long that restart waits for a reader or writer to finish with the log before it
 # gives up until the next checkpoint; writers wait for it meanwhile.
@@ -521,12 +524,12 @@ class SqliteDirect(Direct):
 
     def __init__(self, path: str) -> None:
         self._path = path
+        self._log_path = os.path.abspath(path) + "-wal"
         self._inline: sqlite3.Connection | None = None
         self._jobs: queue.SimpleQueue[_Job | str | None] = queue.SimpleQueue()
         self._written = 0  # inline operations since the last checkpoint was asked for
-        self._checkpoint_queued = False
-        self._log_bytes = 0  # the log's size at the last checkpoint (the thread's reading)
-        self._restart_missed = 0  # its size when a restart last gave up (0: none since)
+        self._checkpoint_queued = False  # a passive checkpoint waits for the thread
+        self._restart_missed = 0  # the log file's size when a restart last gave up
         self._group: _Group | None = None  # the open group transaction
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Future[None] | None = None
@@ -668,32 +671,43 @@ class SqliteDirect(Direct):
 
     def _checkpoint_soon(self) -> None:
         self._written = 0
-        if self._checkpoint_queued:
-            return
-        self._checkpoint_queued = True
         self._start_thread()
+        # The file grows past the limit only while the log does: the first commit after
+        # a restart cuts it back (``journal_size_limit``).
+        size = _file_size(self._log_path)
+        if size <= WAL_LIMIT_BYTES:
+            self._restart_missed = 0  # restarted: by us, in a pause, or by another process
         # A restart that gave up (a long read holds the log) is tried again only once the
         # log has grown by the limit once more: each try holds up the writers.
-        if self._log_bytes < self._restart_missed + WAL_LIMIT_BYTES:
+        elif size >= self._restart_missed + WAL_LIMIT_BYTES:
+            # The restart takes the write lock: the loop's operations wait behind it, as
+            # behind any operation on the thread, instead of racing it for the lock. It
+            # goes even while a passive checkpoint is still on its way (the thread runs
+            # both in turn): waiting for that one to answer first let the log grow by what
+            # was written meanwhile, several times the limit on a busy machine.
+            loop = asyncio.get_running_loop()
+            restarted: asyncio.Future[bool] = loop.create_future()
+            restarted.add_done_callback(partial(self._restart_done, size))
+            self._on_thread_now += 1
+            self._jobs.put((_restart_log, restarted, loop))
+            return
+        if not self._checkpoint_queued:
+            self._checkpoint_queued = True
             self._jobs.put(_CHECKPOINT)
-            return
-        # The restart takes the write lock: the loop's operations wait behind it, as
-        # behind any operation on the thread, instead of racing it for the lock.
-        loop = asyncio.get_running_loop()
-        self._on_thread_now += 1
-        self._jobs.put((_restart_log, loop.create_future(), loop))
 
-    def _checkpoint(self, conn: sqlite3.Connection | None, *, restart: bool) -> None:
-        """On the thread, outside any transaction."""
-        self._checkpoint_queued = False
+    def _restart_done(self, size: int, restarted: asyncio.Future[bool]) -> None:
+        if not restarted.cancelled() and not restarted.result():
+            self._restart_missed = size
+
+    def _checkpoint(self, conn: sqlite3.Connection | None, *, restart: bool) -> bool:
+        """On the thread, outside any transaction: whether the log was restarted."""
+        if not restart:
+            self._checkpoint_queued = False
         if conn is None:
-            return
+            return False
         with contextlib.suppress(sqlite3.Error):
-            log = self._log_bytes = _checkpoint(conn, restart=restart)
-            if restart:
-                self._restart_missed = log  # 0: restarted
-            elif log < WAL_LIMIT_BYTES:
-                self._restart_missed = 0  # restarted in a pause, or by another process
+            return _checkpoint(conn, restart=restart)
+        return False
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -751,13 +765,8 @@ class SqliteDirect(Direct):
         try:
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=check_same_thread)
             conn.row_factory = sqlite3.Row
-            conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            with contextlib.suppress(sqlite3.OperationalError):  # set already, or busy now
-                conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute("PRAGMA foreign_keys = ON")
+            configure_sqlite(conn, busy_timeout_ms=busy_timeout_ms)
             conn.execute("PRAGMA cache_size = -65536")  # up to 64 MiB of pages, on demand
-            conn.execute(f"PRAGMA journal_size_limit = {int(WAL_LIMIT_BYTES)}")
         except sqlite3.Error as error:
             raise exc.StoreUnavailable() from error
         return conn
@@ -790,8 +799,8 @@ class SqliteDirect(Direct):
                 assert not isinstance(job, str)
                 work, future, loop = job
                 if work is _restart_log:  # answered, so that the loop's writers go on
-                    self._checkpoint(conn, restart=True)
-                    answers.setdefault(loop, []).append((future, True, None))
+                    restarted = self._checkpoint(conn, restart=True)
+                    answers.setdefault(loop, []).append((future, True, restarted))
                     continue
                 try:
                     if conn is None:
@@ -815,24 +824,45 @@ class SqliteDirect(Direct):
                 pass
 
 
-def _checkpoint(conn: sqlite3.Connection, *, restart: bool) -> int:
-    """Copy the log into the database file; return the bytes of log left to restart.
+class _Executes(Protocol):
+    def execute(self, sql: str, /) -> object: ...
+
+
+def configure_sqlite(conn: _Executes, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+    """Every connection's settings, ours and SQLAlchemy's. Whichever connection writes
+    first after the log was restarted cuts the file back to ``WAL_LIMIT_BYTES``: each
+    needs that limit, or the file keeps its size (and looks past the limit) until the
+    next restart."""
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    with contextlib.suppress(sqlite3.OperationalError):  # set already, or busy now
+        conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute(f"PRAGMA journal_size_limit = {int(WAL_LIMIT_BYTES)}")
+
+
+def _checkpoint(conn: sqlite3.Connection, *, restart: bool) -> bool:
+    """Copy the log into the database file; return whether the log was restarted.
     PASSIVE holds up no writer. RESTART holds the write lock while it copies what is
     left and waits for the log's readers, so that the next write starts the log from
     its beginning; it waits ``WAL_RESTART_WAIT_MS`` at most, then gives up until the
-    next checkpoint."""
+    log has grown by the limit again."""
     if not restart:
-        busy, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-    else:
-        conn.execute(f"PRAGMA busy_timeout = {int(WAL_RESTART_WAIT_MS)}")
-        try:
-            busy, frames, _ = conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
-        finally:
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        if not busy:
-            return 0
-    page_size: int = conn.execute("PRAGMA page_size").fetchone()[0]
-    return max(int(frames), 0) * page_size
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return False
+    conn.execute(f"PRAGMA busy_timeout = {int(WAL_RESTART_WAIT_MS)}")
+    try:
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    return not busy
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:  # no log yet
+        return 0
 
 
 def _restart_log(conn: sqlite3.Connection) -> None:
