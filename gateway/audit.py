@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
@@ -76,6 +77,9 @@ class Audit:
         self.settings = settings or GatewaySettings()
         self._bucket: int | None = None
         self._groups: set[str] = set()  # this bucket's group keys, as many as allowed
+        # What the previous purge removed everything older than (``purge``).
+        self._purged_before = -math.inf
+        self._grouped_purged_before = -math.inf
 
     async def record(self, entry: AuditEntry) -> None:
         """Write one entry. A database outage is logged, never raised: the client still
@@ -177,15 +181,25 @@ class Audit:
     ) -> int:
         """Entries older than ``older_than_seconds``, grouped ones (requests without a
         lease) older than ``grouped_older_than_seconds``, ``batch`` per transaction; how
-        many rows went."""
-        return await self.lease_store.backend.run_in_batches(
+        many rows went.
+
+        A call looks only at the entries that crossed those ages since the previous
+        call's cutoffs (an entry's ``at`` never changes, a grouped row's ``last_at`` only
+        grows): the first call of a process looks at all of them."""
+        purged, row = await self.lease_store.backend.run_in_batches(
             "purge_audit",
             batch=batch,
             older_than=float(older_than_seconds),
             grouped_older_than=(
                 None if grouped_older_than_seconds is None else float(grouped_older_than_seconds)
             ),
+            since=self._purged_before,
+            grouped_since=self._grouped_purged_before,
         )
+        self._purged_before = float(row["cutoff"])
+        if row["grouped_cutoff"] is not None:
+            self._grouped_purged_before = float(row["grouped_cutoff"])
+        return purged
 
 
 def audit_path(raw_path: str, allowed: Collection[str] = ()) -> str:

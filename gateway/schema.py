@@ -104,6 +104,14 @@ audit = sa.Table(
     sa.Index("ix_audit_log_at", "at"),
     sa.Index("ix_audit_log_job_id_at", "job_id", "at"),
     sa.Index("ux_audit_log_group_key", "group_key", unique=True),
+    # The grouped rows by their last request: the upkeep finds those past retention
+    # here, never by reading the table (migration 0007).
+    sa.Index(
+        "ix_audit_log_grouped_last_at",
+        "last_at",
+        postgresql_where=sa.text("group_key IS NOT NULL"),
+        sqlite_where=sa.text("group_key IS NOT NULL"),
+    ),
 )
 
 __all__ = ["audit", "fences", "metadata", "requests"]

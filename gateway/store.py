@@ -458,9 +458,10 @@ class GatewayStore:
     async def purge_records(self, older_than_seconds: float, *, batch: int = PURGE_BATCH) -> int:
         """Drop settled records past retention, ``batch`` per transaction; never an
         unknown one. How many."""
-        return await self.backend.run_in_batches(
+        purged, _ = await self.backend.run_in_batches(
             "purge_records", batch=batch, older_than=float(older_than_seconds)
         )
+        return purged
 
 
 def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:

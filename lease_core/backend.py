@@ -37,9 +37,11 @@ class Backend:
     def sqlite(self) -> bool:
         return self.direct.sqlite
 
-    async def run_in_batches(self, name: str, *, batch: int = PURGE_BATCH, **params: Any) -> int:
+    async def run_in_batches(
+        self, name: str, *, batch: int = PURGE_BATCH, **params: Any
+    ) -> tuple[int, Row]:
         """Operation ``name``, a purge that removes ``:limit`` rows at most (NULL: all)
-        and says how many (``changed``); how many in all.
+        and says how many (``changed``); how many in all, and the last run's row.
 
         On SQLite it runs with ``batch`` as the limit, again until a run removes fewer:
         each run is its own short transaction, and writes go on between them instead of
@@ -47,14 +49,14 @@ class Backend:
         runs once, without a limit: a delete there holds up no other writer, and every
         batch would read again the rows the batches before it deleted (dead until
         vacuumed), so a backlog would cost its square."""
-        if not self.sqlite:
-            return await self.count(name, limit=None, **params)
         total = 0
         while True:
-            changed = await self.count(name, limit=batch, **params)
+            row = await self.run(name, limit=batch if self.sqlite else None, **params)
+            assert row is not None
+            changed = int(row["changed"])
             total += changed
-            if changed < batch:
-                return total
+            if not self.sqlite or changed < batch:
+                return total, row
 
     async def count(self, name: str, **params: Any) -> int:
         """Operation ``name``, one that says how many rows it changed (``changed``)."""

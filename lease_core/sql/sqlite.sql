@@ -312,15 +312,20 @@ SELECT changes() AS changed;
 
 -- name: purge_audit
 -- Entries older than :older_than seconds, grouped ones (requests without a lease) older
--- than :grouped_older_than (by their last request), :limit of them at most; how many. A
--- group key is a non-empty string, so group_key >= '' is "grouped" in a form the
--- group-key index can serve (SQLite scans the table for IS NOT NULL): each side of the
--- OR goes through its own index.
+-- than :grouped_older_than (by their last request), :limit of each at most; how many,
+-- and the two cutoffs. Each kind is looked for from :since and :grouped_since on (the
+-- previous step's cutoffs; -Infinity looks at all), each through its own index: the
+-- entries by ``at``, the grouped rows by the partial index of their ``last_at``.
 DELETE FROM audit_log
 WHERE id IN (
     SELECT id FROM audit_log
-    WHERE at < {now} - :older_than
-       OR (group_key >= '' AND COALESCE(last_at, at) < {now} - :grouped_older_than)
+    WHERE at >= :since AND at < {now} - :older_than
+    LIMIT :limit
+) OR id IN (
+    SELECT id FROM audit_log
+    WHERE group_key IS NOT NULL
+      AND last_at >= :grouped_since AND last_at < {now} - :grouped_older_than
     LIMIT :limit
 );
-SELECT changes() AS changed;
+SELECT changes() AS changed, {now} - :older_than AS cutoff,
+       {now} - :grouped_older_than AS grouped_cutoff;
