@@ -55,11 +55,14 @@ async def test_renewal_in_a_thread_keeps_the_lease_and_each_step_lands_once(
 
     def work(client: LeaseClient) -> tuple[Lease, dict[str, Any]]:
         job = client.enqueue(queue=queue, payload={"amount": 500})
-        with client.claim(queue, owner="sync-worker", ttl=1) as lease:
+        # Renewed every third of the TTL: two seconds leave one and a third for a
+        # renewal to land on a busy machine (one second failed there once in a run with
+        # both cores taken by other processes).
+        with client.claim(queue, owner="sync-worker", ttl=2) as lease:
             assert lease is not None and lease.job_id == job["job_id"]
             assert lease.payload == {"amount": 500}
             granted = lease.expires_at
-            deadline = time.monotonic() + 2.5  # two and a half TTLs
+            deadline = time.monotonic() + 5  # two and a half TTLs
             while time.monotonic() < deadline:
                 assert lease.held, lease.lost_reason
                 time.sleep(0.1)
