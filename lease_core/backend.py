@@ -40,8 +40,9 @@ class Backend:
     async def run_in_batches(
         self, name: str, *, batch: int = PURGE_BATCH, **params: Any
     ) -> tuple[int, Row]:
-        """Operation ``name``, a purge that removes ``:limit`` rows at most (NULL: all)
-        and says how many (``changed``); how many in all, and the last run's row.
+        """Operation ``name``, a purge that removes ``:limit`` rows at most of each kind
+        it looks for (NULL: all) and says how many (``changed``); how many in all, and
+        the last run's row.
 
         On SQLite it runs with ``batch`` as the limit, again until a run removes fewer:
         each run is its own short transaction, and writes go on between them instead of
