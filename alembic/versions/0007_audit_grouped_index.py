@@ -1,7 +1,7 @@
 """The audit's grouped rows (requests without a lease) by when they were last counted
 (``last_at``): the upkeep finds the ones past their retention through this index,
-whatever the database's statistics say. Every grouped row is written with ``last_at``;
-any without one gets its ``at``, so that the index holds them all.
+whatever the database's statistics say. Every grouped row is written with its
+``last_at`` (the statement has set both since 0003 added them).
 
 Without it PostgreSQL, with no statistics on the audit table (autovacuum off, never
 analyzed), read the whole table once a minute to find them: ``group_key IS NOT NULL`` is
@@ -35,7 +35,6 @@ def _concurrently() -> dict[str, bool]:
 
 
 def upgrade() -> None:
-    op.execute("UPDATE audit_log SET last_at = at WHERE group_key IS NOT NULL AND last_at IS NULL")
     with op.get_context().autocommit_block():
         op.create_index(
             "ix_audit_log_grouped_last_at",

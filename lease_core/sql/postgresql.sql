@@ -484,7 +484,7 @@ SELECT count(*) AS changed FROM purged;
 
 -- name: purge_audit
 -- Entries older than :older_than seconds, grouped ones (requests without a lease) older
--- than :grouped_older_than (by their last request), :limit of them at most (NULL: all;
+-- than :grouped_older_than (by their last request), :limit of each at most (NULL: all;
 -- those another replica's upkeep holds are skipped); how many, and the two cutoffs.
 -- Each kind is looked for from :since and :grouped_since on (the previous step's
 -- cutoffs: an entry is looked at when it crosses its cutoff, not again at every step;
