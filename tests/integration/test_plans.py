@@ -1,7 +1,8 @@
 """Every hot statement reads a bounded number of pages, and every statement of the
-upkeep what it removes, whatever PostgreSQL's statistics say: none (tables never analyzed), stale (analyzed while empty) or wrong (``job_id``
-declared unique while one job has 20,000 records). The machine's PostgreSQL runs with
-autovacuum off, so nothing refreshes them in production either.
+upkeep what it removes, whatever PostgreSQL's statistics say: none (tables never
+analyzed), stale (analyzed while empty) or wrong (``job_id`` declared unique while one
+job has 20,000 records). The machine's PostgreSQL runs with autovacuum off, so nothing
+refreshes them in production either.
 
 Measured with ``EXPLAIN (ANALYZE, BUFFERS)`` on the real statements of the catalogue, in
 a transaction rolled back, with the plan PostgreSQL would choose for a one-off call and
