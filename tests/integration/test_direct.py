@@ -1382,6 +1382,22 @@ async def test_sqlite_the_log_stays_bounded_under_writes_without_a_pause(
 
 
 @ON_SQLITE
+async def test_sqlite_every_connection_cuts_the_log_file_back_to_the_limit(
+    engine: AsyncEngine, sqlite_path: Path
+) -> None:
+    """The loop reads the log file's size to decide on a restart, and the file is cut
+    back by whichever connection writes first after one: SQLAlchemy's (migrations,
+    listings) need the limit as much as ours, or the file keeps its size and looks past
+    the limit until the next restart."""
+    direct = sqlite_direct(engine)
+    await direct.run(insert("warm"))
+    limit = direct_module.WAL_LIMIT_BYTES
+    assert direct._connection().execute("PRAGMA journal_size_limit").fetchone()[0] == limit
+    async with engine.connect() as conn:
+        assert (await conn.exec_driver_sql("PRAGMA journal_size_limit")).scalar_one() == limit
+
+
+@ON_SQLITE
 async def test_sqlite_a_read_holding_the_log_delays_its_restart_never_a_write(
     engine: AsyncEngine, sqlite_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
