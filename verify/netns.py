@@ -1,0 +1,126 @@
+"""Network namespaces for the ``partition`` nemesis: each gateway replica runs in a
+namespace of its own, joined to the root namespace by a veth pair, so that its traffic to
+the upstream or the database can be cut (all of it, or a random share of its packets)
+without touching anybody else's. Everything stays on this machine: addresses come from
+10.213.0.0/16 and no route leaves the pair.
+
+``tc netem`` would be the usual tool for delay, but this machine's kernel has no netem
+qdisc; a random share of dropped packets (iptables' ``statistic`` match) delays traffic
+by TCP's retransmissions instead, which is what a lossy link does.
+
+Root (CAP_NET_ADMIN) and the ``ip`` and ``iptables`` commands are needed; ``unavailable``
+says why not where they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+PREFIX = "fgverify"
+SUBNET = "10.213.0.0/16"
+
+
+class NetnsError(Exception):
+    """A namespace command failed."""
+
+
+def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    if check and result.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)}: {result.stderr.strip() or result.returncode}")
+    return result
+
+
+def unavailable() -> str | None:
+    """None when namespaces and iptables work here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns add)"
+    for tool in ("ip", "iptables"):
+        if shutil.which(tool) is None:
+            package = "iproute2" if tool == "ip" else "iptables"
+            return f"`{tool}` is missing: apt-get install {package}"
+    probe = Namespace(f"{PREFIX}-probe", 250)
+    try:
+        probe.create()
+        probe.cut(9)
+        probe.heal()
+    except NetnsError as exc:
+        return f"network namespaces do not work here: {exc}"
+    finally:
+        probe.destroy()
+    return None
+
+
+class Namespace:
+    """One namespace joined to the root namespace by a veth pair.
+
+    ``host_addr`` is the root side (services a replica must reach listen there), ``addr``
+    the inside (the replica binds there; workers connect there).
+    """
+
+    def __init__(self, name: str, index: int) -> None:
+        if not 1 <= index <= 250:
+            raise ValueError(f"namespace index {index} is outside 1..250")
+        self.name = name
+        self.index = index
+        self.host_addr = f"10.213.{index}.1"
+        self.addr = f"10.213.{index}.2"
+        # Interface names are limited to 15 characters.
+        self._host_if = f"fgv{index}h"
+        self._inner_if = f"fgv{index}n"
+
+    def __repr__(self) -> str:
+        return f"Namespace({self.name!r}, {self.addr})"
+
+    def create(self) -> None:
+        self.destroy()  # leftovers of a crashed run under the same name
+        _run(["ip", "netns", "add", self.name])
+        try:
+            _run(["ip", "link", "add", self._host_if, "type", "veth", "peer", self._inner_if])
+            _run(["ip", "link", "set", self._inner_if, "netns", self.name])
+            _run(["ip", "addr", "add", f"{self.host_addr}/24", "dev", self._host_if])
+            _run(["ip", "link", "set", self._host_if, "up"])
+            inside = ["ip", "netns", "exec", self.name]
+            _run([*inside, "ip", "addr", "add", f"{self.addr}/24", "dev", self._inner_if])
+            _run([*inside, "ip", "link", "set", self._inner_if, "up"])
+            _run([*inside, "ip", "link", "set", "lo", "up"])
+        except NetnsError:
+            self.destroy()
+            raise
+
+    def destroy(self) -> None:
+        """Remove the namespace and its pair; nothing happens when neither exists."""
+        _run(["ip", "netns", "del", self.name], check=False)
+        # Deleting the namespace deletes the inner end, and the kernel then the host end,
+        # but not always before we return: delete it ourselves (absent is fine).
+        _run(["ip", "link", "del", self._host_if], check=False)
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside the namespace."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def cut(self, port: int, *, loss: float | None = None) -> None:
+        """Drop outgoing TCP from the namespace to ``host_addr:port``: every packet, or a
+        random share ``loss`` of them."""
+        rule = ["-p", "tcp", "-d", self.host_addr, "--dport", str(port)]
+        if loss is not None:
+            if not 0 < loss < 1:
+                raise ValueError(f"loss {loss} is outside (0, 1)")
+            rule += ["-m", "statistic", "--mode", "random", "--probability", f"{loss:.3f}"]
+        _run(self.command(["iptables", "-w", "-A", "OUTPUT", *rule, "-j", "DROP"]))
+
+    def heal(self) -> None:
+        """Remove every cut."""
+        _run(self.command(["iptables", "-w", "-F", "OUTPUT"]))
+
+
+def sweep() -> list[str]:
+    """Remove every namespace this module made (a run killed before its cleanup leaves
+    them); returns their names."""
+    listed = _run(["ip", "netns", "list"], check=False).stdout.split("\n")
+    names = [line.split()[0] for line in listed if line.startswith(PREFIX)]
+    for name in names:
+        _run(["ip", "netns", "del", name], check=False)
+    return names
