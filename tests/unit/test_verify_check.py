@@ -1,0 +1,751 @@
+"""``verify.check`` and ``verify.events``: the verification run's checker and its files.
+
+For each invariant 1-7, hand-written histories and ledgers that break it are caught (the
+invariant and the records named), and clean ones pass: replays across generations, an
+unknown outcome applied once, a refused stale write, a job retried by a second worker.
+Properties: any run built by the rules has no violation; a stale write added to one is
+named by invariants 1, 2 and 6. The files: round trip, and every way a file is unreadable
+is exit 2 with its line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verify.check import Report, Violation, check, main
+from verify.events import (
+    HistoryEvent,
+    JsonlWriter,
+    LedgerEntry,
+    UnreadableFile,
+    read_history,
+    read_ledger,
+    sha256_hex,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sha(text: str) -> str:
+    return sha256_hex(text.encode())
+
+
+@dataclass
+class Run:
+    """A run written by hand: history and ledger on one clock that ticks at every record."""
+
+    history: list[HistoryEvent] = field(default_factory=list)
+    ledger: list[LedgerEntry] = field(default_factory=list)
+    clock: float = 0.0
+
+    def tick(self) -> float:
+        self.clock += 1.0
+        return self.clock
+
+    def event(self, **fields: Any) -> HistoryEvent:
+        event = HistoryEvent(time=self.tick(), **fields)
+        self.history.append(event)
+        return event
+
+    def apply(self, job: str, generation: int, key: str, answer: str | None = None) -> LedgerEntry:
+        entry = LedgerEntry(
+            time=self.tick(),
+            job=job,
+            generation=generation,
+            key=key,
+            body_sha256=sha(f"body {key}"),
+            answer_sha256=None if answer is None else sha(answer),
+        )
+        self.ledger.append(entry)
+        return entry
+
+    def claim(self, process: str, job: str, generation: int) -> HistoryEvent:
+        self.event(process=process, type="invoke", f="claim", job=job)
+        return self.event(process=process, type="ok", f="claim", job=job, generation=generation)
+
+    def complete(self, process: str, job: str, generation: int) -> HistoryEvent:
+        self.event(process=process, type="invoke", f="complete", job=job, generation=generation)
+        return self.event(
+            process=process, type="ok", f="complete", job=job, generation=generation, status=200
+        )
+
+    def write(
+        self,
+        process: str,
+        job: str,
+        generation: int,
+        key: str,
+        *,
+        applied: bool = True,
+        outcome: str = "ok",
+        status: int = 200,
+        reason: str | None = None,
+        answer: str | None = None,
+    ) -> HistoryEvent:
+        """Invoke, maybe apply upstream, then answer ``outcome`` (the completion returned)."""
+        self.event(
+            process=process,
+            type="invoke",
+            f="write",
+            job=job,
+            generation=generation,
+            key=key,
+            body_sha256=sha(f"body {key}"),
+        )
+        answer = answer or f"answer {job} {key}"
+        if applied:
+            self.apply(job, generation, key, answer)
+        common: dict[str, Any] = {"process": process, "f": "write", "job": job, "key": key}
+        if outcome == "info":
+            return self.event(type="info", generation=generation, **common)
+        return self.event(
+            type=outcome,
+            generation=generation,
+            status=status,
+            reason=reason,
+            body_sha256=sha(answer),
+            **common,
+        )
+
+    def check(self, min_completed: float = 0.0) -> Report:
+        return check(self.history, self.ledger, min_completed=min_completed)
+
+
+def only(report: Report, invariant: int) -> list[Violation]:
+    return [v for v in report.violations if v.invariant == invariant]
+
+
+def invariants(report: Report) -> list[int]:
+    return [v.invariant for v in report.violations]
+
+
+def records(*items: HistoryEvent | LedgerEntry) -> list[dict[str, Any]]:
+    return [item.to_json() for item in items]
+
+
+# --- clean runs --------------------------------------------------------------------------
+
+
+def test_one_worker_one_job_is_clean() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    run.complete("w1", "j1", 1)
+    report = run.check()
+    assert report.ok, report.render()
+    assert (report.jobs_claimed, report.jobs_completed, report.completed_share) == (1, 1, 1.0)
+    assert report.writes_applied == 1
+    assert report.operations["write"] == {"invoke": 1, "ok": 1}
+    assert "no violation" in report.render()
+
+
+def test_replays_across_generations_are_clean() -> None:
+    """A reclaimed job's new worker repeats its steps: the stored answers come back."""
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    run.write("w1", "j1", 1, "k2")
+    # w1 stalls; its lease expires; w2 takes the job and repeats every step.
+    run.claim("w2", "j1", 2)
+    run.write("w2", "j1", 2, "k1", applied=False)  # replayed
+    run.write("w2", "j1", 2, "k2", applied=False)  # replayed
+    run.write("w2", "j1", 2, "k3")
+    run.complete("w2", "j1", 2)
+    assert run.check().ok
+
+
+def test_unknown_outcome_applied_once_is_clean() -> None:
+    """A write timed out after the upstream applied it; the retry is held, then replayed."""
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1", outcome="info")
+    held = run.write(
+        "w1",
+        "j1",
+        1,
+        "k1",
+        applied=False,
+        outcome="fail",
+        status=409,
+        reason="outcome-unknown",
+        answer="problem",
+    )
+    assert held.reason == "outcome-unknown"
+    run.write("w1", "j1", 1, "k1", applied=False)  # resolved by the operator: replayed
+    run.write("w1", "j1", 1, "k2", applied=False, outcome="info")  # never arrived
+    run.complete("w1", "j1", 1)
+    assert run.check().ok
+
+
+def test_refused_stale_write_is_clean() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    run.claim("w2", "j1", 2)
+    run.write("w2", "j1", 2, "k2")
+    refused = run.write(
+        "w1",
+        "j1",
+        1,
+        "k3",
+        applied=False,
+        outcome="fail",
+        status=409,
+        reason="stale-generation",
+        answer="problem",
+    )
+    run.complete("w2", "j1", 2)
+    assert refused.reason == "stale-generation"
+    assert [entry.key for entry in run.ledger] == ["k1", "k2"]
+    assert run.check().ok
+
+
+def test_job_retried_by_second_worker_is_clean() -> None:
+    """w1 loses its lease mid-job; w2 gets a higher generation (not +1) and finishes."""
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    run.event(process="w1", type="invoke", f="renew", job="j1", generation=1)
+    run.event(
+        process="w1",
+        type="fail",
+        f="renew",
+        job="j1",
+        generation=1,
+        status=409,
+        reason="lease-expired",
+    )
+    run.claim("w2", "j1", 3)
+    run.write("w2", "j1", 3, "k1", applied=False)
+    run.write("w2", "j1", 3, "k2")
+    run.complete("w2", "j1", 3)
+    run.claim("w1", "j2", 1)  # w1 goes on with another job
+    run.write("w1", "j2", 1, "k1")  # keys are per job: j2's k1 is another step
+    run.complete("w1", "j2", 1)
+    report = run.check()
+    assert report.ok, report.render()
+    assert report.jobs_completed == 2
+
+
+# --- 1: generations never decrease --------------------------------------------------------
+
+
+def test_1_decrease_is_caught() -> None:
+    run = Run()
+    high = run.apply("j1", 2, "k2")
+    low = run.apply("j1", 1, "k1")
+    (violation,) = only(run.check(), 1)
+    assert violation.name == "generations-decrease"
+    assert violation.job == "j1"
+    assert violation.events == records(high, low)
+
+
+def test_1_equal_and_rising_generations_pass() -> None:
+    run = Run()
+    run.apply("j1", 1, "k1")
+    run.apply("j1", 1, "k2")
+    run.apply("j1", 4, "k3")
+    run.apply("j2", 1, "k1")  # another job's generations are its own
+    assert only(run.check(), 1) == []
+
+
+# --- 2: generations not interleaved -----------------------------------------------------
+
+
+def test_2_generation_coming_back_is_caught() -> None:
+    run = Run()
+    a = run.apply("j1", 2, "k1")
+    b = run.apply("j1", 1, "k2")
+    c = run.apply("j1", 2, "k3")
+    report = run.check()
+    (violation,) = only(report, 2)
+    assert violation.name == "generations-interleave"
+    assert violation.events == records(a, b, c)
+    assert [v.events for v in only(report, 1)] == [records(a, b)]  # c is not a decrease
+
+
+def test_2_older_generation_coming_back_is_caught() -> None:
+    run = Run()
+    a = run.apply("j1", 1, "k1")
+    b = run.apply("j1", 2, "k2")
+    c = run.apply("j1", 1, "k3")
+    (violation,) = only(run.check(), 2)
+    assert violation.events == records(a, b, c)
+
+
+def test_2_blocks_of_generations_pass() -> None:
+    run = Run()
+    for generation, key in [(1, "a"), (1, "b"), (2, "c"), (2, "d"), (5, "e")]:
+        run.apply("j1", generation, key)
+    run.apply("j2", 1, "a")
+    run.apply("j1", 5, "f")  # another job in between moves nothing of j1
+    assert only(run.check(), 2) == []
+
+
+# --- 3: acknowledged keys applied exactly once -----------------------------------------
+
+
+def test_3_acknowledged_never_applied_is_caught() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    ack = run.write("w1", "j1", 1, "k1", applied=False)
+    (violation,) = only(run.check(), 3)
+    assert violation.name == "acked-not-applied-once"
+    assert (violation.job, violation.events) == ("j1", records(ack))
+    assert "applied 0 times" in violation.message
+
+
+def test_3_acknowledged_applied_twice_is_caught() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    ack = run.write("w1", "j1", 1, "k1")
+    run.claim("w2", "j1", 2)
+    again = run.write("w2", "j1", 2, "k1")  # forwarded again instead of replayed
+    report = run.check()
+    (violation,) = only(report, 3)
+    assert violation.events == records(ack, again, *run.ledger)
+    assert only(report, 4) == []
+
+
+def test_3_acknowledged_once_passes() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    run.write("w1", "j1", 1, "k1", applied=False)
+    assert only(run.check(), 3) == []
+
+
+# --- 4: keys not acknowledged applied at most once ---------------------------------------
+
+
+def test_4_unknown_outcome_applied_twice_is_caught() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1", outcome="info")
+    run.write("w1", "j1", 1, "k1", outcome="info")
+    (violation,) = only(run.check(), 4)
+    assert violation.name == "unacked-applied-twice"
+    assert violation.events == records(*run.history[2:], *run.ledger)
+
+
+def test_4_key_only_in_the_ledger_applied_twice_is_caught() -> None:
+    run = Run()
+    first = run.apply("j1", 1, "ghost")
+    second = run.apply("j1", 1, "ghost")
+    (violation,) = only(run.check(), 4)
+    assert violation.events == records(first, second)
+
+
+def test_4_unacknowledged_applied_at_most_once_passes() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1", outcome="info")
+    run.write("w1", "j1", 1, "k2", applied=False, outcome="info")
+    run.write("w1", "j1", 1, "k3", applied=False, outcome="fail", status=502, answer="x")
+    run.apply("j1", 1, "k4")  # same key in two jobs is two steps
+    run.apply("j2", 1, "k4")
+    report = run.check()
+    assert only(report, 3) == only(report, 4) == []
+
+
+# --- 5: a replay answers the first answer ----------------------------------------------
+
+
+def test_5_replay_with_another_body_is_caught() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    first = run.write("w1", "j1", 1, "k1")
+    run.ledger[-1] = LedgerEntry(**{**run.ledger[-1].to_json(), "answer_sha256": None})
+    replay = run.write("w1", "j1", 1, "k1", applied=False, answer="something else")
+    (violation,) = only(run.check(), 5)
+    assert violation.name == "replay-answer-differs"
+    assert violation.events == records(first, replay)
+
+
+def test_5_answer_differing_from_the_upstreams_is_caught() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    entry = run.apply("j1", 1, "k1", answer="upstream said")
+    ack = run.event(
+        process="w1",
+        type="ok",
+        f="write",
+        job="j1",
+        generation=1,
+        key="k1",
+        status=200,
+        body_sha256=sha("gateway said"),
+    )
+    (violation,) = only(run.check(), 5)
+    assert violation.events == records(entry, ack)
+    assert "ledger" in violation.message
+
+
+def test_5_same_answers_pass() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    run.claim("w2", "j1", 2)
+    run.write("w2", "j1", 2, "k1", applied=False)
+    run.write("w2", "j1", 2, "k1", applied=False)
+    run.write("w2", "j1", 2, "k2", applied=False, outcome="fail", status=409, answer="p")
+    assert only(run.check(), 5) == []
+
+
+# --- 6: no stale write after a newer generation was granted and wrote --------------------
+
+
+def test_6_stale_write_is_caught_with_its_grant() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    grant = run.claim("w2", "j1", 2)
+    run.write("w2", "j1", 2, "k2")
+    newer = run.ledger[-1]
+    run.write("w1", "j1", 1, "k3")  # the stale worker's write got through
+    stale = run.ledger[-1]
+    report = run.check()
+    (violation,) = only(report, 6)
+    assert violation.name == "stale-write"
+    assert violation.job == "j1"
+    assert violation.events == records(stale, newer, grant)
+    assert [v.events for v in only(report, 1)] == [records(newer, stale)]
+
+
+def test_6_names_the_first_newer_generation_to_write() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.claim("w2", "j1", 2)
+    run.claim("w3", "j1", 3)
+    run.write("w3", "j1", 3, "c")
+    first_newer = run.ledger[-1]
+    run.write("w2", "j1", 2, "b")
+    run.write("w1", "j1", 1, "a")
+    stale = run.ledger[-1]
+    violations = only(run.check(), 6)
+    assert [v.events[:2] for v in violations] == [
+        records(run.ledger[1], first_newer),
+        records(stale, first_newer),
+    ]
+
+
+def test_6_needs_the_grant_before_the_stale_application() -> None:
+    run = Run()
+    run.apply("j1", 2, "k2")  # no claim of generation 2 in the history
+    run.apply("j1", 1, "k1")
+    report = run.check()
+    assert only(report, 6) == []
+    assert invariants(report).count(1) == 1
+    late = Run()
+    late.apply("j1", 2, "k2")
+    late.apply("j1", 1, "k1")
+    late.claim("w2", "j1", 2)  # granted after the application: not this invariant's case
+    assert only(late.check(), 6) == []
+
+
+def test_6_older_writes_before_the_newer_generation_writes_pass() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.claim("w2", "j1", 2)  # granted, but w1's writes land before w2 writes
+    run.write("w1", "j1", 1, "k1")
+    run.write("w2", "j1", 2, "k2")
+    run.complete("w2", "j1", 2)
+    assert run.check().ok
+
+
+# --- 7: liveness ------------------------------------------------------------------------
+
+
+def test_7_nothing_completed_fails() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    report = run.check()
+    assert invariants(report) == [7]
+    (violation,) = report.violations
+    assert (violation.name, violation.job, violation.events) == ("liveness", None, [])
+    assert (report.jobs_claimed, report.jobs_completed, report.completed_share) == (1, 0, 0.0)
+
+
+def test_7_nothing_claimed_fails() -> None:
+    report = check([], [])
+    assert invariants(report) == [7]
+    assert report.completed_share == 0.0
+
+
+def test_7_share_is_reported_and_checked_against_the_minimum() -> None:
+    run = Run()
+    for job in ("j1", "j2", "j3", "j4"):
+        run.claim("w1", job, 1)
+    run.complete("w1", "j1", 1)
+    report = run.check()
+    assert report.ok
+    assert report.completed_share == 0.25
+    assert "1 of 4 claimed jobs completed (25.0%)" in report.render()
+    assert run.check(min_completed=0.25).ok
+    assert invariants(run.check(min_completed=0.5)) == [7]
+
+
+# --- properties -------------------------------------------------------------------------
+
+OUTCOMES = st.sampled_from(["ok", "info-applied", "info-lost", "refused"])
+
+
+@st.composite
+def clean_runs(draw: st.DrawFn) -> Run:
+    """Jobs, each worked by one worker per generation (rising, gaps allowed); every write
+    is acknowledged and applied, or of unknown outcome (applied once or never), or refused
+    and never applied; each new worker repeats the acknowledged steps (replays)."""
+    run = Run()
+    for j in range(draw(st.integers(1, 4))):
+        job = f"j{j}"
+        generation = 0
+        acked: list[str] = []
+        for w in range(draw(st.integers(1, 3))):
+            generation += draw(st.integers(1, 3))
+            process = f"w{j}.{w}"
+            run.claim(process, job, generation)
+            for key in acked:
+                run.write(process, job, generation, key, applied=False)
+            for n in range(draw(st.integers(0, 3))):
+                key = f"{job}-g{generation}-{n}"
+                outcome = draw(OUTCOMES)
+                if outcome == "ok":
+                    run.write(process, job, generation, key)
+                    acked.append(key)
+                elif outcome == "refused":
+                    run.write(
+                        process, job, generation, key, applied=False, outcome="fail", status=409
+                    )
+                else:
+                    applied = outcome == "info-applied"
+                    run.write(process, job, generation, key, applied=applied, outcome="info")
+        run.complete(process, job, generation)
+    return run
+
+
+@given(clean_runs())
+def test_runs_built_by_the_rules_have_no_violation(run: Run) -> None:
+    report = run.check(min_completed=1.0)
+    assert report.ok, report.render()
+
+
+@given(clean_runs(), st.data())
+def test_a_stale_write_is_named_by_1_2_and_6(run: Run, data: st.DataObject) -> None:
+    by_job: dict[str, list[int]] = {}
+    for entry in run.ledger:
+        by_job.setdefault(entry.job, []).append(entry.generation)
+    # Jobs whose ledger holds two generations, the older one from a claim before.
+    candidates = sorted(job for job, gens in by_job.items() if gens[0] != gens[-1])
+    if not candidates:
+        return
+    job = data.draw(st.sampled_from(candidates))
+    old = by_job[job][0]
+    stale = run.apply(job, old, "stale-key")
+    report = run.check()
+    for invariant in (1, 2, 6):
+        named = [v for v in only(report, invariant) if stale.to_json() in v.events]
+        assert len(named) == 1, (invariant, report.render())
+    assert set(invariants(report)) == {1, 2, 6}
+
+
+# --- the files ----------------------------------------------------------------------------
+
+
+def write_run(tmp_path: Path, run: Run) -> tuple[Path, Path]:
+    history, ledger = tmp_path / "history.jsonl", tmp_path / "ledger.jsonl"
+    with JsonlWriter(history) as writer:
+        for event in run.history:
+            writer.write(event)
+    with JsonlWriter(ledger) as writer:
+        for entry in run.ledger:
+            writer.write(entry)
+    return history, ledger
+
+
+def clean_run() -> Run:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1")
+    run.complete("w1", "j1", 1)
+    return run
+
+
+def test_files_round_trip_in_the_issues_field_order(tmp_path: Path) -> None:
+    run = clean_run()
+    history, ledger = write_run(tmp_path, run)
+    first = history.read_text().splitlines()[0]
+    assert first == (
+        '{"time":1.0,"process":"w1","type":"invoke","f":"claim","job":"j1","generation":null,'
+        '"key":null,"status":null,"reason":null,"body_sha256":null}'
+    )
+    assert read_history(history) == run.history
+    assert [event.line for event in read_history(history)] == [1, 2, 3, 4, 5, 6]
+    assert read_ledger(ledger) == run.ledger
+
+
+def test_unknown_fields_are_ignored_and_ledger_extras_kept(tmp_path: Path) -> None:
+    history, ledger = write_run(tmp_path, clean_run())
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    history.write_text("\n".join(json.dumps({**obj, "note": "x"}) for obj in lines) + "\n\n")
+    entry = json.loads(ledger.read_text())
+    entry.update(status=201, seq=7)
+    ledger.write_text(json.dumps(entry) + "\n")
+    (read,) = read_ledger(ledger)
+    assert read.extra == {"status": 201, "seq": 7}
+    assert read.to_json() == entry
+    assert len(read_history(history)) == 6
+    assert main([str(history), str(ledger)]) == 0
+
+
+def test_main_exit_0_and_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    history, ledger = write_run(tmp_path, clean_run())
+    assert main([str(history), str(ledger)]) == 0
+    assert "no violation" in capsys.readouterr().out
+    with JsonlWriter(ledger) as writer:  # applied a second time
+        writer.write(read_ledger(ledger)[0])
+    assert main([str(history), str(ledger)]) == 1
+    out = capsys.readouterr().out
+    assert "[3 acked-not-applied-once] job 'j1'" in out
+    assert "  ledger:2 {" in out and "  history:4 {" in out
+    assert main([str(history), str(ledger), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    assert report["violations"][0]["where"] == ["history:4", "ledger:1", "ledger:2"]
+
+
+def test_main_min_completed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = clean_run()
+    run.claim("w2", "j2", 1)
+    history, ledger = write_run(tmp_path, run)
+    assert main([str(history), str(ledger), "--min-completed", "0.5"]) == 0
+    assert main([str(history), str(ledger), "--min-completed", "0.6"]) == 1
+    with pytest.raises(SystemExit) as exc:
+        main([str(history), str(ledger), "--min-completed", "2"])
+    assert exc.value.code == 2
+    capsys.readouterr()
+
+
+BAD_LINES = {
+    "not JSON": ('{"time": 1.0, "process": ', "not JSON"),
+    "not an object": ("[1, 2]", "not a JSON object"),
+    "missing field": ('{"time": 1.0, "process": "w1"}', "missing field(s): type, f, job"),
+    "wrong type": (
+        '{"time": 1.0, "process": "w1", "type": "ok", "f": "claim", "job": "j1",'
+        ' "generation": "2", "key": null, "status": null, "reason": null, "body_sha256": null}',
+        "generation: an integer",
+    ),
+    "bad enum": (
+        '{"time": 1.0, "process": "w1", "type": "done", "f": "claim", "job": "j1",'
+        ' "generation": 2, "key": null, "status": null, "reason": null, "body_sha256": null}',
+        "type: one of",
+    ),
+    "no invoke": (
+        '{"time": 1.0, "process": "w1", "type": "ok", "f": "claim", "job": "j1",'
+        ' "generation": 2, "key": null, "status": null, "reason": null, "body_sha256": null}',
+        "no invoke outstanding",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LINES))
+def test_main_exit_2_names_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    history, ledger = write_run(tmp_path, clean_run())
+    with history.open("a") as handle:
+        handle.write(BAD_LINES[case][0] + "\n")
+    assert main([str(history), str(ledger)]) == 2
+    err = capsys.readouterr().err
+    assert f"{history}:7: " in err
+    assert BAD_LINES[case][1] in err
+
+
+def test_main_exit_2_on_a_missing_file_or_a_bad_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    history, ledger = write_run(tmp_path, clean_run())
+    assert main([str(history), str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl: No such file" in capsys.readouterr().err
+    ledger.write_text('{"time": 1, "job": "j1", "generation": 1, "key": "k1"}\n')
+    assert main([str(history), str(ledger)]) == 2
+    assert f"{ledger}:1: missing field(s): body_sha256" in capsys.readouterr().err
+    ledger.write_bytes(b"\xff\n")
+    assert main([str(history), str(ledger)]) == 2
+    assert f"{ledger}:1: not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"type": "ok", "f": "write", "key": "k", "status": 409, "body_sha256": sha("a")}, "2xx"),
+        ({"type": "fail", "f": "write", "key": "k", "status": 201}, "non-2xx"),
+        ({"type": "invoke", "f": "write", "key": "k"}, "body_sha256: required"),
+        ({"type": "invoke", "f": "write", "body_sha256": sha("a")}, "key"),
+        ({"type": "info", "f": "write", "key": "k", "body_sha256": sha("a")}, "null on info"),
+        ({"type": "ok", "f": "claim"}, "generation granted"),
+        ({"type": "ok", "f": "claim", "generation": True}, "generation: an integer"),
+        ({"type": "invoke", "f": "write", "key": "k", "body_sha256": "ABC"}, "64 lowercase"),
+        ({"type": "ok", "f": "renew", "time": float("nan")}, "not finite"),
+        ({"type": "ok", "f": "renew", "job": ""}, "job: empty"),
+    ],
+)
+def test_events_refuse_what_the_conventions_forbid(fields: dict[str, Any], why: str) -> None:
+    base: dict[str, Any] = {"time": 1.0, "process": "w1", "job": "j1"}
+    with pytest.raises(ValueError, match=why):
+        HistoryEvent(**{**base, **fields})
+
+
+def test_a_queue_claim_may_invoke_without_a_job() -> None:
+    run = Run()
+    run.event(process="w1", type="invoke", f="claim", job="")
+    run.event(process="w1", type="ok", f="claim", job="j9", generation=1)
+    run.event(process="w1", type="invoke", f="claim", job="")
+    run.event(process="w1", type="fail", f="claim", job="", status=204)
+    assert run.check().jobs_claimed == 1
+
+
+@pytest.mark.parametrize(
+    ("second", "why"),
+    [
+        ({"type": "invoke", "f": "write", "key": "k2", "body_sha256": sha("b")}, "outstanding"),
+        ({"type": "info", "f": "write", "key": "k2"}, "does not match the invoke at line 1"),
+        ({"type": "info", "f": "renew"}, "does not match"),
+    ],
+)
+def test_pairing_errors_are_unreadable(tmp_path: Path, second: dict[str, Any], why: str) -> None:
+    path = tmp_path / "history.jsonl"
+    common: dict[str, Any] = {"process": "w1", "job": "j1", "generation": 1}
+    with JsonlWriter(path) as writer:
+        writer.write(
+            HistoryEvent(
+                time=1.0, type="invoke", f="write", key="k1", body_sha256=sha("a"), **common
+            )
+        )
+        writer.write(HistoryEvent(time=2.0, **common, **second))
+    with pytest.raises(UnreadableFile, match=why) as exc:
+        read_history(path)
+    assert (exc.value.path, exc.value.line) == (str(path), 2)
+
+
+def test_python_c_entry_point(tmp_path: Path) -> None:
+    history, ledger = write_run(tmp_path, clean_run())
+    code = "import sys; from verify.check import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(history), str(ledger)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 of 1 claimed jobs completed (100.0%)" in done.stdout

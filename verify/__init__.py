@@ -1,0 +1,1 @@
+"""Jepsen-style verification of Fencegate: ``python -m verify run`` and ``check``."""
