@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fencing a ``requests`` session a worker already has (needs ``fencegate[requests]``).
+"""Fencing a ``requests`` session a worker already has (needs ``fencegate[requests]``,
+which also brings httpx: the lease itself is taken with ``fencegate_client.sync``).
 
 Takes the lease on job JOB_ID and charges it through the gateway with a
 ``requests.Session`` on which ``fence_session`` mounted a ``FencedAdapter`` for the

@@ -31,8 +31,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
+from ._needs import needs
+
+try:
+    import aiohttp
+    from multidict import CIMultiDict, CIMultiDictProxy
+except ModuleNotFoundError as error:  # a dependency of fencegate; not of a client-only install
+    needs(error, __name__, "aiohttp", install="aiohttp")
+    raise
 
 from . import errors as exc
 from . import protocol as p

@@ -31,10 +31,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import boto3
-from botocore import UNSIGNED
-from botocore.awsrequest import AWSPreparedRequest
-from botocore.config import Config
+from ._needs import needs
+
+try:
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.awsrequest import AWSPreparedRequest
+    from botocore.config import Config
+except ModuleNotFoundError as error:
+    for library in ("boto3", "botocore"):
+        needs(error, __name__, library, install="'fencegate[boto3]'")
+    raise
 
 from .protocol import IDEMPOTENCY_KEY, LeaseState, fence_for, to_gateway
 

@@ -61,9 +61,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-import celery
-import httpx
-from celery.exceptions import Ignore, Reject, Retry
+from ._needs import needs
+
+try:
+    import celery
+    import httpx
+    from celery.exceptions import Ignore, Reject, Retry
+except ModuleNotFoundError as error:
+    for library in ("celery", "httpx"):
+        needs(error, __name__, library, install="'fencegate[celery]'")
+    raise
 
 from . import errors as exc
 from . import protocol as p

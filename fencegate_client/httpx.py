@@ -26,7 +26,13 @@ from __future__ import annotations
 
 from types import TracebackType
 
-import httpx
+from ._needs import needs
+
+try:
+    import httpx
+except ModuleNotFoundError as error:
+    needs(error, __name__, "httpx", install="'fencegate[httpx]'")
+    raise
 
 from .errors import LeaseLost
 from .protocol import IDEMPOTENCY_KEY, LeaseState, fence_for, may_report_loss, to_gateway

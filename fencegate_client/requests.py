@@ -25,8 +25,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import requests
-from requests.adapters import HTTPAdapter
+from ._needs import needs
+
+try:
+    import requests
+    from requests.adapters import HTTPAdapter
+except ModuleNotFoundError as error:
+    needs(error, __name__, "requests", install="'fencegate[requests]'")
+    raise
 
 from .protocol import IDEMPOTENCY_KEY, LeaseState, fence_for, may_report_loss, to_gateway
 

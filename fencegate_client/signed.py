@@ -26,7 +26,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import jwt
+from ._needs import needs
+
+try:
+    import jwt
+except ModuleNotFoundError as error:  # a dependency of fencegate; not of a client-only install
+    needs(error, __name__, "jwt", install="'pyjwt[crypto]'")
+    raise
 
 ALGORITHMS = (
     "EdDSA",

@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import httpx
+from ._needs import needs
+
+try:
+    import httpx
+except ModuleNotFoundError as error:
+    needs(error, __name__, "httpx", install="'fencegate[httpx]'")
+    raise
 
 from . import errors as exc
 from . import protocol as p

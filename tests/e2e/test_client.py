@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -740,3 +741,121 @@ def test_importing_the_package_loads_no_http_library() -> None:
     assert names["LeaseClient"] == "fencegate_client.aio"
     assert names["LeaseLost"] == "fencegate_client.errors"
     assert names["step_key"] == "fencegate_client.protocol"
+
+
+# -- optional libraries and the extras that bring them --------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("module", "library", "extra"),
+    [
+        ("fencegate_client.sync", "httpx", "httpx"),
+        ("fencegate_client.httpx", "httpx", "httpx"),
+        ("fencegate_client.requests", "requests", "requests"),
+        ("fencegate_client.boto3", "boto3", "boto3"),
+        ("fencegate_client.boto3", "botocore", "boto3"),
+        ("fencegate_client.celery", "celery", "celery"),
+        ("fencegate_client.celery", "httpx", "celery"),
+    ],
+)
+def test_a_missing_library_is_named_with_the_extra_to_install(
+    module: str, library: str, extra: str
+) -> None:
+    """An install without the integration's library (made unimportable here) gets one
+    line that says which module needs what, and the extra that brings it."""
+    code = f"import sys; sys.modules[{library!r}] = None; import {module}"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"ModuleNotFoundError: {module} needs {library}: pip install 'fencegate[{extra}]'"
+    ), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "library", "install"),
+    [("fencegate_client.aio", "aiohttp", "aiohttp"), ("fencegate_client.signed", "jwt", "pyjwt")],
+)
+def test_a_missing_base_library_is_named_too(module: str, library: str, install: str) -> None:
+    code = f"import sys; sys.modules[{library!r}] = None; import {module}"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{module} needs {library}: pip install" in last and install in last, done.stderr
+
+
+@pytest.fixture(scope="module")
+def fencegate_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built from a copy of the sources (a build in the tree would
+    leave build/ and egg-info behind)."""
+    work = tmp_path_factory.mktemp("wheel")
+    src = work / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).write_bytes((ROOT / name).read_bytes())
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for folder in ("lease_core", "gateway", "fencegate_client", "alembic"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--wheel-dir", str(work), "."],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = work.glob("fencegate-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("extra", "example"), [("requests", "requests_worker.py"), ("boto3", "boto3_upload.py")]
+)
+def test_one_extra_is_enough_for_its_worker(
+    fencegate_wheel: Path, tmp_path: Path, extra: str, example: str
+) -> None:
+    """``pip install 'fencegate[requests]'`` (or ``[boto3]``) in a fresh venv, nothing
+    else: the example worker runs until it asks the lease API (nobody listens, so httpx
+    cannot connect), instead of stopping at ``No module named 'httpx'``."""
+    venv = tmp_path / "venv"
+    made = subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    installed = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")),
+            *("install", "-q", f"{fencegate_wheel}[{extra}]"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stderr
+    env = clean_env(CONTROL_URL=f"http://127.0.0.1:{free_port()}")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), str(ROOT / "examples" / example), "extras-job"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "ModuleNotFoundError" not in done.stderr, done.stderr
+    assert "httpx.ConnectError" in done.stderr, done.stderr
