@@ -9,16 +9,18 @@ Environment variables win over the file; nested keys use ``__``
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import ipaddress
 import json
 import os
 import re
 import tomllib
+import types
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import sqlalchemy as sa
 from pydantic import (
@@ -705,7 +707,7 @@ def load_settings(
     try:
         settings = Settings(**data)
     except ValidationError as error:
-        raise ConfigError(_describe(error)) from error
+        raise ConfigError(_describe(error, os.environ)) from error
     except SettingsError as error:  # e.g. malformed JSON in a FENCEGATE_* variable
         cause = f" ({error.__cause__})" if error.__cause__ else ""
         raise ConfigError([f"environment: {error}{cause}"]) from error
@@ -717,24 +719,25 @@ def env_references(
     settings: Settings, environ: Mapping[str, str] | None = None
 ) -> list[tuple[str, str, bool]]:
     """``(key, NAME, set now)`` for every ``${NAME}`` in the upstreams' headers: what
-    ``serve`` will read from its environment."""
+    ``serve`` will read from its environment. A variable set to the empty string is not
+    set: an empty secret would go out as ``Authorization: Bearer `` with nothing after it."""
     environ = os.environ if environ is None else environ
     return [
         *(
-            (f"upstreams.{index}.set_headers.{name}", ref, ref in environ)
+            (f"upstreams.{index}.set_headers.{name}", ref, bool(environ.get(ref)))
             for index, upstream in enumerate(settings.upstreams)
             for name, value in upstream.set_headers.items()
             for ref in ENV_REF.findall(value.get_secret_value())
         ),
         *(
-            (f"upstreams.{index}.signing.{name}", ref, ref in environ)
+            (f"upstreams.{index}.signing.{name}", ref, bool(environ.get(ref)))
             for index, upstream in enumerate(settings.upstreams)
             if upstream.signing is not None
             for name, value in upstream.signing.secrets().items()
             for ref in ENV_REF.findall(value.get_secret_value())
         ),
         *(
-            (f"lease_sources.{index}.public_keys.{number}", ref, ref in environ)
+            (f"lease_sources.{index}.public_keys.{number}", ref, bool(environ.get(ref)))
             for index, source in enumerate(settings.lease_sources)
             if isinstance(source, JwtSourceSettings)
             for number, key in enumerate(source.public_keys)
@@ -758,7 +761,8 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None
     them): every other command works on the configuration as loaded, without them."""
     environ = os.environ if environ is None else environ
     missing = [
-        f"{key}: environment variable {name} is not set"
+        f"{key}: environment variable {name} "
+        + ("is empty, the same as if it is not set" if name in environ else "is not set")
         for key, name, is_set in env_references(settings, environ)
         if not is_set
     ]
@@ -859,15 +863,85 @@ def _driver_installed(module: str) -> bool:
     return True
 
 
-def _describe(error: ValidationError) -> list[str]:
+def _describe(error: ValidationError, environ: Mapping[str, str]) -> list[str]:
     problems = []
     for item in error.errors(include_url=False):
         key = ".".join(str(part) for part in item["loc"]) or "(top level)"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown setting"
+            message = _unknown_setting(item["loc"], environ)
         problems.append(f"{key}: {message}")
     return problems
+
+
+def _unknown_setting(loc: tuple[int | str, ...], environ: Mapping[str, str]) -> str:
+    """``unknown setting``, with the variable it came from when a ``FENCEGATE_*`` one did
+    (pydantic-settings reads the nested ones: ``FENCEGATE_LEASE__MAX_TTL``) and the
+    nearest valid name at that level, if one is near."""
+    *parents, name = (str(part) for part in loc)
+    variable = ENV_PREFIX + "__".join((*parents, name)).upper()
+    from_env = any(v.upper() == variable for v in environ)
+    message = f"unknown setting (from {variable})" if from_env else "unknown setting"
+    near = difflib.get_close_matches(name, _known_keys(loc[:-1]), n=1)
+    if not near:
+        return message
+    if from_env:
+        nearest = ENV_PREFIX + "__".join((*parents, near[0])).upper()
+        return f"{message}; did you mean `{near[0]}` ({nearest})?"
+    return f"{message}; did you mean `{near[0]}`?"
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The setting names of the table at ``loc`` (as pydantic reports locations: list
+    indexes, and a tagged union's tag, such as ``lease_sources.0.jwt``)."""
+    annotation: Any = Settings
+    for part in loc:
+        annotation = _inside(annotation, part)
+        if annotation is None:
+            return []
+    model = _model(annotation, None)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model(annotation: Any, tag: str | None) -> type[BaseModel] | None:
+    """The model that ``annotation`` stands for (through ``Annotated`` and unions; in a
+    union of several, the one whose ``Literal`` field holds ``tag``)."""
+    if get_origin(annotation) is Annotated:
+        return _model(get_args(annotation)[0], tag)
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = [m for m in (_model(a, None) for a in get_args(annotation)) if m is not None]
+        if len(members) == 1:
+            return members[0]
+        for member in members:
+            for field in member.model_fields.values():
+                if get_origin(field.annotation) is Literal and tag in get_args(field.annotation):
+                    return member
+        return None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _inside(annotation: Any, part: int | str) -> Any:
+    """What is at ``part`` of a value of ``annotation``: a model's field, a list's item,
+    a table's value, a tagged union's member."""
+    if get_origin(annotation) is Annotated:
+        return _inside(get_args(annotation)[0], part)
+    origin = get_origin(annotation)
+    if origin is list and isinstance(part, int):
+        return get_args(annotation)[0]
+    if origin is dict:
+        return get_args(annotation)[1]
+    if origin in (Union, types.UnionType):
+        members = [m for m in (_model(a, None) for a in get_args(annotation)) if m is not None]
+        tagged = _model(annotation, str(part)) if len(members) > 1 else None
+        if tagged is not None:
+            return tagged
+        return _inside(members[0], part) if len(members) == 1 else None
+    model = _model(annotation, None)
+    if model is None or not isinstance(part, str) or part not in model.model_fields:
+        return None
+    return model.model_fields[part].annotation
 
 
 def _resolve_sqlite(settings: Settings, base: Path) -> Settings:

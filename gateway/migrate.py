@@ -4,6 +4,7 @@ quickstart's migrate-on-start."""
 from __future__ import annotations
 
 import errno
+import shlex
 import socket
 import sys
 from pathlib import Path
@@ -53,20 +54,50 @@ def head_revision() -> str | None:
 def database_error(error: BaseException, database_url: str) -> str:
     """One line for any failure to use the database, as every command says it:
     ``database error: cannot connect to PostgreSQL at host:port (connection refused)``,
-    else ``database error: <the driver's first line>``. Never the statement's parameters
-    (the engines hide them) nor a password."""
+    the same for a server that refuses the database or the user, with what to do about
+    it, else ``database error: <the driver's first line>``. Never the statement's
+    parameters (the engines hide them) nor a password."""
     url = sa.make_url(database_url)
+    where = f"{url.host or 'localhost'}:{url.port or 5432}"
     cause: BaseException | None = error
     seen = 0
     while cause is not None and seen < 10:
         if isinstance(cause, OSError) and url.get_backend_name() != "sqlite":
-            where = f"{url.host or 'localhost'}:{url.port or 5432}"
             reason = _os_reason(cause)
             return f"database error: cannot connect to PostgreSQL at {where} ({reason})"
+        refused = _refusal(cause, url)
+        if refused is not None:
+            said, todo = refused
+            return f"database error: cannot connect to PostgreSQL at {where} ({said}); {todo}"
         cause = getattr(cause, "orig", None) or cause.__cause__
         seen += 1
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return f"database error: {text}"
+
+
+def _refusal(error: BaseException, url: sa.URL) -> tuple[str, str] | None:
+    """The server's reason for refusing the connection and what to do about it, when
+    ``error`` is such a refusal (by its SQLSTATE): no such database, a user or password
+    refused."""
+    sqlstate = getattr(error, "sqlstate", None)
+    if not isinstance(sqlstate, str):
+        return None
+    said = str(error).strip().splitlines()[0] if str(error).strip() else sqlstate
+    if sqlstate == "3D000":  # invalid_catalog_name
+        name = url.database or "postgres"
+        command = ["createdb"]
+        for flag, value in (("-h", url.host), ("-p", url.port), ("-U", url.username)):
+            if value:
+                command += [flag, str(value)]
+        command.append(name)
+        quoted = '"' + name.replace('"', '""') + '"'
+        return said, (
+            f"create it with `{shlex.join(command)}` (or CREATE DATABASE {quoted}), "
+            "then run `fencegate migrate`"
+        )
+    if sqlstate in ("28000", "28P01"):  # invalid_authorization_specification, password
+        return said, "check the user and password in database_url"
+    return None
 
 
 def _os_reason(error: OSError) -> str:

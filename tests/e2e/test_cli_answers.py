@@ -155,6 +155,22 @@ def test_serve_without_the_secret_exits_2_naming_it(config: Path) -> None:
     assert not (config.parent / "fencegate.db").exists()
 
 
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+def test_an_empty_secret_is_refused_like_a_missing_one(config: Path, command: str) -> None:
+    """``PAYMENTS_API_KEY=`` (set, but to nothing) would make the gateway send
+    ``Authorization: Bearer `` with nothing after it: refused as an unset one is."""
+    result = run(command, "--config", str(config), env=environment(PAYMENTS_API_KEY=""), timeout=30)
+    assert result.returncode == 2
+    assert (
+        "upstreams.0.set_headers.Authorization: environment variable PAYMENTS_API_KEY "
+        "is empty, the same as if it is not set"
+    ) in result.stderr
+    if command == "check-config":
+        assert "(serve needs it; the other commands do not)" in result.stderr
+    assert "configuration is valid" not in result.stdout
+    assert not (config.parent / "fencegate.db").exists()
+
+
 def test_serve_logs_no_token_at_debug(config: Path) -> None:
     """A malformed Authorization header is refused by aiohttp's parser; the process's
     log (DEBUG, JSON) holds no token, key or password."""
@@ -312,6 +328,43 @@ def test_database_refusing_connections(tmp_path: Path, refused_url: str, command
     assert "database error" in line
     assert f"127.0.0.1:{port}" in line
     assert "connection refused" in line
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("command", ["migrate", "audit", "jobs", "serve"])
+def test_postgres_database_that_does_not_exist(
+    tmp_path: Path, pg_database_url: str, command: str
+) -> None:
+    """Said as the other database errors are (where, why), with what to run, instead of
+    the driver's ``(sqlalchemy.dialects.postgresql.asyncpg.Error) database ... does not
+    exist``. ``pg_database_url``: the server is there (else skipped, or failed in CI)."""
+    import sqlalchemy as sa
+
+    server = sa.make_url(pg_database_url)
+    name = f"fg_nope_{os.getpid()}"
+    url = server.set(database=name).render_as_string(hide_password=False)
+    result = run(command, cwd=tmp_path, env=environment(FENCEGATE_DATABASE_URL=url), timeout=30)
+    assert result.returncode == 1
+    line = one_line(result)
+    where = f"{server.host}:{server.port or 5432}"
+    assert line.startswith(f"fencegate: database error: cannot connect to PostgreSQL at {where} (")
+    assert f'database "{name}" does not exist' in line
+    assert "createdb" in line and name in line and f'CREATE DATABASE "{name}"' in line
+    assert "fencegate migrate" in line
+    assert "sqlalchemy" not in line and "asyncpg" not in line
+
+
+@pytest.mark.postgres
+def test_postgres_user_that_does_not_exist(tmp_path: Path, pg_database_url: str) -> None:
+    import sqlalchemy as sa
+
+    url = sa.make_url(pg_database_url).set(username="fg_nobody", password="pw-secret-4242")
+    env = environment(FENCEGATE_DATABASE_URL=url.render_as_string(hide_password=False))
+    line = one_line(run("audit", cwd=tmp_path, env=env, timeout=30))
+    assert "database error: cannot connect to PostgreSQL at" in line
+    assert 'role "fg_nobody" does not exist' in line
+    assert "check the user and password in database_url" in line
+    assert "pw-secret-4242" not in line and "asyncpg" not in line
 
 
 @pytest.mark.parametrize("command", ["check-config", "migrate", "serve"])

@@ -174,6 +174,67 @@ def test_errors_name_the_bad_key(tmp_path: Path, text: str, key: str, words: str
     assert words in message
 
 
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (
+            "databse_url = 'sqlite+aiosqlite:///x.db'\n",
+            "databse_url: unknown setting; did you mean `database_url`?",
+        ),
+        ("[leese]\nmax_ttl_seconds = 5\n", "leese: unknown setting; did you mean `lease`?"),
+        (
+            "[lease]\ndeafult_ttl_seconds = 5\n",
+            "lease.deafult_ttl_seconds: unknown setting; did you mean `default_ttl_seconds`?",
+        ),
+        (
+            "[auth]\nworker_token = []\n",
+            "auth.worker_token: unknown setting; did you mean `worker_tokens`?",
+        ),
+        (
+            "[tls.proxy]\ncert = 'c.pem'\n",
+            "tls.proxy.cert: unknown setting; did you mean `cert_file`?",
+        ),
+        (
+            "[[upstreams]]\nname = 'p'\nurl = 'http://127.0.0.1:1'\nfenced_method = []\n",
+            "upstreams.0.fenced_method: unknown setting; did you mean `fenced_methods`?",
+        ),
+        (
+            "[[upstreams]]\nname = 'p'\nurl = 'http://127.0.0.1:1'\n"
+            "[upstreams.dedup]\nhedaer = 'Idempotency-Key'\n",
+            "upstreams.0.dedup.hedaer: unknown setting; did you mean `header`?",
+        ),
+        (
+            "[[lease_sources]]\nname = 'q'\nkind = 'jwt'\nalgorithms = ['EdDSA']\n"
+            "public_keys = ['k']\nissuer = 'q'\nisuer = 'q'\n",
+            "lease_sources.0.jwt.isuer: unknown setting; did you mean `issuer`?",
+        ),
+        # Nothing near: no guess.
+        ("[lease]\ncolour = 'red'\n", "lease.colour: unknown setting"),
+    ],
+)
+def test_unknown_setting_names_the_nearest_valid_one(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_settings(path, environ={})
+    assert problem in excinfo.value.problems, excinfo.value.problems
+
+
+def test_unknown_nested_variable_names_itself_and_the_nearest_valid_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``FENCEGATE_A__B`` variable for a table's setting is refused when the setting is
+    unknown; the answer says which variable, and the one that was meant."""
+    monkeypatch.setenv("FENCEGATE_LEASE__MAX_TTL_SECOND", "900")
+    with pytest.raises(ConfigError) as excinfo:
+        load_settings(write(tmp_path, ""))
+    assert excinfo.value.problems == [
+        "lease.max_ttl_second: unknown setting (from FENCEGATE_LEASE__MAX_TTL_SECOND); "
+        "did you mean `max_ttl_seconds` (FENCEGATE_LEASE__MAX_TTL_SECONDS)?"
+    ]
+
+
 # -- the environment ------------------------------------------------------------------------
 
 
@@ -361,6 +422,26 @@ def test_missing_env_reference_is_named_in_the_error(tmp_path: Path) -> None:
     message = problems(excinfo)
     assert "PAYMENTS_API_KEY" in message
     assert "upstreams.0.set_headers.Authorization" in message
+
+
+def test_empty_env_reference_is_refused_like_a_missing_one(tmp_path: Path) -> None:
+    """Set to the empty string counts as not set, in every place ``${NAME}`` is read:
+    the check-config listing says not set, and serve refuses to start."""
+    path = write(tmp_path, UPSTREAM.format(team="core-${TEAM}"))
+    settings = load_settings(path, environ={})
+    environ = {"PAYMENTS_API_KEY": "", "TEAM": "7"}
+    assert env_references(settings, environ) == [
+        ("upstreams.0.set_headers.Authorization", "PAYMENTS_API_KEY", False),
+        ("upstreams.0.set_headers.X-Team", "TEAM", True),
+    ]
+    with pytest.raises(ConfigError) as excinfo:
+        resolve_secrets(settings, environ=environ)
+    assert excinfo.value.problems == [
+        "upstreams.0.set_headers.Authorization: environment variable PAYMENTS_API_KEY "
+        "is empty, the same as if it is not set"
+    ]
+    with pytest.raises(ConfigError, match="TEAM is empty"):
+        resolve_secrets(settings, environ={"PAYMENTS_API_KEY": "sk", "TEAM": ""})
 
 
 def test_env_reference_reads_the_process_environment_by_default(
