@@ -67,12 +67,12 @@ async def resolve(request: web.Request) -> web.Response:
         try:
             raw = base64.b64decode(body.body_base64, validate=True)
         except binascii.Error as error:
-            raise exc.InvalidRequest("body_base64: not base64", field="body_base64") from error
+            raise exc.InvalidRequest("body_base64: not base64.", field="body_base64") from error
     elif body.body is not None:
         raw = body.body.encode()
     if body.applied and body.status is None:
         raise exc.InvalidRequest(
-            "status: required when applied is true (the status duplicates will get)",
+            "status: required when applied is true (the status duplicates will get).",
             field="status",
         )
     done = await request.app[GATEWAY_STATE].store.resolve(
@@ -84,7 +84,7 @@ async def resolve(request: web.Request) -> web.Response:
         body=raw,
     )
     if not done:
-        raise exc.NotFound(f"no unknown outcome for key {body.key!r} of job {body.job_id!r}")
+        raise exc.NotFound(f"No unknown outcome for key {body.key!r} of job {body.job_id!r}.")
     return web.json_response(
         {
             "job_id": body.job_id,

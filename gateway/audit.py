@@ -168,7 +168,7 @@ class Audit:
                 return
         raise lease_exc.InvalidRequest(
             f"upstream: {name[:100]!r} is not a configured upstream and is not in the audit; "
-            f"configured: {', '.join(sorted(configured)) or 'none'}",
+            f"configured: {', '.join(sorted(configured)) or 'none'}.",
             field="upstream",
         )
 
@@ -216,7 +216,7 @@ def audit_path(raw_path: str, allowed: Collection[str] = ()) -> str:
 def check_reason(value: str | None) -> None:
     if value is not None and value not in REASONS:
         raise lease_exc.InvalidRequest(
-            f"reason: {value[:100]!r} is not a reason; one of: {', '.join(REASONS)}",
+            f"reason: {value[:100]!r} is not a reason; one of: {', '.join(REASONS)}.",
             field="reason",
         )
 
@@ -263,7 +263,7 @@ def decode_cursor(cursor: str) -> int:
         return int(raw[1:])
     except (ValueError, UnicodeDecodeError) as error:
         raise lease_exc.InvalidRequest(
-            "cursor: not a cursor this server gave out", field="cursor"
+            "cursor: not a cursor this server gave out.", field="cursor"
         ) from error
 
 
@@ -278,5 +278,5 @@ def parse_time(value: str, field: str) -> float:
         return moment.timestamp()
     except ValueError as error:
         raise lease_exc.InvalidRequest(
-            f"{field}: must be an RFC 3339 time or seconds since the epoch", field=field
+            f"{field}: must be an RFC 3339 time or seconds since the epoch.", field=field
         ) from error

@@ -41,17 +41,17 @@ def auth_check(settings: AuthSettings) -> Check:
             return
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
-            raise exc.Unauthorized("send Authorization: Bearer <token>")
+            raise exc.Unauthorized("Send Authorization: Bearer <token>.")
         token = presented.strip().encode("utf-8", "surrogateescape")
         if _matches(token, admin):
             return
         if _matches(token, scrape):
             if request.path != METRICS_PATH:
-                raise exc.Forbidden("metrics tokens may only read /metrics")
+                raise exc.Forbidden("Metrics tokens may only read /metrics.")
             return
         if not _matches(token, worker):
-            raise exc.Unauthorized("unknown bearer token")
+            raise exc.Unauthorized("Unknown bearer token.")
         if not request.path.startswith("/v1/"):
-            raise exc.Forbidden("worker tokens may only use /v1/; this path needs an admin token")
+            raise exc.Forbidden("Worker tokens may only use /v1/; this path needs an admin token.")
 
     return check

@@ -119,7 +119,7 @@ def _time(query: Mapping[str, str], field: str) -> float | None:
         return None
     value = parse_time(raw, field)
     if not math.isfinite(value) or not 0 <= value <= MAX_TIME:
-        raise exc.InvalidRequest(f"{field}: out of range", field=field)
+        raise exc.InvalidRequest(f"{field}: out of range.", field=field)
     return value
 
 
@@ -128,7 +128,7 @@ def _whole(raw: str | None, field: str, low: int, high: int, default: int) -> in
         return default
     if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
         raise exc.InvalidRequest(
-            f"{field}: must be a whole number from {low} to {high}", field=field
+            f"{field}: must be a whole number from {low} to {high}.", field=field
         )
     return int(raw)
 
@@ -136,7 +136,7 @@ def _whole(raw: str | None, field: str, low: int, high: int, default: int) -> in
 def _window_seconds(query: Mapping[str, str], since: float | None) -> int:
     if since is not None and "window_seconds" in query:
         raise exc.InvalidRequest(
-            "window_seconds: give either since or window_seconds", field="window_seconds"
+            "window_seconds: give either since or window_seconds.", field="window_seconds"
         )
     default = int(queries.DEFAULT_WINDOW_SECONDS)
     return _whole(
@@ -150,12 +150,12 @@ def _window(since: float | None, until: float, seconds: int, bucket: int) -> que
     if since is None:
         since = max(0.0, until - seconds)
     if since >= until:
-        raise exc.InvalidRequest("since: must be before until", field="since")
+        raise exc.InvalidRequest("since: must be before until.", field="since")
     window = queries.Window(since, until, bucket or queries.default_bucket(until - since))
     if window.bucket_count > queries.MAX_BUCKETS:
         raise exc.InvalidRequest(
             f"bucket_seconds: the window would have {window.bucket_count} buckets, at most "
-            f"{queries.MAX_BUCKETS}: choose larger buckets or a shorter window",
+            f"{queries.MAX_BUCKETS}: choose larger buckets or a shorter window.",
             field="bucket_seconds",
         )
     return window
@@ -164,7 +164,7 @@ def _window(since: float | None, until: float, seconds: int, bucket: int) -> que
 def _optional_id(query: Mapping[str, str], field: str) -> str | None:
     value = query.get(field) or None
     if value is not None and not rules.is_valid_id(value):
-        raise exc.InvalidRequest(f"{field}: not a valid job id", field=field)
+        raise exc.InvalidRequest(f"{field}: not a valid job id.", field=field)
     return value
 
 

@@ -55,11 +55,13 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         revision = await migrate.current_revision(store.engine)
     except Exception as error:
-        raise exc.StoreUnavailable(f"database not reachable: {type(error).__name__}") from error
+        raise exc.StoreUnavailable(
+            f"The database is not reachable ({type(error).__name__})."
+        ) from error
     if not migrate.is_compatible(revision):
         raise exc.StoreUnavailable(
-            f"database schema at {revision or 'no revision'}, this version needs "
-            f"{migrate.head_revision()}: run `fencegate migrate`"
+            f"The database schema is at {revision or 'no revision'}, this version needs "
+            f"{migrate.head_revision()}: run `fencegate migrate`."
         )
     return web.json_response({"status": "ready", "schema": revision})
 
@@ -225,6 +227,7 @@ async def serve(
                 ).start()
             addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
         log.info("fencegate listening: %s", " ".join(addresses))
+        log_upstreams(settings)
         if contexts:
             log.info("TLS on the %s listener(s)", " and ".join(sorted(contexts)))
         if freeze_gc:
@@ -249,6 +252,27 @@ async def serve(
             # The spans still queued are exported (bounded by the exporter's timeout).
             await asyncio.to_thread(provider.shutdown)
             tracing.disable()
+
+
+def log_upstreams(settings: Settings) -> None:
+    """Say at start what the proxy listener protects: one line per upstream, or a warning
+    that there is none (every proxied request would get ``404 unknown-upstream``) and how
+    to add one."""
+    for upstream in settings.upstreams:
+        log.info(
+            "protecting upstream %s -> %s (/%s/... on the proxy listener; fenced: %s)",
+            upstream.name,
+            upstream.display_url,
+            upstream.name,
+            ", ".join(upstream.fenced_methods) or "none",
+        )
+    if not settings.upstreams:
+        log.warning(
+            "no upstreams configured: every proxied request is answered 404 "
+            "unknown-upstream. Add an [[upstreams]] table (name, url) to a config file and "
+            "start with `fencegate serve --config FILE`; examples/fencegate.toml is a "
+            "commented example"
+        )
 
 
 def bind(setting: str, listen: str) -> list[socket.socket]:

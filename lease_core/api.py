@@ -12,21 +12,22 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from . import exceptions as exc
 from . import rules
 from .config import LeaseSettings
+from .problems import sentence
 from .rules import State
-from .store import LeaseStore
+from .store import LeaseStore, seconds
 
 STORE = web.AppKey("lease_store", LeaseStore)
 SETTINGS = web.AppKey("lease_settings", LeaseSettings)
 
 MAX_LIST_LIMIT = 500
+ID_RULE = (
+    "must be 1 to 200 characters of letters, digits and ._:@~+=-, starting with a letter or digit"
+)
 
 
 def _id(value: str) -> str:
     if not rules.is_valid_id(value):
-        raise ValueError(
-            "must be 1 to 200 characters of letters, digits and ._:@~+=- starting with a "
-            "letter or digit"
-        )
+        raise ValueError(ID_RULE)
     return value
 
 
@@ -110,18 +111,18 @@ def parse_json(raw: bytes) -> Any:
     try:
         return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except (ValueError, RecursionError) as error:
-        raise exc.InvalidRequest(f"body: malformed JSON ({error})", field="body") from error
+        raise exc.InvalidRequest(f"body: malformed JSON ({error}).", field="body") from error
 
 
 async def read_body(request: web.Request, model: type[B]) -> B:
     raw = await request.read()
     data = parse_json(raw) if raw.strip() else {}
     if not isinstance(data, dict):
-        raise exc.InvalidRequest("body: must be a JSON object", field="body")
+        raise exc.InvalidRequest("body: must be a JSON object.", field="body")
     where = _nul_at(data, "") if may_hold_nul(raw) else None
     if where is not None:
         field = where or "body"
-        raise exc.InvalidRequest(f"{field}: must not contain NUL characters", field=field)
+        raise exc.InvalidRequest(f"{field}: must not contain NUL characters.", field=field)
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -159,21 +160,23 @@ def _nul_at(value: Any, path: str) -> str | None:
 def invalid(error: ValidationError) -> exc.InvalidRequest:
     """A 400 that names the first bad field (and lists all of them)."""
     problems = [
-        {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
+        {
+            "field": ".".join(str(p) for p in e["loc"]) or "body",
+            # Our validators' ValueError: pydantic puts "Value error, " before it.
+            "message": e["msg"].removeprefix("Value error, "),
+        }
         for e in error.errors(include_url=False, include_input=False)
     ]
     first = problems[0]
     return exc.InvalidRequest(
-        f"{first['field']}: {first['message']}", field=first["field"], errors=problems
+        sentence(f"{first['field']}: {first['message']}"), field=first["field"], errors=problems
     )
 
 
 def path_id(request: web.Request, name: str) -> str:
     value = request.match_info[name]
     if not rules.is_valid_id(value):
-        raise exc.InvalidRequest(
-            f"{name}: must be 1 to 200 characters of letters, digits and ._:@~+=-", field=name
-        )
+        raise exc.InvalidRequest(f"{name}: {ID_RULE}.", field=name)
     return value
 
 
@@ -182,7 +185,7 @@ def ttl(settings: LeaseSettings, value: float | None) -> float:
         return settings.default_ttl_seconds
     why = rules.check_ttl(value, settings.max_ttl_seconds)
     if why is not None:
-        raise exc.InvalidRequest(f"ttl_seconds: {why}", field="ttl_seconds")
+        raise exc.InvalidRequest(f"ttl_seconds: {why}.", field="ttl_seconds")
     return value
 
 
@@ -250,7 +253,8 @@ async def fail(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     if body.retry_in_seconds > settings.max_retry_in_seconds:
         raise exc.InvalidRequest(
-            f"retry_in_seconds: must not exceed {settings.max_retry_in_seconds:g}",
+            f"retry_in_seconds: must not exceed {seconds(settings.max_retry_in_seconds)} "
+            "(max_retry_in_seconds).",
             field="retry_in_seconds",
         )
     job = await request.app[STORE].fail(body.lease_token, body.error, body.retry_in_seconds)
@@ -272,11 +276,11 @@ async def list_jobs(request: web.Request) -> web.Response:
     query = request.query
     queue = query.get("queue")
     if queue is not None and not rules.is_valid_id(queue):
-        raise exc.InvalidRequest("queue: not a valid queue name", field="queue")
+        raise exc.InvalidRequest(f"queue: {ID_RULE}.", field="queue")
     state = query.get("state")
     if state is not None and state not in State.__members__.values():
         raise exc.InvalidRequest(
-            f"state: must be one of {', '.join(s.value for s in State)}", field="state"
+            f"state: must be one of {', '.join(s.value for s in State)}.", field="state"
         )
     limit = query_limit(query.get("limit"), default=50)
     page = await request.app[STORE].list_jobs(
@@ -292,7 +296,7 @@ def query_limit(raw: str | None, *, default: int) -> int:
         return default
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise exc.InvalidRequest(
-            f"limit: must be a whole number from 1 to {MAX_LIST_LIMIT}", field="limit"
+            f"limit: must be a whole number from 1 to {MAX_LIST_LIMIT}.", field="limit"
         )
     return int(raw)
 

@@ -20,6 +20,14 @@ PROBLEM_TYPE_BASE = "https://fencegate.dev/problems/"
 CONTENT_TYPE = "application/problem+json"
 
 
+def sentence(text: str) -> str:
+    """``text`` as a problem's detail is written, in the gateway's voice too: a sentence
+    with its full stop. Details built from parts (a field's name and a library's
+    message) go through here; the fixed ones are written so."""
+    text = text.strip()
+    return text if text.endswith((".", "?", "!")) else f"{text}."
+
+
 def problem_response(
     *,
     status: int,
@@ -78,7 +86,9 @@ def problem_middleware(*checks: Check) -> Middleware:
         try:
             for name, value in request.query.items():
                 if "\x00" in name or "\x00" in value:
-                    raise exc.InvalidRequest(f"{name}: must not contain NUL characters", field=name)
+                    raise exc.InvalidRequest(
+                        f"{name}: must not contain NUL characters.", field=name
+                    )
             for check in checks:
                 answer = await check(request)
                 if answer is not None:
@@ -92,14 +102,17 @@ def problem_middleware(*checks: Check) -> Middleware:
             cls = _HTTP_REASONS.get(http_error.status)
             if cls is not None:
                 return from_error(cls())
+            text = http_error.text or ""
+            if text.startswith(f"{http_error.status}: "):  # aiohttp's default: status, phrase
+                text = ""
             return problem_response(
                 status=http_error.status,
                 reason=Reason.HTTP_ERROR,
                 title=http_error.reason,
-                detail=http_error.text or http_error.reason,
+                detail=sentence(text or http_error.reason),
             )
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return from_error(exc.LeaseError("an unexpected error occurred; see the server log"))
+            return from_error(exc.LeaseError("An unexpected error occurred; see the server log."))
 
     return middleware

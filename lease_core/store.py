@@ -77,6 +77,14 @@ class JobRecord:
         }
 
 
+def seconds(value: float) -> int | float:
+    """A number of seconds as the lease document gives it, whatever the database
+    returned (SQLite an int for a whole REAL, PostgreSQL a float): a whole number as an
+    integer (``30``, as it is usually asked for), else the fraction (``1.5``)."""
+    number = float(value)
+    return int(number) if number.is_integer() else number
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseRecord:
     job_id: str
@@ -107,7 +115,7 @@ class LeaseRecord:
             "generation": self.generation,
             "owner": self.owner,
             "expires_at": rfc3339(self.expires_at),
-            "ttl_seconds": self.ttl_seconds,
+            "ttl_seconds": seconds(self.ttl_seconds),
             "payload": self.payload,
         }
         if self.lease_token is not None:
@@ -178,7 +186,7 @@ class LeaseStore:
             max_attempts=max_attempts,
         )
         if row is None:
-            raise exc.JobExists(f"a job with id {job_id!r} exists already", job_id=job_id)
+            raise exc.JobExists(f"A job with id {job_id!r} exists already.", job_id=job_id)
         return _job(row)
 
     async def get_job(self, job_id: str) -> JobRecord:
@@ -186,7 +194,7 @@ class LeaseStore:
         async with self.transaction() as conn:
             row = (await conn.execute(stmt)).mappings().first()
         if row is None:
-            raise exc.JobNotFound(f"no job with id {job_id!r}", job_id=job_id)
+            raise exc.JobNotFound(f"No job with id {job_id!r}.", job_id=job_id)
         return JobRecord.from_row(row)
 
     async def list_jobs(
@@ -222,15 +230,18 @@ class LeaseStore:
         (admitted before its lease ended): that record must settle first."""
         row = await self.backend.run("purge_job", job_id=job_id)
         if row is None or row["found"] is None:
-            raise exc.JobNotFound(f"no job with id {job_id!r}", job_id=job_id)
+            raise exc.JobNotFound(f"No job with id {job_id!r}.", job_id=job_id)
         if row["purged_generation"] is not None:
             return
         if row["writing"]:
             raise exc.LeaseHeld(
-                "a write of this job is still in flight; purge it once that write has settled",
+                "A write of this job is still in flight through the gateway; purge the job "
+                "once that write has settled.",
                 job_id=job_id,
             )
-        raise exc.LeaseHeld("a current lease holds this job", job_id=job_id)
+        raise exc.LeaseHeld(
+            "A current lease holds this job; purge it once that lease has ended.", job_id=job_id
+        )
 
     # -- grants -------------------------------------------------------------------
 
@@ -276,9 +287,11 @@ class LeaseStore:
             return LeaseRecord.from_row(row, token)
         state = row["found_state"] if row is not None else None
         if state in rules.FINISHED:
-            raise exc.JobFinished(f"job {job_id!r} is {state}", job_id=job_id)
+            raise exc.JobFinished(
+                f"Job {job_id!r} is {state}; it cannot be leased again.", job_id=job_id
+            )
         raise exc.LeaseHeld(
-            "another current lease holds this job",
+            "Another current lease holds this job.",
             job_id=job_id,
             lease_expires_at=rfc3339(row["found_expires_at"]) if row is not None else None,
         )
@@ -407,7 +420,7 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         return float(created_at), job_id
     except (ValueError, TypeError) as error:
         raise exc.InvalidRequest(
-            "cursor: not a cursor this server gave out", field="cursor"
+            "cursor: not a cursor this server gave out.", field="cursor"
         ) from error
 
 

@@ -198,7 +198,8 @@ async def test_a_job_with_a_write_in_flight_is_not_purged(
     clock.advance(6)  # the lease has expired; the write is still on its way
     resp = await stack.control.delete("/admin/jobs/job-1")
     doc = await problem(resp, 409, "lease-held")
-    assert "in flight" in doc["detail"]
+    assert doc["detail"].startswith("A write of this job is still in flight")
+    assert doc["detail"].endswith(".")
     await ok(await write)
     resp = await stack.control.delete("/admin/jobs/job-1")
     assert resp.status in (200, 204), await resp.text()

@@ -196,6 +196,36 @@ async def test_claim_uses_the_default_ttl(api: Call, clock: FakeClock) -> None:
     assert lease["expires_at"] == rfc3339(clock.now + 30)
 
 
+async def test_ttl_seconds_is_one_json_type_on_every_database(control: Client) -> None:
+    """The lease document's ``ttl_seconds`` on SQLite and PostgreSQL alike: a whole
+    number of seconds is a JSON integer (SQLite gave ``30``, PostgreSQL ``30.0``); a
+    fraction stays a fraction. Read from the raw JSON text, as any client sees it."""
+
+    async def ttl_of(resp: Any, status: int) -> Any:
+        text = await resp.text()
+        assert resp.status == status, text
+        return json.loads(text)["ttl_seconds"]
+
+    await control.post("/v1/jobs", json={"queue": "q"})
+    claimed = await ttl_of(await control.post("/v1/queues/q/claim", json={"owner": "w"}), 200)
+    assert claimed == 30 and type(claimed) is int  # the default, 30.0 in the settings
+    resp = await control.put("/v1/jobs/a/lease", json={"owner": "w", "ttl_seconds": 12})
+    assert await ttl_of(resp, 201) == 12
+    resp = await control.put("/v1/jobs/b/lease", json={"owner": "w", "ttl_seconds": 12.0})
+    whole = await ttl_of(resp, 201)
+    assert whole == 12 and type(whole) is int
+    resp = await control.put("/v1/jobs/c/lease", json={"owner": "w", "ttl_seconds": 1.5})
+    token = (await resp.json())["lease_token"]
+    assert (await resp.json())["ttl_seconds"] == 1.5
+    renew = {"lease_token": token}
+    kept = await ttl_of(await control.post("/v1/leases/renew", json=renew), 200)
+    assert kept == 1.5 and type(kept) is float
+    renewed = await ttl_of(
+        await control.post("/v1/leases/renew", json={**renew, "ttl_seconds": 20.0}), 200
+    )
+    assert renewed == 20 and type(renewed) is int
+
+
 async def test_claim_with_nothing_to_claim_is_204(api: Call, control: Client) -> None:
     resp = await control.post("/v1/queues/empty/claim", json={"owner": "w1"})
     assert resp.status == 204
@@ -1083,3 +1113,88 @@ async def test_a_body_that_never_arrives_is_cut_off_on_the_control_listener(
         assert await asyncio.wait_for(reader.read(65536), 5) == b""  # closed
     finally:
         writer.close()
+
+
+# -- one voice: every detail is a sentence ------------------------------------------------------
+
+
+def not_a_sentence(doc: dict[str, Any]) -> bool:
+    """As the gateway writes its details: a sentence that ends with a full stop and starts
+    with a capital letter, or with the name of the field it is about (``ttl_seconds: must
+    be above zero.``), which keeps the field's spelling."""
+    detail: str = doc["detail"]
+    field = doc.get("field")
+    starts = detail[:1].isupper() or (field is not None and detail.startswith(f"{field}: "))
+    return not (starts and detail.endswith("."))
+
+
+async def test_every_problem_of_the_control_listener_is_a_sentence(
+    scraped: Client, store: LeaseStore, clock: FakeClock
+) -> None:
+    """The lease and admin API speak in the gateway's voice: each detail of each kind of
+    refusal, from bad input to a lease that is held, lost or unknown."""
+    admin = bearer(ADMIN)
+    seen: list[dict[str, Any]] = []
+
+    async def refused(method: str, path: str, headers: Any = admin, **kwargs: Any) -> None:
+        resp = await scraped.request(method, path, headers=headers, **kwargs)
+        assert resp.status >= 400, await resp.text()
+        assert resp.content_type == PROBLEM
+        seen.append(await resp.json(content_type=None))
+
+    for method, path, body, _ in BAD_REQUESTS:
+        if isinstance(body, bytes):
+            await refused(method, path, data=body, headers={**admin, "Content-Type": "a/json"})
+        else:
+            await refused(method, path, json=body)
+    lease = await store.acquire(queue="q", job_id="held", owner="w1", ttl=60)
+    token = lease.lease_token
+    for operation, body, _ in LEASE_OP_BAD_BODIES:
+        if isinstance(body, bytes):
+            raw = b'{"lease_token": "' + str(token).encode() + b'"' + body
+            await refused("POST", f"/v1/leases/{operation}", data=raw)
+        else:
+            await refused("POST", f"/v1/leases/{operation}", json={"lease_token": token, **body})
+    await store.enqueue(queue="q", job_id="twice")
+    await refused("POST", "/v1/jobs", json={"queue": "q", "job_id": "twice"})  # job-exists
+    await refused("PUT", "/v1/jobs/held/lease", json={"owner": "w2"})  # lease-held
+    await refused("DELETE", "/admin/jobs/held")  # lease-held: purge of a held job
+    await refused("DELETE", "/admin/jobs/nope")  # job-not-found
+    await refused("GET", "/v1/jobs/nope")
+    done = await store.acquire(queue="q", job_id="done", owner="w1", ttl=60)
+    await store.complete(str(done.lease_token))
+    await refused("PUT", "/v1/jobs/done/lease", json={"owner": "w1"})  # job-finished
+    ended = {"lease_token": done.lease_token}
+    await refused("POST", "/v1/leases/renew", json=ended)  # lease-ended
+    await refused("POST", "/v1/leases/renew", json={"lease_token": "fgl_" + "x" * 30})
+    await refused("POST", "/v1/leases/renew", json={"lease_token": "not a token"})
+    short = await store.acquire(queue="q", job_id="short", owner="w1", ttl=5)
+    clock.advance(6)
+    await refused("POST", "/v1/leases/renew", json={"lease_token": short.lease_token})
+    await store.acquire(queue="q", job_id="short", owner="w2", ttl=60)
+    await refused("POST", "/v1/leases/complete", json={"lease_token": short.lease_token})
+    for query in ("queue=a%01b", "state=done", "limit=0", "cursor=nope", "a=%00"):
+        await refused("GET", f"/v1/jobs?{query}")
+    for query in ("reason=bogus", "upstream=nope", "since=soon", "cursor=nope", "limit=x"):
+        await refused("GET", f"/admin/rejections?{query}")
+    await refused("GET", "/admin/unknown-outcomes?limit=0")
+    resolve = {"job_id": "held", "key": "k", "applied": True, "status": 201}
+    await refused("POST", "/admin/unknown-outcomes/resolve", json={**resolve, "applied": 1})
+    await refused("POST", "/admin/unknown-outcomes/resolve", json={**resolve, "status": None})
+    bad_body = {**resolve, "body_base64": "%%%"}
+    await refused("POST", "/admin/unknown-outcomes/resolve", json=bad_body)
+    await refused("POST", "/admin/unknown-outcomes/resolve", json=resolve)  # not-found
+    for query in ("since=2030-01-01T00:00:00Z&until=2020-01-01T00:00:00Z", "bucket_seconds=0"):
+        await refused("GET", f"/admin/ui/api/refusals-over-time?{query}")
+    await refused("GET", "/admin/ui/api/refusals-over-time?since=0&window_seconds=60")
+    await refused("GET", "/admin/ui/api/refusals-over-time?bucket_seconds=1&window_seconds=86400")
+    await refused("GET", "/admin/ui/api/jobs/a%01b/timeline")
+    await refused("GET", "/nothing-here")  # not-found
+    await refused("PATCH", "/v1/jobs")  # method-not-allowed
+    await refused("GET", "/v1/jobs", headers={})  # unauthorized: no token
+    await refused("GET", "/v1/jobs", headers=bearer("unknown-token-0123456789"))
+    await refused("GET", "/admin/rejections", headers=bearer(WORKER))  # forbidden
+    await refused("GET", "/v1/jobs", headers=bearer(SCRAPE))  # forbidden: metrics only
+    wrong = [f"{doc['reason']}: {doc['detail']!r}" for doc in seen if not_a_sentence(doc)]
+    assert not wrong, "\n".join(wrong)
+    assert len(seen) > 60

@@ -1,0 +1,121 @@
+"""What ``fencegate serve`` says at start about the upstreams it protects: one line per
+upstream (name -> URL, no password), or, with none, a warning that every proxied request
+gets ``404 unknown-upstream`` and how to add one. Real processes, as a user starts them:
+the README's first command (no ``--config``, in a folder without ``fencegate.toml``) and
+a config with upstreams."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
+LISTENING = re.compile(r"fencegate listening: .*?control=(\S+).*?proxy=(\S+)")
+
+
+@contextmanager
+def serving(cwd: Path, *args: str, **env: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """``fencegate serve ARGS`` in ``cwd`` (JSON logs, both listeners on free ports) until
+    it printed its listening line: (the proxy's URL, the log records so far)."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    environment.update(
+        FENCEGATE_PROXY_LISTEN="127.0.0.1:0", FENCEGATE_CONTROL_LISTEN="127.0.0.1:0", **env
+    )
+    out, err = cwd / "serve.out", cwd / "serve.err"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        process = subprocess.Popen(
+            [FENCEGATE, "serve", *args, "--log-format", "json"],
+            cwd=cwd,
+            env=environment,
+            stdout=stdout,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        # The line on stdout comes after the start log, so the log is complete then.
+        while (match := LISTENING.search(out.read_text(errors="replace"))) is None:
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"fencegate serve did not start:\n{err.read_text(errors='replace')}")
+            time.sleep(0.05)
+        records = [
+            json.loads(line) for line in err.read_text().splitlines() if line.startswith("{")
+        ]
+        yield f"http://{match[2]}", records
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+def messages(records: list[dict[str, Any]], level: str | None = None) -> list[str]:
+    return [
+        r["msg"]
+        for r in records
+        if r["logger"] == "fencegate.server" and (level is None or r["level"] == level)
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_serve_without_a_config_says_there_is_no_upstream_and_how_to_add_one(
+    tmp_path: Path,
+) -> None:
+    assert not (tmp_path / "fencegate.toml").exists()
+    with serving(tmp_path) as (proxy, records):
+        [warning] = [m for m in messages(records, "warning") if "upstream" in m]
+        assert warning.startswith("no upstreams configured")
+        assert "404 unknown-upstream" in warning
+        assert "--config" in warning and "[[upstreams]]" in warning
+        assert "examples/fencegate.toml" in warning
+        assert not [m for m in messages(records) if m.startswith("protecting upstream")]
+        # What the warning announces.
+        request = urllib.request.Request(f"{proxy}/payments/charges", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=10)
+        with answer.value as error:
+            assert error.code == 404
+            assert json.loads(error.read())["reason"] == "unknown-upstream"
+
+
+@pytest.mark.timeout(60)
+def test_serve_names_each_protected_upstream_with_its_url(tmp_path: Path) -> None:
+    config = tmp_path / "fencegate.toml"
+    config.write_text(
+        """\
+[[upstreams]]
+name = "payments"
+url = "http://127.0.0.1:9000"
+set_headers = { Authorization = "Bearer ${PAYMENTS_API_KEY}" }
+
+[[upstreams]]
+name = "mail"
+url = "https://mailer:hunter2-secret@mail.example.com/v3"
+fenced_methods = ["POST"]
+""",
+        encoding="utf-8",
+    )
+    with serving(tmp_path, "--config", str(config), PAYMENTS_API_KEY="sk_test_start_log") as (
+        _,
+        records,
+    ):
+        lines = [m for m in messages(records, "info") if m.startswith("protecting upstream")]
+        assert lines == [
+            "protecting upstream payments -> http://127.0.0.1:9000 "
+            "(/payments/... on the proxy listener; fenced: POST, PUT, PATCH, DELETE)",
+            "protecting upstream mail -> https://mailer:***@mail.example.com/v3 "
+            "(/mail/... on the proxy listener; fenced: POST)",
+        ]
+        assert not [m for m in messages(records) if "no upstreams" in m]
+        everything = json.dumps(records)
+        assert "hunter2-secret" not in everything and "sk_test_start_log" not in everything
