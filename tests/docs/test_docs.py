@@ -6,14 +6,16 @@
 - every complete TOML configuration in docs/*.md (a ```toml block preceded by
   ``<!-- check-config -->``) and every examples/*.toml passes ``fencegate check-config``;
   every other ```toml block must be marked ``<!-- fragment -->`` and still parse;
-- every ``fencegate COMMAND`` named in the docs exists (from ``fencegate --help``), and so
-  does every ``--option`` and sub-action given with it;
+- every ``fencegate COMMAND`` named in the docs, README.md and examples/README.md exists
+  (from ``fencegate --help``), and so does every ``--option`` and sub-action given with it;
 - the configuration reference in docs/operations.md documents exactly the fields of
   ``gateway.config.Settings`` (walked recursively), with the code's defaults, bounds and
   types;
 - every metric series is listed in docs/operations.md;
-- every relative link in docs/*.md and README.md resolves (anchors included), and every
-  page in docs/ is linked from docs/README.md or README.md.
+- every relative link in docs/*.md, README.md and examples/README.md resolves (anchors
+  included), and every page in docs/ is linked from docs/README.md or README.md.
+
+The sample outputs of commands are held to the real ones by test_outputs.py.
 """
 
 from __future__ import annotations
@@ -150,12 +152,17 @@ def tables(text: str) -> list[Table]:
     return found
 
 
+OUTPUT_MARKER = re.compile(r"<!--\s*output:\s*(fencegate\b.*?)\s*-->")
+
+
 def code_snippets(text: str) -> Iterator[str]:
     """The text of every fenced block (backslash-continued lines joined) and every code
-    span outside them."""
+    span outside them. A command's sample output (a block marked ``<!-- output: fencegate
+    COMMAND -->``, checked by test_outputs.py) stands for its command line instead."""
     blocks, prose = split_markdown(text)
     for block in blocks:
-        yield block.text.replace("\\\n", " ")
+        output = OUTPUT_MARKER.fullmatch(block.marker or "")
+        yield output.group(1) if output else block.text.replace("\\\n", " ")
     for _, line in prose:
         for match in CODE_SPAN.finditer(line):
             yield match.group(2)
@@ -416,7 +423,7 @@ MENTION = re.compile(r"(?<![\w.-])fencegate\s+([a-z][a-z-]*)([^\n]*)")
 
 def test_every_command_and_option_named_in_the_docs_exists() -> None:
     commands = cli_commands()
-    pages = [*doc_pages(), ROOT / "README.md"]
+    pages = [*doc_pages(), ROOT / "README.md", EXAMPLES / "README.md"]
     mentioned = set()
     for page in pages:
         for snippet in code_snippets(page.read_text(encoding="utf-8")):
@@ -566,7 +573,7 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
 def link_cases() -> list[Any]:
-    pages = [*doc_pages(), ROOT / "README.md"]
+    pages = [*doc_pages(), ROOT / "README.md", EXAMPLES / "README.md"]
     return [pytest.param(page, id=str(page.relative_to(ROOT))) for page in pages]
 
 
