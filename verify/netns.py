@@ -116,11 +116,12 @@ class Namespace:
         _run(self.command(["iptables", "-w", "-F", "OUTPUT"]))
 
 
-def sweep() -> list[str]:
-    """Remove every namespace this module made (a run killed before its cleanup leaves
-    them); returns their names."""
+def sweep(prefix: str = PREFIX) -> list[str]:
+    """Remove every namespace whose name starts with ``prefix`` (a run killed before its
+    cleanup leaves them; by default every one this module made, so not while a run is
+    going on); returns their names."""
     listed = _run(["ip", "netns", "list"], check=False).stdout.split("\n")
-    names = [line.split()[0] for line in listed if line.startswith(PREFIX)]
+    names = [line.split()[0] for line in listed if line.startswith(prefix)]
     for name in names:
         _run(["ip", "netns", "del", name], check=False)
     return names

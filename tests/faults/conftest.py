@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import IN_CI
+from verify.cluster import ClusterError, PgCluster
 
-from .cluster import ClusterError, PgCluster
 from .harness import ProcessGroup, migrate
 
 LONG = os.environ.get("FENCEGATE_FAULTS_LONG", "").lower() not in ("", "0", "false")

@@ -32,8 +32,7 @@ from fencegate_client import FencedResponse, Lease, LeaseClient, RemoteError, st
 from fencegate_client import errors as exc
 from gateway.schema import requests
 from lease_core.schema import jobs
-
-from .cluster import free_port
+from verify.cluster import free_port
 
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
 UPSTREAM_APP = Path(__file__).with_name("upstream_app.py")

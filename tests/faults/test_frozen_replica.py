@@ -24,8 +24,9 @@ import aiohttp
 import pytest
 import sqlalchemy as sa
 
+from verify.cluster import PgCluster
+
 from . import checker
-from .cluster import PgCluster
 from .conftest import LONG
 from .harness import (
     ORDERING_WAIT,

@@ -32,7 +32,7 @@ def namespace() -> Iterator[netns.Namespace]:
         if os.environ.get("CI"):
             pytest.fail(f"the partition nemesis cannot run in CI: {why}")
         pytest.skip(why)
-    ns = netns.Namespace(f"{netns.PREFIX}-test{os.getpid() % 1000}", 240)
+    ns = netns.Namespace(f"{netns.PREFIX}-test{os.getpid() % 1000}", 245)
     ns.create()
     try:
         yield ns
@@ -123,6 +123,6 @@ def test_the_root_namespace_reaches_the_inside(namespace: netns.Namespace) -> No
 def test_destroy_and_sweep_leave_nothing(namespace: netns.Namespace) -> None:
     namespace.destroy()
     namespace.create()
-    assert namespace.name in netns.sweep()
+    assert netns.sweep(namespace.name) == [namespace.name]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert namespace.name not in listed

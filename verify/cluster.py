@@ -1,9 +1,12 @@
-"""A throw-away PostgreSQL cluster of our own, for faults that take the database away.
+"""A throw-away PostgreSQL cluster of our own, for faults that take the database away
+(``python -m verify`` and the fault suite, ``tests/faults``).
 
-The shared server on 127.0.0.1:5432 is other people's: these tests never restart or stop
-it. Here ``initdb`` makes a cluster in a temporary folder, listening on 127.0.0.1 and a
-free port with its Unix socket in that folder, ``fsync = off`` for speed. As root the
-binaries run as the ``postgres`` OS user (``initdb`` refuses root).
+The shared server on 127.0.0.1:5432 is other people's: nothing here restarts or stops it.
+Here ``initdb`` makes a cluster in a temporary folder, listening on 127.0.0.1 (and the
+extra addresses given, such as the root side of ``verify.netns`` namespaces, whose
+10.213.0.0/16 clients it trusts) and a free port with its Unix socket in that folder,
+``fsync = off`` for speed. As root the binaries run as the ``postgres`` OS user
+(``initdb`` refuses root).
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 PG_BIN = Path(os.environ.get("FENCEGATE_FAULTS_PG_BIN", "/usr/lib/postgresql/15/bin"))
 OS_USER = "postgres"
+TRUSTED_SUBNET = "10.213.0.0/16"  # verify.netns: the namespaces' side of their veth pairs
 
 
 class ClusterError(Exception):
@@ -40,8 +46,10 @@ class PgCluster:
     """``initdb`` + ``pg_ctl`` on a temporary folder. Blocking methods: call them from a
     thread (``asyncio.to_thread``) when workers are running in the event loop."""
 
-    def __init__(self) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="fencegate-faults-pg-"))
+    def __init__(self, listen: Sequence[str] = ()) -> None:
+        """``listen``: addresses to listen on besides 127.0.0.1 (they must exist)."""
+        self.listen = ["127.0.0.1", *(a for a in listen if a != "127.0.0.1")]
+        self.base = Path(tempfile.mkdtemp(prefix="fencegate-pg-"))
         self.data = self.base / "data"
         self.log = self.base / "postgres.log"
         self.port = 0
@@ -84,7 +92,7 @@ class PgCluster:
     def configure(self, port: int) -> None:
         self.port = port
         settings = {
-            "listen_addresses": "'127.0.0.1'",
+            "listen_addresses": "'" + ",".join(self.listen) + "'",
             "port": str(port),
             "unix_socket_directories": f"'{self.base}'",
             "fsync": "off",
@@ -100,6 +108,10 @@ class PgCluster:
             shutil.copy(conf, original)
         ours = "".join(f"{name} = {value}\n" for name, value in settings.items())
         conf.write_text(original.read_text() + "\n# fencegate fault tests\n" + ours)
+        hba = self.data / "pg_hba.conf"
+        trust = f"host all all {TRUSTED_SUBNET} trust\n"
+        if len(self.listen) > 1 and trust not in hba.read_text():
+            hba.write_text(hba.read_text() + trust)
 
     def start(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start")
@@ -108,6 +120,10 @@ class PgCluster:
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
 
     def restart(self, mode: str = "fast") -> None:
+        """``pg_ctl restart -m fast|immediate`` (immediate: no checkpoint, crash recovery
+        at start)."""
+        if mode not in ("smart", "fast", "immediate"):
+            raise ValueError(f"restart mode {mode!r}: smart, fast or immediate")
         self._run(
             "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-m", mode, "-w", "-t", "60",
             "restart",
@@ -145,10 +161,10 @@ class PgCluster:
 
     # -- databases ---------------------------------------------------------------------
 
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{database}"
+    def url(self, database: str = "postgres", host: str = "127.0.0.1") -> str:
+        return f"postgresql+asyncpg://postgres@{host}:{self.port}/{database}"
 
-    async def execute(self, sql: str, database: str = "postgres") -> list[sa.Row[object]]:
+    async def execute(self, sql: str, database: str = "postgres") -> list[sa.Row[Any]]:
         engine = create_async_engine(self.url(database), isolation_level="AUTOCOMMIT")
         try:
             async with engine.connect() as conn:

@@ -1,0 +1,123 @@
+"""``python -m verify run ...`` and ``python -m verify check HISTORY LEDGER``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from verify import check
+from verify.run import TAIL_SECONDS, Options, SetupError, choose_nemeses, run
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share between 0 and 1, not {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m verify",
+        description="Jepsen-style verification of Fencegate (docs/verification.md).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    r = sub.add_parser(
+        "run",
+        help="start a real system, drive it under faults, check the result",
+        description="Start gateway replicas, a recording upstream and workers, inject "
+        "faults for --seconds, then check history.jsonl against ledger.jsonl. Exit 0: no "
+        "violation, 1: a violation, 2: the run could not start or its files are unreadable.",
+    )
+    r.add_argument("--db", choices=["sqlite", "pg"], default="sqlite")
+    r.add_argument("--seconds", type=float, default=60.0, help="fault window (default 60)")
+    r.add_argument(
+        "--nemesis",
+        default="all",
+        help="comma list of pause, kill, partition, clock, upstream, db-restart; "
+        "or all (every one the database allows) or none (default all)",
+    )
+    r.add_argument(
+        "--direct",
+        action="store_true",
+        help="workers write straight to the upstream, no gateway (the baseline)",
+    )
+    r.add_argument("--seed", type=int, default=None, help="repeat a run's fault plan")
+    r.add_argument("--out", type=Path, default=None, help="default ./verify-runs/<timestamp>")
+    r.add_argument(
+        "--tail",
+        type=float,
+        default=TAIL_SECONDS,
+        help=f"seconds to settle after the faults (default {TAIL_SECONDS:g})",
+    )
+    r.add_argument("--workers", type=int, default=8)
+    r.add_argument("--replicas", type=int, default=None, help="default 1 (sqlite), 3 (pg)")
+    r.add_argument(
+        "--min-completed",
+        type=_share,
+        default=0.0,
+        metavar="SHARE",
+        help="fail when fewer claimed jobs completed (0-1; default 0: only on none)",
+    )
+    sub.add_parser("check", help="check a history against a ledger", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["check"]:
+        return check.main(args_list[1:])
+    args = build_parser().parse_args(args_list)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**9)
+    print(f"seed: {seed}", flush=True)
+    replicas = args.replicas or (1 if args.db == "sqlite" else 3)
+    if args.db == "sqlite" and replicas != 1:
+        print("verify: SQLite runs one replica (use --db pg for several)")
+        return 2
+    if not 1 <= args.workers <= 64 or not 1 <= replicas <= 8 or args.seconds <= 0 or args.tail < 0:
+        print("verify: --workers 1..64, --replicas 1..8, --seconds above 0, --tail 0 or more")
+        return 2
+    try:
+        nemeses, notes = choose_nemeses(args.nemesis, args.db)
+    except SetupError as error:
+        print(f"verify: {error}")
+        return 2
+    for note in notes:
+        print(note)
+    out = args.out or Path("verify-runs") / time.strftime("%Y%m%d-%H%M%S")
+    if any((out / name).exists() for name in ("history.jsonl", "ledger.jsonl")):
+        print(f"verify: {out} holds an earlier run: give a new --out")
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    options = Options(
+        db=args.db,
+        seconds=args.seconds,
+        nemesis=nemeses,
+        direct=args.direct,
+        seed=seed,
+        out=out.resolve(),
+        workers=args.workers,
+        replicas=replicas,
+        min_completed=args.min_completed,
+        tail=args.tail,
+    )
+    print(
+        f"run: --db {args.db} --seconds {args.seconds:g} --nemesis {','.join(nemeses) or 'none'}"
+        f"{' --direct' if args.direct else ''} --workers {args.workers} --replicas {replicas}"
+        f" --out {options.out}",
+        flush=True,
+    )
+    try:
+        return asyncio.run(run(options))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("verify: interrupted (everything it started has been stopped)")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

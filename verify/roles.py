@@ -1,0 +1,210 @@
+"""The people around the system during a run: a feeder that keeps jobs waiting, an
+operator who settles unknown outcomes from the upstream's ledger, and an observer that
+reads the workers' histories as they grow (the progress lines).
+
+The operator does what ``tests/faults/harness.resolve_unknowns`` does, carefully: it only
+resolves keys the gateway lists as ``unknown`` (never one being forwarded or re-sent), and
+it says "applied" (with the upstream's answer) as soon as the ledger has the key, but "not
+applied" only once the key has been unknown for a while *and* no partition has healed
+recently: a request whose packets were dropped can still arrive at the upstream after the
+gateway gave up on it (TCP retransmits it once the path is back), so "not in the ledger"
+is only true once the network has been whole for longer than a retransmission takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from verify.stack import Replica
+
+QUEUE = "verify"
+UNKNOWN_MIN_AGE = 3.0  # seconds a key stays unknown before "not applied" is said
+NETWORK_QUIET = 12.0  # seconds since the last partition healed before "not applied"
+
+
+class Tail:
+    """New complete lines of a JSON lines file, each call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+class Control:
+    """Admin calls to whichever replica answers."""
+
+    def __init__(self, replicas: list[Replica], token: str) -> None:
+        self.replicas = replicas
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.turn = 0
+
+    async def call(
+        self, session: aiohttp.ClientSession, method: str, path: str, body: Any = None
+    ) -> tuple[int, Any]:
+        last: Exception | None = None
+        for _ in range(len(self.replicas)):
+            replica = self.replicas[self.turn % len(self.replicas)]
+            self.turn += 1
+            if not replica.alive():
+                continue
+            try:
+                async with session.request(
+                    method,
+                    replica.control + path,
+                    json=body,
+                    headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(total=3),
+                ) as resp:
+                    raw = await resp.read()
+                    return resp.status, json.loads(raw) if raw else None
+            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                last = error
+        raise ConnectionError(f"no replica answered {method} {path}: {last}")
+
+
+class Feeder:
+    """Keeps about ``target`` jobs pending on the queue."""
+
+    def __init__(self, control: Control, target: int) -> None:
+        self.control = control
+        self.target = target
+        self.created = 0
+
+    async def fill(self, session: aiohttp.ClientSession) -> None:
+        status, doc = await self.control.call(
+            session, "GET", f"/v1/jobs?queue={QUEUE}&state=pending&limit={self.target}"
+        )
+        if status != 200:
+            return
+        for _ in range(self.target - len(doc["items"])):
+            job = f"job-{self.created:05d}"
+            body = {"queue": QUEUE, "job_id": job, "max_attempts": 1000}
+            status, _ = await self.control.call(session, "POST", "/v1/jobs", body)
+            if status in (201, 409):  # 409: created, its answer was lost
+                self.created += 1
+
+    async def fill_until_ready(self, timeout: float = 30.0) -> None:
+        """The first jobs, before the workers start (the replicas may still be warming)."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    await self.fill(session)
+                    if self.created:
+                        return
+                except (ConnectionError, aiohttp.ClientError, TimeoutError, KeyError) as error:
+                    if time.monotonic() > deadline:
+                        raise ConnectionError(f"could not enqueue jobs: {error}") from error
+                if time.monotonic() > deadline:
+                    raise ConnectionError("could not enqueue jobs: the lease API refused")
+                await asyncio.sleep(0.2)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                try:
+                    await self.fill(session)
+                except (ConnectionError, aiohttp.ClientError, TimeoutError, KeyError):
+                    pass
+                await _pause(stop, 0.5)
+
+
+class Operator:
+    """Settles unknown outcomes from the ledger, every second."""
+
+    def __init__(
+        self, control: Control, ledger: Path, network_quiet_for: Callable[[], float]
+    ) -> None:
+        self.control = control
+        self.ledger = Tail(ledger)
+        self.applied: dict[tuple[str, str], dict[str, Any]] = {}
+        self.network_quiet_for = network_quiet_for
+        self.first_seen: dict[tuple[str, str], float] = {}
+        self.resolved: Counter[str] = Counter()
+
+    async def sweep(self, session: aiohttp.ClientSession) -> None:
+        status, doc = await self.control.call(session, "GET", "/admin/unknown-outcomes?limit=500")
+        if status != 200:
+            return
+        # The ledger is read after the listing: whatever the upstream applied before the
+        # keys were listed is in it.
+        for line in self.ledger.read():
+            self.applied.setdefault((line["job"], line["key"]), line)
+        now = time.monotonic()
+        for item in doc["items"]:
+            if item["state"] != "unknown":
+                continue  # being re-sent: not ours to judge
+            step = (item["job_id"], item["key"])
+            seen = self.first_seen.setdefault(step, now)
+            entry = self.applied.get(step)
+            body: dict[str, Any] = {"job_id": step[0], "key": step[1], "applied": entry is not None}
+            if entry is not None:
+                body |= {
+                    "status": entry["status"],
+                    "body": entry["answer"],
+                    "headers": {"Content-Type": "application/json; charset=utf-8"},
+                }
+            elif now - seen < UNKNOWN_MIN_AGE or self.network_quiet_for() < NETWORK_QUIET:
+                continue
+            status, _ = await self.control.call(
+                session, "POST", "/admin/unknown-outcomes/resolve", body
+            )
+            if status == 200:
+                self.resolved["applied" if entry is not None else "not-applied"] += 1
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                try:
+                    await self.sweep(session)
+                except (ConnectionError, aiohttp.ClientError, TimeoutError, KeyError):
+                    pass
+                await _pause(stop, 1.0)
+
+
+class Observer:
+    """Counts from the workers' history files as they grow."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.tails = [Tail(path) for path in paths]
+        self.ops = 0
+        self.writes: Counter[str] = Counter()  # ok, refused (fail), unknown (info)
+        self.completed: set[str] = set()
+
+    def update(self) -> None:
+        for tail in self.tails:
+            for event in tail.read():
+                if event["type"] == "invoke":
+                    continue
+                self.ops += 1
+                if event["f"] == "write":
+                    name = {"ok": "ok", "fail": "refused", "info": "unknown"}[event["type"]]
+                    self.writes[name] += 1
+                elif event["f"] == "complete" and event["type"] == "ok":
+                    self.completed.add(event["job"])
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass

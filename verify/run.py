@@ -1,0 +1,239 @@
+"""``python -m verify run``: start the system, drive it with workers under the nemesis for
+``--seconds``, let it settle (faults healed, unknown outcomes resolved), stop everything,
+merge the histories and check them against the ledger.
+
+Everything the run starts is ended in a ``finally`` (also on Ctrl-C and SIGTERM):
+processes by their groups, the namespaces, the PostgreSQL cluster. Every child's output
+is in a log file of ``--out`` (``replica-a.log``, ``upstream.log``, ``worker-w0.log``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verify import netns
+from verify.check import Report, check_files
+from verify.cluster import PG_BIN, ClusterError
+from verify.events import JsonlWriter, UnreadableFile
+from verify.nemesis import NEMESES, Nemesis, plan
+from verify.procs import Child, StartError
+from verify.roles import Control, Feeder, Observer, Operator, Tail
+from verify.stack import Stack
+
+TAIL_SECONDS = 15.0
+PROGRESS_EVERY = 5.0
+
+
+class SetupError(Exception):
+    """The run cannot start as asked (exit 2, with this message)."""
+
+
+@dataclass
+class Options:
+    db: str
+    seconds: float
+    nemesis: list[str]
+    direct: bool
+    seed: int
+    out: Path
+    workers: int
+    replicas: int
+    min_completed: float
+    tail: float = TAIL_SECONDS
+    notes: list[str] = field(default_factory=list)
+
+
+def choose_nemeses(text: str, db: str) -> tuple[list[str], list[str]]:
+    """(nemeses, notes) from ``--nemesis`` (``all``, ``none`` or a comma list)."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    notes: list[str] = []
+    if words == ["none"]:
+        return [], notes
+    everything = words == ["all"]
+    if everything:
+        words = [n for n in NEMESES if n != "db-restart" or db == "pg"]
+    unknown = [w for w in words if w not in NEMESES]
+    if unknown:
+        raise SetupError(f"unknown nemesis {', '.join(unknown)}: use {', '.join(NEMESES)}, all")
+    if "db-restart" in words and db != "pg":
+        raise SetupError("db-restart needs --db pg")
+    if "partition" in words:
+        why = netns.unavailable()
+        if why is not None:
+            if not everything:
+                raise SetupError(f"partition is not available here: {why}")
+            words.remove("partition")
+            notes.append(f"note: partition left out of `all`: {why}")
+    if "clock" in words and shutil.which("faketime") is None:
+        raise SetupError("the clock nemesis needs libfaketime: apt-get install faketime")
+    if db == "pg" and not (PG_BIN / "initdb").is_file():
+        raise SetupError(
+            f"--db pg needs the PostgreSQL server binaries in {PG_BIN}: apt-get install "
+            "postgresql (or set FENCEGATE_FAULTS_PG_BIN)"
+        )
+    return words, notes
+
+
+async def run(options: Options) -> int:
+    """The whole run; the checker's exit code (0, 1, 2), or 2 when it could not start."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    started = time.monotonic()
+    stack = Stack(
+        options.out,
+        db=options.db,
+        replicas=options.replicas,
+        seed=options.seed,
+        use_netns=await asyncio.to_thread(netns.unavailable) is None,
+    )
+    nemesis: Nemesis | None = None
+    helpers: list[asyncio.Task[None]] = []
+    names = [f"w{i}" for i in range(options.workers)]
+    operator: Operator | None = None
+    try:
+        try:
+            await stack.start()
+        except (StartError, ClusterError, netns.NetnsError, OSError) as error:
+            print(f"verify: the system did not start: {error}")
+            return 2
+        print(
+            f"started: {len(stack.replicas)} replica(s) on {options.db}"
+            f"{' in network namespaces' if stack.namespaces else ' on 127.0.0.1'}, "
+            f"upstream on port {stack.upstream.port if stack.upstream else '?'}",
+            flush=True,
+        )
+        control = Control(stack.replicas, stack.admin_token)
+        feeder = Feeder(control, 2 * options.workers)
+        try:
+            await feeder.fill_until_ready()
+        except ConnectionError as error:
+            print(f"verify: {error}")
+            return 2
+        workers = {n: stack.spawn_worker(n, options.seed, options.direct) for n in names}
+        faults = plan(
+            options.seed,
+            options.nemesis,
+            seconds=options.seconds,
+            replicas=[r.name for r in stack.replicas],
+            workers=names,
+            pg=options.db == "pg",
+        )
+        nemesis = Nemesis(stack, workers, faults)
+        operator = Operator(control, options.out / "ledger.jsonl", nemesis.network_quiet_for)
+        observer = Observer([options.out / f"history-{n}.jsonl" for n in names])
+        stop_feeding, stop_operating = asyncio.Event(), asyncio.Event()
+        helpers += [
+            asyncio.create_task(feeder.run(stop_feeding), name="feeder"),
+            asyncio.create_task(operator.run(stop_operating), name="operator"),
+            asyncio.create_task(progress(observer, nemesis, workers), name="progress"),
+        ]
+        await nemesis.run(options.seconds)
+        print(f"faults over after {time.monotonic() - started:.0f} s; settling", flush=True)
+        stop_feeding.set()
+        await asyncio.sleep(options.tail)
+        stop_operating.set()
+        await asyncio.gather(*helpers[:2], return_exceptions=True)
+        helpers[2].cancel()
+        await asyncio.to_thread(_stop_workers, list(workers.values()))
+        observer.update()
+    finally:
+        for helper in helpers:
+            helper.cancel()
+        await asyncio.to_thread(stack.close)
+        loop.remove_signal_handler(signal.SIGTERM)
+    merge_histories(options.out, names)
+    return finish(options, nemesis, operator, time.monotonic() - started)
+
+
+def _stop_workers(workers: list[Child]) -> None:
+    for worker in workers:
+        worker.signal(signal.SIGCONT)
+        worker.signal(signal.SIGTERM)
+    for worker in workers:
+        worker.stop(timeout=5.0)
+
+
+async def progress(observer: Observer, nemesis: Nemesis, workers: dict[str, Child]) -> None:
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY)
+        observer.update()
+        w = observer.writes
+        faults = ", ".join(f"{k} {n}" for k, n in sorted(nemesis.counts.items())) or "none"
+        dead = [name for name, child in workers.items() if not child.alive()]
+        print(
+            f"[{time.monotonic() - started:5.0f} s] ops {observer.ops}, writes ok {w['ok']} "
+            f"refused {w['refused']} unknown {w['unknown']}, jobs completed "
+            f"{len(observer.completed)}, faults {sum(nemesis.counts.values())} ({faults})"
+            + (f", workers exited: {', '.join(dead)}" if dead else ""),
+            flush=True,
+        )
+
+
+def merge_histories(out: Path, names: list[str]) -> None:
+    """The workers' files merged by time into ``history.jsonl`` (file order kept on ties)."""
+    events: list[tuple[float, int, int, dict[str, Any]]] = []
+    for index, name in enumerate(names):
+        for number, event in enumerate(Tail(out / f"history-{name}.jsonl").read()):
+            events.append((float(event["time"]), index, number, event))
+    events.sort(key=lambda item: item[:3])
+    with JsonlWriter(out / "history.jsonl") as writer:
+        for *_, event in events:
+            writer.write(event)
+
+
+def finish(
+    options: Options, nemesis: Nemesis | None, operator: Operator | None, elapsed: float
+) -> int:
+    out = options.out
+    try:
+        report: Report | None = check_files(
+            out / "history.jsonl", out / "ledger.jsonl", min_completed=options.min_completed
+        )
+    except UnreadableFile as error:
+        print(f"verify check: unreadable: {error}")
+        report = None
+    if report is not None:
+        print(report.render())
+    faults = dict(sorted(nemesis.counts.items())) if nemesis else {}
+    summary = {
+        "seed": options.seed,
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
+        "seconds_elapsed": round(elapsed, 1),
+        "operations": report.operations if report else None,
+        "history_events": report.history_events if report else None,
+        "writes_applied": report.writes_applied if report else None,
+        "faults": faults,
+        "unknown_outcomes_resolved": dict(operator.resolved) if operator else {},
+        "violations": [v.to_json() for v in report.violations] if report else None,
+        "jobs_claimed": report.jobs_claimed if report else None,
+        "jobs_completed": report.jobs_completed if report else None,
+        "completed_share": report.completed_share if report else None,
+    }
+    (out / "run.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    fault_text = ", ".join(f"{k} {n}" for k, n in faults.items()) or "none"
+    if report is None:
+        print(f"summary: faults {sum(faults.values())} ({fault_text}), no report")
+        code = 2
+    else:
+        ops = sum(types.get("invoke", 0) for types in report.operations.values())
+        names = sorted({v.name for v in report.violations})
+        print(
+            f"summary: {ops} operations, faults {sum(faults.values())} ({fault_text}), "
+            f"violations {len(report.violations)}"
+            f"{' (' + ', '.join(names) + ')' if names else ''}, "
+            f"completed share {report.completed_share:.1%} "
+            f"({report.jobs_completed} of {report.jobs_claimed} claimed jobs)"
+        )
+        code = 0 if report.ok else 1
+    print(f"seed: {options.seed} (repeat with --seed {options.seed}); files in {out}")
+    return code

@@ -1,0 +1,257 @@
+"""The system under test: the database (a SQLite file, or a fresh database on a PostgreSQL
+cluster of the run's own), the recording upstream, and the gateway replicas, each a real
+``fencegate serve`` in a network namespace of its own (``verify.netns``) so that the
+``partition`` nemesis can cut it off the upstream or the database. Where namespaces do not
+work (not root), replicas listen on 127.0.0.1 and ``partition`` is not available.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from verify import netns
+from verify.cluster import ClusterError, PgCluster, free_port
+from verify.procs import FENCEGATE, Child, Children, StartError, child_env, wait_for_line
+
+REPO = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"fencegate listening: .*?control=([\w.:\[\]-]+).*?proxy=([\w.:\[\]-]+)")
+UPSTREAM_LISTENING = re.compile(r"upstream listening on (\d+)")
+PROXY_PORT, CONTROL_PORT = 8080, 8081
+ORDERING_WAIT = 0.3
+UPSTREAM_TIMEOUT = 1.0
+UPSTREAM_CONNECT_TIMEOUT = 0.3
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment of our Python children: ``verify`` importable from anywhere."""
+    path = os.environ.get("PYTHONPATH", "")
+    return child_env(PYTHONPATH=f"{REPO}{os.pathsep}{path}" if path else str(REPO), **extra)
+
+
+@dataclass
+class Replica:
+    name: str
+    config: Path
+    bind: str  # the address it listens on
+    proxy_port: int
+    control_port: int
+    namespace: netns.Namespace | None
+    children: Children
+    child: Child | None = None
+    skew: str | None = None  # faketime's offset while it runs under one ("+5m")
+
+    @property
+    def control(self) -> str:
+        return f"http://{self.bind}:{self.control_port}"
+
+    @property
+    def proxy(self) -> str:
+        return f"http://{self.bind}:{self.proxy_port}"
+
+    def alive(self) -> bool:
+        return self.child is not None and self.child.alive()
+
+    async def start(self, skew: str | None = None, timeout: float = 60.0) -> None:
+        """Start it (under ``faketime -f SKEW`` when given) and wait until it answers."""
+        argv = [FENCEGATE, "serve", "--config", str(self.config), "--log-format", "json"]
+        env = child_env()
+        if skew is not None:
+            argv = ["faketime", "-f", skew, *argv]
+            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"  # timers stay real: only the wall clock
+        if self.namespace is not None:
+            argv = self.namespace.command(argv)
+        since = len(_read(self.children.folder / f"{self.name}.log"))
+        self.child = self.children.spawn(self.name, argv, env=env)
+        self.skew = skew
+        await wait_for_line(self.child, LISTENING, timeout, since)
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(self.control + "/healthz") as resp:
+                        if resp.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline or not self.child.alive():
+                    raise StartError(f"{self.name}: /healthz never answered:\n{self.child.tail()}")
+                await asyncio.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.child is not None:
+            self.child.kill()
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop(timeout=5.0)
+
+
+@dataclass
+class Upstream:
+    child: Child
+    port: int
+    url: str  # on 127.0.0.1 (the direct baseline's workers)
+    faults: dict[str, Any] = field(default_factory=dict)
+
+    async def set_faults(self, mode: str, probability: float = 0.0, slow: float = 2.0) -> None:
+        doc = {"mode": mode, "probability": probability, "slow_seconds": slow}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(self.url + "/__faults", json=doc) as resp,
+        ):
+            if resp.status != 200:
+                raise RuntimeError(f"upstream /__faults: {resp.status} {await resp.text()}")
+        self.faults = doc
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+class Stack:
+    """Everything the run starts; ``close`` ends it all (also after a failed start)."""
+
+    def __init__(self, out: Path, *, db: str, replicas: int, seed: int, use_netns: bool) -> None:
+        self.out = out
+        self.db = db
+        self.count = replicas
+        self.seed = seed
+        self.children = Children(out)
+        self.namespaces: list[netns.Namespace] = []
+        self.cluster: PgCluster | None = None
+        self.replicas: list[Replica] = []
+        self.upstream: Upstream | None = None
+        self.worker_token = "worker-" + secrets.token_hex(16)
+        self.admin_token = "admin-" + secrets.token_hex(16)
+        self.use_netns = use_netns
+
+    # -- start ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.use_netns:
+            base = 1 + (os.getpid() % 60) * 4  # apart from another run's, most likely
+            self.namespaces = [
+                netns.Namespace(f"{netns.PREFIX}-{os.getpid()}-{i}", base + i)
+                for i in range(self.count)
+            ]
+            for namespace in self.namespaces:
+                await asyncio.to_thread(namespace.create)
+        urls = await self._database()
+        upstream_port = free_port()
+        self.replicas = [self._replica(i, url, upstream_port) for i, url in enumerate(urls)]
+        upstream_task = asyncio.ensure_future(self._upstream(upstream_port))
+        try:
+            await asyncio.gather(*(replica.start() for replica in self.replicas))
+        finally:
+            self.upstream = await upstream_task
+
+    async def _database(self) -> list[str]:
+        """One database URL per replica (the address it reaches the database at)."""
+        if self.db == "sqlite":
+            return [f"sqlite+aiosqlite:///{self.out / 'fencegate.db'}"] * self.count
+        hosts = [n.host_addr for n in self.namespaces] or ["127.0.0.1"] * self.count
+        self.cluster = PgCluster(listen=[n.host_addr for n in self.namespaces])
+        await asyncio.to_thread(self.cluster.up)
+        await self.cluster.execute('CREATE DATABASE "verify"')
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [FENCEGATE, "migrate"],
+            env=child_env(FENCEGATE_DATABASE_URL=self.cluster.url("verify")),
+            cwd=self.out,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise ClusterError(f"fencegate migrate failed:\n{result.stdout}{result.stderr}")
+        return [self.cluster.url("verify", host) for host in hosts]
+
+    def _replica(self, index: int, database_url: str, upstream_port: int) -> Replica:
+        name = f"replica-{chr(ord('a') + index)}"
+        namespace = self.namespaces[index] if self.namespaces else None
+        if namespace is not None:
+            bind, upstream_host = namespace.addr, namespace.host_addr
+            proxy_port, control_port = PROXY_PORT, CONTROL_PORT
+        else:
+            bind, upstream_host = "127.0.0.1", "127.0.0.1"
+            proxy_port, control_port = free_port(), free_port()
+        config = self.out / f"{name}.toml"
+        config.write_text(
+            f"database_url = {json.dumps(database_url)}\n"
+            f'proxy_listen = "{bind}:{proxy_port}"\n'
+            f'control_listen = "{bind}:{control_port}"\n'
+            "[auth]\n"
+            f'worker_tokens = ["{self.worker_token}"]\n'
+            f'admin_tokens = ["{self.admin_token}"]\n'
+            "[lease]\n"
+            "default_ttl_seconds = 5\n"
+            "max_ttl_seconds = 600\n"
+            "default_max_attempts = 1000\n"
+            "[gateway]\n"
+            f"ordering_wait_seconds = {ORDERING_WAIT}\n"
+            "shutdown_timeout_seconds = 2\n"
+            "[[upstreams]]\n"
+            'name = "pay"\n'
+            f'url = "http://{upstream_host}:{upstream_port}"\n'
+            'unknown_outcome = "hold"\n'
+            f"timeout_seconds = {UPSTREAM_TIMEOUT}\n"
+            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n",
+            encoding="utf-8",
+        )
+        return Replica(name, config, bind, proxy_port, control_port, namespace, self.children)
+
+    async def _upstream(self, port: int) -> Upstream:
+        hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
+        argv = [
+            sys.executable, "-m", "verify.upstream", "--port", str(port),
+            "--hosts", ",".join(hosts), "--ledger", str(self.out / "ledger.jsonl"),
+            "--seed", str(self.seed),
+        ]  # fmt: skip
+        child = self.children.spawn("upstream", argv, env=python_env())
+        await wait_for_line(child, UPSTREAM_LISTENING, 30)
+        return Upstream(child, port, f"http://127.0.0.1:{port}")
+
+    def spawn_worker(self, name: str, seed: int, direct: bool) -> Child:
+        assert self.upstream is not None
+        argv = [
+            sys.executable, "-m", "verify.worker", "--id", name,
+            "--control", ",".join(r.control for r in self.replicas),
+            "--gateway", ",".join(r.proxy for r in self.replicas),
+            "--history", str(self.out / f"history-{name}.jsonl"),
+            "--seed", str(seed), "--token", self.worker_token,
+        ]  # fmt: skip
+        if direct:
+            argv += ["--direct", self.upstream.url]
+        return self.children.spawn(name, argv, env=python_env(), log=f"worker-{name}")
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Kill every process, remove the namespaces and the cluster (never raises)."""
+        self.children.kill_all()
+        for namespace in self.namespaces:
+            try:
+                namespace.destroy()
+            except Exception as error:  # keep cleaning up
+                print(f"verify: could not remove namespace {namespace.name}: {error}")
+        if self.cluster is not None:
+            try:
+                self.cluster.destroy()
+            except Exception as error:
+                print(f"verify: could not remove the PostgreSQL cluster: {error}")

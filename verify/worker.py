@@ -1,0 +1,405 @@
+"""One worker of a verification run, run as its own process::
+
+    python -m verify.worker --id w3 --control URL[,URL...] --gateway URL[,URL...]
+        --history FILE --seed S --token T [--direct UPSTREAM_URL]
+
+Until SIGTERM it claims jobs from the queue with the project's worker client
+(``fencegate_client.LeaseClient``, a TTL drawn from 1-3 s), renews the lease in the
+background, and does the job's steps (3-5, fixed per job): for each, it decides (the lease
+is still held, as far as it can tell: the fencing headers are made then), works a little
+(10-100 ms, so a pause can fall between deciding and sending), then sends one write with
+the key ``{job}-step{i}`` and a body fixed per (job, step), so that the next worker's
+retry of the step is the same request. Then it completes the job.
+
+Each job goes through one gateway replica (``--control``/``--gateway`` are paired by
+position), drawn at random. A replica that is down (connection refused or dropped) or a
+lost lease (the client says so, or the gateway answers 409 ``stale-generation``,
+``lease-ended``, ``lease-expired``) abandons the job: the lease expires and the next worker
+retries it, as real job queues do. A step held as ``outcome-unknown`` parks the job (its
+lease is failed with a short retry delay) until the operator resolves the key.
+
+``--direct``: the same steps go straight to the upstream with ``Fencing-Job``,
+``Fencing-Generation`` and ``Idempotency-Key`` and no gateway: the baseline.
+
+Every claim, renew, write and complete is recorded in ``--history`` as an invoke and its
+completion (``verify.events``). The client's own renewer has no hook, so the worker runs
+the renewal loop itself with the client's ``Lease.renew`` at the client's interval (a
+third of the TTL), as process ``{id}/renew``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from fencegate_client import Lease, LeaseClient, RemoteError
+from fencegate_client import errors as exc
+from fencegate_client import protocol as p
+from verify.events import F, HistoryEvent, JsonlWriter, Type, sha256_hex
+
+QUEUE = "verify"
+UPSTREAM = "pay"  # the upstream's name at the gateway
+WRITE_TIMEOUT = 5.0
+CONTROL_TIMEOUT = 3.0
+PARK_RETRY_SECONDS = 2.0
+# Answers after which the same request is simply sent again.
+RETRYABLE = frozenset(
+    {
+        "request-in-progress",
+        "ordering-timeout",
+        "store-unavailable",
+        "upstream-unavailable",
+        "upstream-timeout",
+        "gateway-overloaded",
+    }
+)
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+MAX_SENDS = 40
+
+
+def steps_of(job: str) -> int:
+    """3-5 steps, fixed per job."""
+    return 3 + int(hashlib.sha256(job.encode()).hexdigest()[:8], 16) % 3
+
+
+def step_key(job: str, step: int) -> str:
+    return f"{job}-step{step}"
+
+
+def step_body(job: str, step: int) -> bytes:
+    """The same bytes every time this step is sent (a retry is the same request)."""
+    amount = int(hashlib.sha256(f"{job}/{step}".encode()).hexdigest()[:6], 16) % 10_000
+    return json.dumps({"amount": amount, "job": job, "step": step}, sort_keys=True).encode()
+
+
+def error_status(error: exc.LeaseError) -> int:
+    return error.remote_status if isinstance(error, RemoteError) else error.status
+
+
+def error_reason(error: exc.LeaseError) -> str:
+    return error.remote_reason if isinstance(error, RemoteError) else str(error.reason)
+
+
+class History:
+    """This worker's history file: invokes and completions, one process each at a time."""
+
+    def __init__(self, path: str) -> None:
+        self.writer = JsonlWriter(path)
+        self.open: dict[str, tuple[F, str, int | None, str | None]] = {}
+
+    def invoke(
+        self,
+        process: str,
+        f: F,
+        job: str = "",
+        generation: int | None = None,
+        key: str | None = None,
+        body_sha256: str | None = None,
+    ) -> None:
+        self.open[process] = (f, job, generation, key)
+        self._write(process, "invoke", f, job, generation, key, None, None, body_sha256)
+
+    def complete(
+        self,
+        process: str,
+        type_: Type,
+        *,
+        job: str | None = None,
+        generation: int | None = None,
+        status: int | None = None,
+        reason: str | None = None,
+        body_sha256: str | None = None,
+    ) -> None:
+        f, invoked_job, invoked_generation, key = self.open.pop(process)
+        job = invoked_job if job is None else job
+        generation = invoked_generation if generation is None else generation
+        self._write(process, type_, f, job, generation, key, status, reason, body_sha256)
+
+    def outstanding(self, process: str) -> bool:
+        return process in self.open
+
+    def _write(
+        self,
+        process: str,
+        type_: Type,
+        f: F,
+        job: str,
+        generation: int | None,
+        key: str | None,
+        status: int | None,
+        reason: str | None,
+        body_sha256: str | None,
+    ) -> None:
+        event = HistoryEvent(
+            time=time.time(),
+            process=process,
+            type=type_,
+            f=f,
+            job=job,
+            generation=generation,
+            key=key,
+            status=status,
+            reason=reason,
+            body_sha256=body_sha256,
+        )
+        self.writer.write(event)
+
+
+@dataclass
+class Target:
+    """One gateway replica: its lease API (a client) and where writes go."""
+
+    client: LeaseClient
+    writes_to: str  # the gateway's proxy URL, or the upstream's in --direct mode
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.name: str = args.id
+        self.direct: bool = args.direct is not None
+        self.random = random.Random(f"{args.seed}/{args.id}")
+        self.history = History(args.history)
+        controls = args.control.split(",")
+        gateways = args.gateway.split(",") if args.gateway else controls
+        if len(controls) == 1:
+            controls *= len(gateways)
+        self.targets = [
+            Target(
+                LeaseClient(c, gateway_url=g, token=args.token, timeout=CONTROL_TIMEOUT),
+                args.direct.rstrip("/") if self.direct else g.rstrip("/"),
+            )
+            for c, g in zip(controls, gateways, strict=True)
+        ]
+
+    async def close(self) -> None:
+        for target in self.targets:
+            await target.client.close()
+        self.history.writer.close()
+
+    async def run(self) -> None:
+        while True:
+            target = self.random.choice(self.targets)
+            lease = await self.claim(target)
+            if lease is None:
+                await asyncio.sleep(self.random.uniform(0.05, 0.15))
+                continue
+            renewer = asyncio.get_running_loop().create_task(
+                self.renew_forever(lease), name=f"{self.name}/renew"
+            )
+            try:
+                outcome = await self.do_job(target, lease)
+            finally:
+                renewer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewer
+            if outcome == "park":
+                with contextlib.suppress(exc.LeaseError, aiohttp.ClientError, TimeoutError):
+                    await lease.fail(error="parked: outcome-unknown", retry_in=PARK_RETRY_SECONDS)
+            elif outcome not in ("completed", "lost"):
+                await asyncio.sleep(self.random.uniform(0.1, 0.3))
+
+    # -- the lease ------------------------------------------------------------------------
+
+    async def claim(self, target: Target) -> Lease | None:
+        process, history = self.name, self.history
+        ttl = round(self.random.uniform(1.0, 3.0), 2)
+        history.invoke(process, "claim")
+        try:
+            lease = await target.client.claim(QUEUE, owner=self.name, ttl=ttl)
+        except exc.LeaseError as error:
+            history.complete(
+                process, "fail", status=error_status(error), reason=error_reason(error)
+            )
+            await asyncio.sleep(self.random.uniform(0.1, 0.3))
+            return None
+        except aiohttp.ClientConnectorError:
+            history.complete(process, "fail", reason="connection-refused")
+            await asyncio.sleep(self.random.uniform(0.1, 0.3))
+            return None
+        except (aiohttp.ClientError, TimeoutError) as error:
+            history.complete(process, "info", reason=type(error).__name__)
+            return None
+        if lease is None:
+            history.complete(process, "fail", status=204)
+            return None
+        history.complete(process, "ok", job=lease.job_id, generation=lease.generation, status=200)
+        return lease
+
+    async def renew_forever(self, lease: Lease) -> None:
+        process, history = f"{self.name}/renew", self.history
+        try:
+            while lease.held:
+                await asyncio.sleep(p.renew_interval(lease.ttl_seconds))
+                if not lease.held:
+                    return
+                history.invoke(process, "renew", lease.job_id, lease.generation)
+                try:
+                    await lease.renew()
+                except exc.LeaseLost as error:
+                    history.complete(process, "fail", status=409, reason=str(error.reason))
+                    return
+                except exc.LeaseError as error:
+                    reason = error_reason(error)
+                    history.complete(process, "fail", status=error_status(error), reason=reason)
+                except aiohttp.ClientConnectorError:
+                    history.complete(process, "fail", reason="connection-refused")
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    history.complete(process, "info", reason=type(error).__name__)
+                else:
+                    history.complete(process, "ok", status=200)
+        finally:
+            if history.outstanding(process):  # cancelled while renewing
+                history.complete(process, "info", reason="abandoned")
+
+    async def complete(self, target: Target, lease: Lease) -> str:
+        process, history = self.name, self.history
+        for _ in range(5):
+            if not lease.held:
+                return "lost"
+            history.invoke(process, "complete", lease.job_id, lease.generation)
+            try:
+                await lease.complete({"by": self.name})
+            except exc.LeaseLost as error:
+                history.complete(process, "fail", status=409, reason=str(error.reason))
+                return "lost"
+            except exc.LeaseError as error:
+                reason = error_reason(error)
+                history.complete(process, "fail", status=error_status(error), reason=reason)
+                if reason not in RETRYABLE:
+                    return "gave-up"
+            except aiohttp.ClientConnectorError:
+                history.complete(process, "fail", reason="connection-refused")
+                return "down"
+            except (aiohttp.ClientError, TimeoutError) as error:
+                history.complete(process, "info", reason=type(error).__name__)
+            else:
+                history.complete(process, "ok", status=200)
+                return "completed"
+            await asyncio.sleep(self.random.uniform(0.1, 0.3))
+        return "gave-up"
+
+    # -- the job ----------------------------------------------------------------------------
+
+    async def do_job(self, target: Target, lease: Lease) -> str:
+        for step in range(steps_of(lease.job_id)):
+            outcome = await self.write(target, lease, step)
+            if outcome != "ok":
+                return outcome
+        return await self.complete(target, lease)
+
+    def prepare(self, target: Target, lease: Lease, key: str) -> tuple[str, dict[str, str]]:
+        """The decision to send: where, and the headers (the client's fencing headers, made
+        now: they raise the lease's loss when the client knows it is gone)."""
+        headers = {"Content-Type": "application/json"}
+        if self.direct:
+            headers |= {
+                "Fencing-Job": lease.job_id,
+                "Fencing-Generation": str(lease.generation),
+                p.IDEMPOTENCY_KEY: key,
+            }
+            return f"{target.writes_to}/charges", headers
+        return f"{target.writes_to}/{UPSTREAM}/charges", lease.fence_headers(headers, key=key)
+
+    async def write(self, target: Target, lease: Lease, step: int) -> str:
+        """One step: ``ok``, or why the job stops here (``lost``, ``park``, ``down``,
+        ``gave-up``)."""
+        process, history = self.name, self.history
+        job, key, body = lease.job_id, step_key(lease.job_id, step), step_body(lease.job_id, step)
+        timeouts = 0
+        for _ in range(MAX_SENDS):
+            if not lease.held:
+                return "lost"
+            try:
+                url, headers = self.prepare(target, lease, key)
+            except exc.LeaseLost:
+                return "lost"
+            await asyncio.sleep(self.random.uniform(0.01, 0.1))  # the work
+            history.invoke(process, "write", job, lease.generation, key, sha256_hex(body))
+            try:
+                async with target.client.session.post(
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=WRITE_TIMEOUT),
+                ) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+                    answer_headers = CIMultiDictProxy(CIMultiDict(resp.headers))
+            except aiohttp.ClientConnectorError:
+                history.complete(process, "info", reason="connection-refused")
+                return "down"
+            except aiohttp.ServerDisconnectedError:
+                history.complete(process, "info", reason="disconnected")
+                return "down"
+            except (aiohttp.ClientError, TimeoutError) as error:
+                history.complete(process, "info", reason=type(error).__name__)
+                timeouts += 1
+                if timeouts >= 3:
+                    return "gave-up"
+                continue
+            problem = p.problem_of(answer_headers.get("Content-Type", ""), raw)
+            reason = str(problem["reason"]) if problem else None
+            type_: Type = "ok" if 200 <= status <= 299 else "fail"
+            history.complete(
+                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw)
+            )
+            if type_ == "ok":
+                return "ok"
+            try:
+                lease.answer(status, answer_headers, raw)
+            except exc.LeaseLost:
+                return "lost"
+            if reason == "outcome-unknown":
+                return "park"
+            if reason in RETRYABLE or (reason is None and status in RETRY_STATUSES):
+                await asyncio.sleep(self.random.uniform(0.1, 0.3))
+                continue
+            return "gave-up"
+        return "gave-up"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m verify.worker", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--id", required=True)
+    parser.add_argument("--control", required=True, help="lease API URL(s), comma list")
+    parser.add_argument("--gateway", default="", help="proxy URL(s), paired with --control")
+    parser.add_argument("--history", required=True)
+    parser.add_argument("--seed", default="0")
+    parser.add_argument("--token", default=None)
+    parser.add_argument("--direct", default=None, metavar="UPSTREAM_URL")
+    return parser.parse_args(argv)
+
+
+async def amain(args: argparse.Namespace) -> None:
+    worker = Worker(args)
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        await worker.run()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await worker.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(amain(parse_args(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    main()
