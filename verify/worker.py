@@ -7,9 +7,9 @@ Until SIGTERM it claims jobs from the queue with the project's worker client
 (``fencegate_client.LeaseClient``, a TTL drawn from 1-3 s), renews the lease in the
 background, and does the job's steps (3-5, fixed per job): for each, it decides (the lease
 is still held, as far as it can tell: the fencing headers are made then), works a little
-(10-100 ms, so a pause can fall between deciding and sending), then sends one write with
-the key ``{job}-step{i}`` and a body fixed per (job, step), so that the next worker's
-retry of the step is the same request. Then it completes the job.
+(20-400 ms, so a pause can fall between deciding and sending, and a job lives through
+renewals), then sends one write with the key ``{job}-step{i}`` and a body fixed per
+(job, step), so that the next worker's retry of the step is the same request. Then it completes the job.
 
 Each job goes through one gateway replica (``--control``/``--gateway`` are paired by
 position), drawn at random. A replica that is down (connection refused or dropped) or a
@@ -324,7 +324,7 @@ class Worker:
                 url, headers = self.prepare(target, lease, key)
             except exc.LeaseLost:
                 return "lost"
-            await asyncio.sleep(self.random.uniform(0.01, 0.1))  # the work
+            await asyncio.sleep(self.random.uniform(0.02, 0.4))  # the work: jobs outlive a renewal
             history.invoke(process, "write", job, lease.generation, key, sha256_hex(body))
             try:
                 async with target.client.session.post(
