@@ -41,15 +41,18 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             package = "iproute2" if tool == "ip" else "iptables"
             return f"`{tool}` is missing: apt-get install {package}"
-    probe = Namespace(f"{PREFIX}-probe", 250)
+    # A bare namespace of this process's own (no veth pair: no address to collide with
+    # another run's) in which a rule is added and flushed.
+    probe = f"{PREFIX}-probe-{os.getpid()}"
     try:
-        probe.create()
-        probe.cut(9)
-        probe.heal()
+        _run(["ip", "netns", "add", probe])
+        inside = ["ip", "netns", "exec", probe, "iptables", "-w"]
+        _run([*inside, "-A", "OUTPUT", "-p", "tcp", "--dport", "9", "-j", "DROP"])
+        _run([*inside, "-F", "OUTPUT"])
     except NetnsError as exc:
         return f"network namespaces do not work here: {exc}"
     finally:
-        probe.destroy()
+        _run(["ip", "netns", "del", probe], check=False)
     return None
 
 

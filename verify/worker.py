@@ -9,7 +9,8 @@ background, and does the job's steps (3-5, fixed per job): for each, it decides 
 is still held, as far as it can tell: the fencing headers are made then), works a little
 (20-400 ms, so a pause can fall between deciding and sending, and a job lives through
 renewals), then sends one write with the key ``{job}-step{i}`` and a body fixed per
-(job, step), so that the next worker's retry of the step is the same request. Then it completes the job.
+(job, step), so that the next worker's retry of the step is the same request. Then it
+completes the job.
 
 Each job goes through one gateway replica (``--control``/``--gateway`` are paired by
 position), drawn at random. A replica that is down (connection refused or dropped) or a
