@@ -82,12 +82,28 @@ class Control:
 
 
 class Feeder:
-    """Keeps about ``target`` jobs pending on the queue."""
+    """Keeps about ``target`` jobs waiting on the queue.
 
-    def __init__(self, control: Control, target: int) -> None:
+    The lease API's pending jobs are not all claimable: on SQLite a job enqueued while the
+    replica's clock ran minutes ahead becomes claimable only when the real clock gets
+    there. So a pending job counts as waiting only while it is young (``FRESH`` seconds)
+    and no worker has claimed it (``claimed``, kept by the observer); older unclaimed ones
+    no longer hold new jobs back.
+    """
+
+    FRESH = 10.0
+
+    def __init__(self, control: Control, target: int, claimed: set[str] | None = None) -> None:
         self.control = control
         self.target = target
         self.created = 0
+        self.claimed = claimed if claimed is not None else set()
+        self.born: dict[str, float] = {}
+
+    def waiting(self, pending: list[str]) -> int:
+        now = time.monotonic()
+        young = [job for job in pending if now - self.born.get(job, now) < self.FRESH]
+        return len([job for job in young if job not in self.claimed])
 
     async def fill(self, session: aiohttp.ClientSession) -> None:
         status, doc = await self.control.call(
@@ -95,12 +111,14 @@ class Feeder:
         )
         if status != 200:
             return
-        for _ in range(self.target - len(doc["items"])):
+        pending = [item["job_id"] for item in doc["items"]]
+        for _ in range(self.target - self.waiting(pending)):
             job = f"job-{self.created:05d}"
             body = {"queue": QUEUE, "job_id": job, "max_attempts": 1000}
             status, _ = await self.control.call(session, "POST", "/v1/jobs", body)
             if status in (201, 409):  # 409: created, its answer was lost
                 self.created += 1
+                self.born[job] = time.monotonic()
 
     async def fill_until_ready(self, timeout: float = 30.0) -> None:
         """The first jobs, before the workers start (the replicas may still be warming)."""
@@ -189,6 +207,7 @@ class Observer:
         self.ops = 0
         self.writes: Counter[str] = Counter()  # ok, refused (fail), unknown (info)
         self.completed: set[str] = set()
+        self.claimed: set[str] = set()
 
     def update(self) -> None:
         for tail in self.tails:
@@ -201,6 +220,8 @@ class Observer:
                     self.writes[name] += 1
                 elif event["f"] == "complete" and event["type"] == "ok":
                     self.completed.add(event["job"])
+                elif event["f"] == "claim" and event["type"] == "ok":
+                    self.claimed.add(event["job"])
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:

@@ -112,7 +112,8 @@ async def run(options: Options) -> int:
             flush=True,
         )
         control = Control(stack.replicas, stack.admin_token)
-        feeder = Feeder(control, 2 * options.workers)
+        observer = Observer([options.out / f"history-{n}.jsonl" for n in names])
+        feeder = Feeder(control, 2 * options.workers, observer.claimed)
         try:
             await feeder.fill_until_ready()
         except ConnectionError as error:
@@ -129,7 +130,6 @@ async def run(options: Options) -> int:
         )
         nemesis = Nemesis(stack, workers, faults)
         operator = Operator(control, options.out / "ledger.jsonl", nemesis.network_quiet_for)
-        observer = Observer([options.out / f"history-{n}.jsonl" for n in names])
         stop_feeding, stop_operating = asyncio.Event(), asyncio.Event()
         helpers += [
             asyncio.create_task(feeder.run(stop_feeding), name="feeder"),
