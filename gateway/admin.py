@@ -20,7 +20,7 @@ GATEWAY_STATE = web.AppKey("gateway_state", Gateway)
 
 
 async def rejections(request: web.Request) -> web.Response:
-    """``GET /admin/rejections?job_id=&reason=&upstream=&since=&until=&limit=&cursor=``"""
+    """``GET /admin/rejections?job_id=&reason=&upstream=&source=&since=&until=&limit=&cursor=``"""
     q = request.query
     since = parse_time(q["since"], "since") if "since" in q else None
     until = parse_time(q["until"], "until") if "until" in q else None
@@ -30,12 +30,14 @@ async def rejections(request: web.Request) -> web.Response:
             job_id=q.get("job_id"),
             reason=q.get("reason"),
             upstream=q.get("upstream"),
+            source=q.get("source"),
             since=since,
             until=until,
             limit=min(query_limit(q.get("limit"), default=100), MAX_PAGE),
             cursor=q.get("cursor"),
         ),
         upstreams=gateway.upstreams,
+        sources=gateway.sources,
     )
     return web.json_response({"items": items, "next_cursor": next_cursor})
 

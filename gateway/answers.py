@@ -42,6 +42,8 @@ class Answers:
         if info.retry_after:
             headers = {"Retry-After": "1", **(headers or {})}
         extra = self._problem_extra(ctx)
+        if detail is None and ctx.admission is not None and ctx.admission.presented is not None:
+            detail = ctx.admission.presented.detail  # a lease source's own explanation
         self._count(ctx, reason.value)
         log.info(
             "answered %s %d",

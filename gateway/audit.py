@@ -6,6 +6,7 @@ import base64
 import hashlib
 import logging
 import math
+import re
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
@@ -19,9 +20,11 @@ from lease_core import exceptions as lease_exc
 from lease_core.backend import PURGE_BATCH
 from lease_core.store import LeaseStore, rfc3339
 
-from .config import GatewaySettings
+from .config import SOURCE_NAME, GatewaySettings
 from .fence import GATEWAY_REASONS, source_of
 from .schema import audit
+
+FENCEGATE_SOURCE = "fencegate"  # the gateway's own leases (``source_of``)
 
 log = logging.getLogger("fencegate.audit")
 
@@ -54,6 +57,8 @@ class AuditQuery:
     job_id: str | None = None
     reason: str | None = None
     upstream: str | None = None
+    # "fencegate" (the gateway's own leases) or a [[lease_sources]] name
+    source: str | None = None
     since: float | None = None
     until: float | None = None
     limit: int = 100
@@ -130,15 +135,22 @@ class Audit:
         return _digest(bucket, values["reason"], values["status"], OVERFLOW)
 
     async def query(
-        self, q: AuditQuery, *, upstreams: Collection[str] | None = None
+        self,
+        q: AuditQuery,
+        *,
+        upstreams: Collection[str] | None = None,
+        sources: Collection[str] | None = None,
     ) -> tuple[list[dict[str, Any]], str | None]:
         """Newest first; ``next_cursor`` continues after the last item. A filter that
         can never match is refused (``InvalidRequest`` naming the valid values): a reason
         that is not one, an upstream neither in ``upstreams`` (the configured ones) nor
-        in the audit (one removed since)."""
+        in the audit (one removed since), a source neither ``fencegate``, nor in
+        ``sources`` (the configured lease sources), nor in the audit."""
         check_reason(q.reason)
         if q.upstream is not None and upstreams is not None:
             await self.check_upstream(q.upstream, upstreams)
+        if q.source is not None:
+            await self.check_source(q.source, sources)
         stmt = sa.select(audit).order_by(audit.c.id.desc()).limit(q.limit + 1)
         for column, value in (
             (audit.c.job_id, q.job_id),
@@ -147,6 +159,8 @@ class Audit:
         ):
             if value is not None:
                 stmt = stmt.where(column == value)
+        if q.source is not None:
+            stmt = stmt.where(source_is(q.source))
         if q.since is not None:
             stmt = stmt.where(audit.c.at >= q.since)
         if q.until is not None:
@@ -170,6 +184,24 @@ class Audit:
             f"upstream: {name[:100]!r} is not a configured upstream and is not in the audit; "
             f"configured: {', '.join(sorted(configured)) or 'none'}.",
             field="upstream",
+        )
+
+    async def check_source(self, name: str, configured: Collection[str] | None) -> None:
+        if name == FENCEGATE_SOURCE or (
+            re.fullmatch(SOURCE_NAME, name) is not None
+            and (configured is None or name in configured)
+        ):
+            return
+        if re.fullmatch(SOURCE_NAME, name) is not None:
+            stmt = sa.select(audit.c.id).where(source_is(name)).limit(1)
+            async with self.lease_store.transaction() as conn:
+                if (await conn.execute(stmt)).first() is not None:
+                    return
+        known = sorted({FENCEGATE_SOURCE, *(configured or ())})
+        raise lease_exc.InvalidRequest(
+            f"source: {name[:100]!r} is not a configured lease source and is not in the "
+            f"audit; configured: {', '.join(known)}.",
+            field="source",
         )
 
     async def purge(
@@ -211,6 +243,15 @@ def audit_path(raw_path: str, allowed: Collection[str] = ()) -> str:
         return path
     kept = [p for p in query.split("&") if unquote_plus(p.partition("=")[0]) in allowed]
     return f"{path}?{'&'.join(kept)}" if kept else path
+
+
+def source_is(name: str) -> sa.ColumnElement[bool]:
+    """The entries of one lease source, by their job ids (``source_of``): the gateway's
+    own have no ``/``; a source's start with ``<name>/`` (LIKE, its ``_`` escaped; not a
+    range of the index: a locale collation may skip the ``/``)."""
+    if name == FENCEGATE_SOURCE:
+        return sa.and_(audit.c.job_id.is_not(None), ~audit.c.job_id.contains("/"))
+    return audit.c.job_id.startswith(f"{name}/", autoescape=True)
 
 
 def check_reason(value: str | None) -> None:

@@ -20,8 +20,11 @@ from . import migrate
 from .config import (
     DEFAULT_CONFIG_FILE,
     ConfigError,
+    DynamoDbSourceSettings,
     JwtSourceSettings,
+    RedisSourceSettings,
     Settings,
+    ZooKeeperSourceSettings,
     env_references,
     for_serving,
     load_settings,
@@ -124,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", dest="job_id", help="only this job")
     p.add_argument("--reason", help="only this reason (e.g. stale-generation)")
     p.add_argument("--upstream", help="only this upstream")
+    p.add_argument("--source", help="only this lease source (fencegate: the gateway's own leases)")
     p.add_argument("--since", help="RFC 3339 time or epoch seconds (inclusive)")
     p.add_argument("--until", help="RFC 3339 time or epoch seconds (exclusive)")
     p.add_argument("--limit", type=int, default=50, help="how many (default 50, max 500)")
@@ -296,6 +300,13 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     for source in settings.lease_sources:
         if isinstance(source, JwtSourceSettings):
             what = f"issuer {source.issuer!r}, {', '.join(source.algorithms)}"
+        elif isinstance(source, ZooKeeperSourceSettings):
+            what = ", ".join(source.hosts)
+        elif isinstance(source, RedisSourceSettings):
+            what = mask_url(source.url)
+        elif isinstance(source, DynamoDbSourceSettings):
+            what = f"table {source.table}, {source.region}"
+            what += f", {source.endpoint_url}" if source.endpoint_url else ""
         else:
             what = ", ".join(mask_url(e) for e in source.endpoints)
         print(f"  lease source    {source.name}: {source.kind} ({what}); tokens {source.name}:...")
@@ -380,6 +391,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         job_id=args.job_id,
         reason=args.reason,
         upstream=args.upstream,
+        source=args.source,
         since=parse_time(args.since, "since") if args.since else None,
         until=parse_time(args.until, "until") if args.until else None,
         limit=args.limit,
@@ -390,7 +402,11 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
 
     async def run() -> tuple[list[dict[str, Any]], str | None]:
         async with open_store(settings) as store:
-            return await Audit(store).query(query, upstreams=[u.name for u in settings.upstreams])
+            return await Audit(store).query(
+                query,
+                upstreams=[u.name for u in settings.upstreams],
+                sources=[s.name for s in settings.lease_sources],
+            )
 
     items, next_cursor = asyncio.run(run())
     if args.json:

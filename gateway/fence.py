@@ -128,6 +128,7 @@ class Presented:
     job: rules.Job | None
     source: str | None = None
     refused: Reason | None = None
+    detail: str | None = None  # the source's explanation of the refusal, if it has one
 
 
 class Action(StrEnum):

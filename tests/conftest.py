@@ -30,6 +30,7 @@ from tests.support import (
     FakeClock,
     Stack,
     Upstream,
+    ZooKeeperServer,
     pg_admin,
     pg_url_of,
     postgres_unavailable,
@@ -64,6 +65,15 @@ def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ``etcd`` binary, fails in CI)."""
     server = EtcdServer(tmp_path_factory.mktemp("etcd"))
     yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def zookeeper_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ZooKeeper for this test session (skips on a developer's machine without
+    Debian's zookeeper package, fails in CI)."""
+    server = ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"))
+    yield server.hosts
     server.stop()
 
 

@@ -172,6 +172,66 @@ class RedisServer(ServiceProcess):
         )
 
 
+class ZooKeeperServer(ServiceProcess):
+    """A real standalone ZooKeeper (Debian's zookeeper package: ``zkServer.sh``, off
+    PATH, which execs the JVM) on a free port, with its own config and data directory;
+    ``hosts`` is its address for kazoo. Java takes seconds: one per test session."""
+
+    service, binary_name, package = "ZooKeeper", "zkServer.sh", "zookeeper"
+    SCRIPT = "/usr/share/zookeeper/bin/zkServer.sh"
+
+    def __init__(self, folder: Path) -> None:
+        binary = self.binary()
+        port = free_port()
+        self.hosts = f"127.0.0.1:{port}"
+        (folder / "data").mkdir()
+        config = folder / "zoo.cfg"
+        config.write_text(
+            "tickTime=500\n"  # sessions of 1 to 10 s (min/max: 2 and 20 ticks)
+            f"dataDir={folder / 'data'}\n"
+            f"clientPort={port}\n"
+            "clientPortAddress=127.0.0.1\n"
+            "admin.enableServer=false\n"
+            "4lw.commands.whitelist=srvr\n"
+        )
+
+        def ready() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"srvr")
+                return b"Mode: standalone" in sock.recv(512)
+
+        self.start(folder, [binary, "start-foreground", str(config)], ready)
+
+    def binary(self) -> str:
+        if not os.access(self.SCRIPT, os.X_OK):
+            unavailable(self.service, f"no {self.SCRIPT} (apt-get install {self.package})")
+        return self.SCRIPT
+
+
+class MotoServer(ServiceProcess):
+    """moto's server mode (the AWS wire protocols, DynamoDB's among them; a dev
+    dependency) on a free port; ``url`` is its endpoint. Any credentials are accepted."""
+
+    service, binary_name, package = "moto", "moto_server", "moto[server]"
+
+    def __init__(self, folder: Path) -> None:
+        import importlib.util
+        import sys
+
+        if importlib.util.find_spec("moto.server") is None:
+            unavailable(self.service, "moto[server] is not installed (pip install -e '.[dev]')")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            with urllib.request.urlopen(self.url + "/moto-api/", timeout=1) as answer:
+                return answer.status == 200
+
+        self.start(
+            folder, [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], ready
+        )
+
+
 async def pg_admin(sql: str) -> None:
     """Run one statement on the PostgreSQL server outside a transaction
     (``CREATE DATABASE``, ``DROP DATABASE``)."""

@@ -16,6 +16,17 @@ raises the job's fence only to a generation that is not below it.
   job is the lock's name, the generation the key's create revision. Read through etcd's
   JSON gateway (``/v3/kv/range``, ``/v3/lease/timetolive``), a held lock briefly
   cached (``cache_seconds``).
+- ``zookeeper``: the path of a lock node of ZooKeeper's lock recipe (kazoo's ``Lock``,
+  ``<lock path>/<guid>__lock__<sequence>``); the job is the lock's path, the generation
+  the node's ``czxid``; current while the node is the lowest under the lock's path. Read
+  through kazoo's asynchronous calls, bridged to the event loop; nothing cached.
+- ``redis``: ``<lock name>:<value>`` of a lock taken with Fencegate's Redis recipe
+  (``fencegate_client.redis_lock``); the generation is the fence the value carries;
+  current while the lock holds that value. Read with ``redis.asyncio``; nothing cached.
+- ``dynamodb``: ``<table>/<lock key>:<fence>`` of a lock item whose fence a conditional
+  update raises at each acquisition (``fencegate_client.dynamodb_lock``); current while
+  the item has that fence and an ``expires_at``, which the admission judges with the
+  database's clock. A consistent read through botocore, in a thread; nothing cached.
 """
 
 from __future__ import annotations
@@ -26,16 +37,22 @@ from typing import Any
 from gateway.config import LeaseSourceSettings
 
 from .base import JOB_ID_MAX, MAX_TOKEN, ExternalLease, Source, namespaced
+from .dynamodb import DynamoDbSource
 from .etcd import EtcdSource
+from .redis_lock import RedisSource
 from .signed import JwtSource
+from .zookeeper import ZooKeeperSource
 
 __all__ = [
     "JOB_ID_MAX",
     "MAX_TOKEN",
+    "DynamoDbSource",
     "EtcdSource",
     "ExternalLease",
     "JwtSource",
+    "RedisSource",
     "Source",
+    "ZooKeeperSource",
     "build",
     "namespaced",
     "split_token",
@@ -47,6 +64,9 @@ __all__ = [
 KINDS: dict[str, Callable[[Any], Source]] = {
     "jwt": JwtSource,
     "etcd": EtcdSource,
+    "redis": RedisSource,
+    "dynamodb": DynamoDbSource,
+    "zookeeper": ZooKeeperSource,
 }
 
 

@@ -30,6 +30,9 @@ class ExternalLease:
     # judged the expiry itself.
     expires_at: float | None = None
     newer: int | None = None  # a newer holder's generation that the source saw
+    # The detail of a refusal when the source says the lease is current but the job's
+    # fence is above its generation: the source's counter went backwards (redis, dynamodb).
+    behind_fence: str | None = None
 
 
 class Source(Protocol):

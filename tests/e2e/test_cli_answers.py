@@ -242,6 +242,16 @@ def test_audit_upstream_that_is_not_one(config: Path) -> None:
     assert "paymnets" in line and "payments" in line
 
 
+def test_audit_source_that_is_not_one(config: Path) -> None:
+    result = run("audit", "--source", "zk", "--config", str(config))
+    assert result.returncode == 2
+    line = one_line(result)
+    assert "'zk'" in line and "fencegate" in line  # the valid ones: no source configured
+    listed = run("audit", "--source", "fencegate", "--json", "--config", str(config))
+    assert listed.returncode == 0, listed.stderr
+    assert '"items"' in listed.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

@@ -159,6 +159,11 @@ def test_invalid_toml_is_an_error(tmp_path: Path) -> None:
             "duplicate name",
         ),
         (
+            "[[lease_sources]]\nname = 'fencegate'\nkind = 'redis'\nurl = 'redis://127.0.0.1:6379/0'\n",
+            "lease_sources",
+            "the gateway's own leases",
+        ),
+        (
             "[[upstreams]]\nname = 'p'\nurl = 'http://127.0.0.1:1'\ntimeout_seconds = 'x'\n",
             "upstreams.0.timeout_seconds",
             "number",

@@ -70,7 +70,7 @@ def test_sources_are_told_apart_by_kind() -> None:
         (jwt_source(public_keys=["not a key"]), "PEM public key"),
         (jwt_source(public_keys=[PRIVATE]), "PEM public key"),
         (jwt_source(name="Queue:"), "name"),
-        (jwt_source(kind="zookeeper"), "kind"),
+        (jwt_source(kind="consul"), "kind"),
         ({"name": "e", "kind": "etcd", "endpoints": ["etcd:2379"]}, "endpoints"),
         ({"name": "e", "kind": "etcd", "endpoints": []}, "endpoints"),
         ({"name": "e", "kind": "etcd", "endpoints": ["http://e"], "cache_seconds": 60}, "cache"),

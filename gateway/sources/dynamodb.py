@@ -1,0 +1,121 @@
+"""``dynamodb``: a lock item whose ``fence`` is raised by a conditional update at every
+acquisition (``fencegate_client.dynamodb_lock``). The token is ``<table>/<lock
+key>:<fence>``; the job is ``<table>/<lock key>``, the generation the fence. The gateway
+reads the item with a consistent read through botocore (its own credentials, botocore's
+default chain), the call run in a worker thread so the event loop never blocks; the
+item's ``expires_at`` is judged by the admission with the database's clock. Nothing is
+cached."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import botocore.session
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from gateway.config import DynamoDbSourceSettings
+from gateway.fence import Reason
+from lease_core import exceptions as lease_exc
+
+from .base import ExternalLease, log, namespaced
+
+FENCE = re.compile(r"[1-9][0-9]{0,18}")
+
+BEHIND_FENCE = (
+    "DynamoDB says this lock item is held with this fence, but a higher generation of "
+    "this job has already written: the item's fence went backwards (the item was deleted, "
+    "expired by a DynamoDB TTL, or the table restored from a backup). Never delete lock "
+    "items nor put a TTL on them; raise the item's fence past highest_generation and "
+    "acquire again."
+)
+
+
+class DynamoDbSource:
+    def __init__(self, settings: DynamoDbSourceSettings) -> None:
+        self.name = settings.name
+        self.settings = settings
+        self.client: Any = None
+
+    def well_formed(self, token: str) -> bool:
+        item, colon, fence = token.rpartition(":")
+        table, slash, key = item.partition("/")
+        return (
+            bool(colon and slash and table and key)
+            and len(token) <= 1024
+            and FENCE.fullmatch(fence) is not None
+            and token.isprintable()
+        )
+
+    async def start(self) -> None:
+        timeout = self.settings.timeout_seconds
+        config = Config(
+            connect_timeout=timeout, read_timeout=timeout, retries={"total_max_attempts": 1}
+        )
+        self.client = botocore.session.get_session().create_client(
+            "dynamodb",
+            region_name=self.settings.region,
+            endpoint_url=self.settings.endpoint_url,
+            config=config,
+        )
+
+    async def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    async def check(self, token: str) -> ExternalLease | None:
+        item_name, _, fence_text = token.rpartition(":")
+        table, _, key = item_name.partition("/")
+        job_id = namespaced(self.name, item_name)
+        if table != self.settings.table or job_id is None:
+            return None  # only the configured table is read
+        fence = int(fence_text)
+        item = await self._read(key)
+        held = _number(item.get("fence"))
+        if held is None or held < fence:
+            return None  # never granted this fence
+        owner = item.get("holder", {}).get("S", "")[:200]
+        if held > fence:  # somebody acquired it since
+            return ExternalLease(
+                self.name, job_id, fence, owner, Reason.STALE_GENERATION, newer=held
+            )
+        expires_at = _number(item.get("expires_at"))
+        if expires_at is None:  # released
+            return ExternalLease(self.name, job_id, fence, owner, Reason.LEASE_ENDED)
+        return ExternalLease(
+            self.name, job_id, fence, owner, expires_at=expires_at, behind_fence=BEHIND_FENCE
+        )
+
+    async def _read(self, key: str) -> dict[str, Any]:
+        """The lock item's attributes ({} when there is none); DynamoDB unreachable or
+        refusing: 503, as for the database."""
+        assert self.client is not None, "the source was not started"
+        try:
+            answer = await asyncio.to_thread(
+                self.client.get_item,
+                TableName=self.settings.table,
+                Key={"lock_key": {"S": key}},
+                ConsistentRead=True,
+                ProjectionExpression="#f, #h, #e",
+                ExpressionAttributeNames={"#f": "fence", "#h": "holder", "#e": "expires_at"},
+            )
+        except (BotoCoreError, ClientError) as error:
+            log.warning("%s: DynamoDB did not answer: %s", self.name, error)
+            raise lease_exc.StoreUnavailable(
+                f"lease source {self.name}: DynamoDB did not answer"
+            ) from error
+        item: dict[str, Any] = answer.get("Item") or {}
+        return item
+
+
+def _number(value: Any) -> Any:
+    """An attribute of type N as an int (the fence) or a float (the expiry)."""
+    if not isinstance(value, dict) or "N" not in value:
+        return None
+    text = value["N"]
+    try:
+        return int(text) if FENCE.fullmatch(text) else float(text)
+    except ValueError:
+        return None

@@ -1,0 +1,168 @@
+"""``zookeeper``: the node of a lock held with ZooKeeper's lock recipe (kazoo's ``Lock``:
+an ephemeral sequential node ``<lock path>/<guid>__lock__<sequence>``); the job is the
+lock's path, the generation the node's ``czxid`` (the transaction that created it).
+
+The gateway reads the lock's children (after a ``sync``, so a follower that lags does
+not answer for the leader) and the node (its ``czxid``, and the lock's identifier as the
+owner) through kazoo's asynchronous calls, each bridged to an asyncio future: nothing
+blocks the event loop. Nothing is cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.retry import KazooRetry
+
+from gateway.config import ZooKeeperSourceSettings
+from gateway.fence import Reason
+from lease_core import exceptions as lease_exc
+
+from .base import ExternalLease, log, namespaced
+
+# A lock node's name: kazoo's ``<32 hex>__lock__`` (``__rlock__`` for a ReadLock, which
+# the gateway does not accept) and ZooKeeper's ten-digit sequence number.
+NODE = re.compile(r"[0-9a-f]{32}__lock__(\d{10})")
+# Any contender under the lock's path (write and read locks, kazoo's and Curator's
+# shapes): its sequence number is what orders it.
+SEQUENCE = re.compile(r"(\d{10})$")
+
+
+def split_node(token: str) -> tuple[str, str, int] | None:
+    """(lock path, node name, sequence number) of a well-formed lock node path."""
+    path, slash, node = token.rpartition("/")
+    match = NODE.fullmatch(node)
+    if not slash or not path.startswith("/") or match is None:
+        return None
+    if any(part in ("", ".", "..") for part in path.split("/")[1:]):
+        return None
+    return path, node, int(match.group(1))
+
+
+def owner(data: bytes, node: str) -> str:
+    """The holder's name for the audit: the lock's identifier (kazoo writes it as the
+    node's data), else the node's name."""
+    text = data[:200].decode("utf-8", "replace")
+    return text if text and text.isprintable() else node
+
+
+def sequence(node: str) -> int | None:
+    match = SEQUENCE.search(node)
+    return None if match is None else int(match.group(1))
+
+
+class ZooKeeperSource:
+    """Locks of ZooKeeper's lock recipe, read through one kazoo client (its own
+    connection thread; sessions re-established in the background)."""
+
+    def __init__(self, settings: ZooKeeperSourceSettings) -> None:
+        self.name = settings.name
+        self.settings = settings
+        self.client: KazooClient | None = None
+
+    def well_formed(self, token: str) -> bool:
+        return len(token) <= 1024 and token.isprintable() and split_node(token) is not None
+
+    async def start(self) -> None:
+        # Connecting happens in kazoo's thread and never ends while the source lives:
+        # until ZooKeeper answers, a check waits timeout_seconds and answers 503.
+        self.client = KazooClient(
+            hosts=",".join(self.settings.hosts),
+            timeout=self.settings.session_timeout_seconds,
+            connection_retry=KazooRetry(max_tries=-1, max_delay=5),
+            read_only=False,
+        )
+        self.client.start_async()
+
+    async def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await asyncio.to_thread(_stop, client)
+
+    async def check(self, token: str) -> ExternalLease | None:
+        parts = split_node(token)
+        if parts is None:
+            return None
+        path, node, mine = parts
+        job_id = namespaced(self.name, path)
+        if job_id is None:
+            return None
+        try:
+            await self._call("sync_async", path)
+            children, parent = await self._call("get_children_async", path, None, True)
+        except NoNodeError:
+            return None  # no such lock (never was, or its path was removed)
+        if mine >= int(parent.cversion):
+            # ZooKeeper numbers a parent's sequential children by its child version
+            # (every create and delete raises it): this node was never created.
+            return None
+        contenders = sorted(
+            (seq, child) for child in children if (seq := sequence(child)) is not None
+        )
+        if node in children:
+            try:
+                data, stat = await self._call("get_async", token)
+            except NoNodeError:  # released between the two reads
+                return ExternalLease(self.name, job_id, None, node, Reason.LEASE_ENDED)
+            if contenders[0][1] == node:
+                # The lowest sequence number: it holds the lock (no lower number can
+                # appear later under the same parent).
+                return ExternalLease(self.name, job_id, int(stat.czxid), owner(data, node))
+            # Present, not the lowest: a contender still waiting; it never held the lock.
+            return None
+        if contenders and contenders[0][0] > mine:
+            # Gone, and a newer node holds the lock now.
+            stat = await self._call("exists_async", f"{path}/{contenders[0][1]}")
+            newer = None if stat is None else int(stat.czxid)
+            return ExternalLease(
+                self.name, job_id, None, node, Reason.STALE_GENERATION, newer=newer
+            )
+        # Gone (released, or its session ended) and nobody newer holds the lock.
+        return ExternalLease(self.name, job_id, None, node, Reason.LEASE_ENDED)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """One kazoo call (``*_async``: an IAsyncResult settled by kazoo's thread), its
+        answer handed to the event loop; no answer within timeout_seconds, or no
+        connection: the store is unavailable (503, nothing forwarded)."""
+        assert self.client is not None, "the source was not started"
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any) -> None:
+            if future.done():
+                return
+            try:
+                future.set_result(result.get_nowait())
+            except Exception as error:
+                future.set_exception(error)
+
+        def done(result: Any) -> None:  # in kazoo's thread
+            try:
+                loop.call_soon_threadsafe(settle, result)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        try:
+            getattr(self.client, method)(*args).rawlink(done)
+            return await asyncio.wait_for(future, self.settings.timeout_seconds)
+        except NoNodeError:
+            raise
+        except (KazooException, TimeoutError) as error:
+            log.warning("%s: ZooKeeper did not answer: %r", self.name, error)
+            raise lease_exc.StoreUnavailable(
+                f"lease source {self.name}: ZooKeeper did not answer"
+            ) from error
+
+
+def _stop(client: KazooClient) -> None:
+    stop: Callable[[], Any]
+    for stop in (client.stop, client.close):
+        try:
+            stop()
+        except KazooException:  # pragma: no cover - already closed
+            pass
