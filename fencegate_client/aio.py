@@ -43,6 +43,7 @@ except ModuleNotFoundError as error:  # a dependency of fencegate; not of a clie
 from . import errors as exc
 from . import protocol as p
 from .protocol import FencedResponse, LeaseState
+from .waits import DEFAULT_RETRY_WAIT, InProgressRetries
 
 log = logging.getLogger("fencegate.client")
 
@@ -173,7 +174,29 @@ class FencedSession:
         current ``lease.step(...)`` block's, else none (for upstreams that do not require
         one). Raises the lease's ``LeaseLost`` error instead of sending when the lease is
         gone, and marks it lost when the gateway says so.
+
+        Answered ``request-in-progress`` (the key's first attempt is still in flight), it
+        is sent again with ``Prefer: wait=N``, so that the gateway answers with the first
+        attempt's answer once it has settled (``fencegate_client.waits``; the client's
+        ``retry_wait``).
         """
+        retries = InProgressRetries(self.lease.client.retry_wait, timeout)
+        answer = await self._send(method, path, step, key, json, data, headers, timeout)
+        while (again := retries.headers(answer, headers)) is not None:
+            answer = await self._send(method, path, step, key, json, data, again, timeout)
+        return answer
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        step: str | None,
+        key: str | None,
+        json: Any,
+        data: bytes | str | None,
+        headers: Mapping[str, str] | None,
+        timeout: float,
+    ) -> FencedResponse:
         lease = self.lease
         send = lease.fence_headers(headers, step=step, key=key)
         url = lease.gateway_path_url(path)
@@ -241,7 +264,10 @@ class _Grant:
 
 
 class LeaseClient:
-    """The lease API (control listener) and, with ``gateway_url``, fenced writes."""
+    """The lease API (control listener) and, with ``gateway_url``, fenced writes.
+
+    ``retry_wait``: a write answered ``request-in-progress`` is sent again with
+    ``Prefer: wait=N`` for up to this many seconds in all (None or 0: not sent again)."""
 
     def __init__(
         self,
@@ -251,6 +277,7 @@ class LeaseClient:
         token: str | None = None,
         session: aiohttp.ClientSession | None = None,
         timeout: float = 10.0,
+        retry_wait: float | None = DEFAULT_RETRY_WAIT,
     ) -> None:
         self.control_url = control_url.rstrip("/")
         self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
@@ -258,6 +285,7 @@ class LeaseClient:
         self._own_session = session is None
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self.retry_wait = retry_wait
 
     @property
     def session(self) -> aiohttp.ClientSession:

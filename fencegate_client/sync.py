@@ -46,6 +46,7 @@ except ModuleNotFoundError as error:
 from . import errors as exc
 from . import protocol as p
 from .protocol import FencedResponse, LeaseState
+from .waits import DEFAULT_RETRY_WAIT, InProgressRetries
 
 log = logging.getLogger("fencegate.client")
 
@@ -175,8 +176,26 @@ class FencedSession:
         headers: Mapping[str, str] | None = None,
         timeout: float = 60.0,
     ) -> FencedResponse:
-        """Send ``method path`` (``/{upstream}/...``) through the gateway; the key and the
-        lease's loss as in ``fencegate_client.aio.FencedSession.request``."""
+        """Send ``method path`` (``/{upstream}/...``) through the gateway; the key, the
+        lease's loss and the retry of ``request-in-progress`` as in
+        ``fencegate_client.aio.FencedSession.request``."""
+        retries = InProgressRetries(self.lease.client.retry_wait, timeout)
+        answer = self._send(method, path, step, key, json, data, headers, timeout)
+        while (again := retries.headers(answer, headers)) is not None:
+            answer = self._send(method, path, step, key, json, data, again, timeout)
+        return answer
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        step: str | None,
+        key: str | None,
+        json: Any,
+        data: bytes | str | None,
+        headers: Mapping[str, str] | None,
+        timeout: float,
+    ) -> FencedResponse:
         lease = self.lease
         send = lease.fence_headers(headers, step=step, key=key)
         url = lease.gateway_path_url(path)
@@ -239,7 +258,9 @@ class LeaseClient:
     """The lease API (control listener) and, with ``gateway_url``, fenced writes.
 
     ``http`` is the ``httpx.Client`` both go through (its own unless given; it must be
-    safe to share with the renewing threads, which an ``httpx.Client`` is)."""
+    safe to share with the renewing threads, which an ``httpx.Client`` is).
+    ``retry_wait``: a write answered ``request-in-progress`` is sent again with
+    ``Prefer: wait=N`` for up to this many seconds in all (None or 0: not sent again)."""
 
     def __init__(
         self,
@@ -249,6 +270,7 @@ class LeaseClient:
         token: str | None = None,
         http: httpx.Client | None = None,
         timeout: float = 10.0,
+        retry_wait: float | None = DEFAULT_RETRY_WAIT,
     ) -> None:
         self.control_url = control_url.rstrip("/")
         self.gateway_url = gateway_url.rstrip("/") if gateway_url else None
@@ -256,6 +278,7 @@ class LeaseClient:
         self._own_http = http is None
         self.http = http if http is not None else httpx.Client()
         self._timeout = timeout
+        self.retry_wait = retry_wait
 
     def close(self) -> None:
         if self._own_http:

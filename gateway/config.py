@@ -378,6 +378,9 @@ class GatewaySettings(BaseModel):
     # an operator. Their requests are kept up to ``max_replay_body_bytes``.
     resolve_interval_seconds: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False)
     resolve_max_attempts: int = Field(5, ge=1, le=100)
+    # ``Prefer: wait=N`` on a fenced write whose key is in flight: the longest wait for
+    # the first attempt to settle before ``request-in-progress`` (0: never wait).
+    max_prefer_wait_seconds: int = Field(10, ge=0, le=300)
 
 
 ClientCerts = Literal["none", "optional", "required"]
@@ -568,7 +571,90 @@ class EtcdSourceSettings(BaseModel):
         return [endpoint.rstrip("/") for endpoint in value]
 
 
-LeaseSourceSettings = Annotated[JwtSourceSettings | EtcdSourceSettings, Field(discriminator="kind")]
+class RedisSourceSettings(BaseModel):
+    """Locks taken with Fencegate's Redis recipe (``<name>:<lock name>:<value>``): one Lua
+    script raises the lock's fence counter and sets the lock to ``<fence>.<random>``
+    (``fencegate_client.redis_lock``; docs/lease-sources.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=SOURCE_NAME)
+    kind: Literal["redis"]
+    # redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path.sock
+    url: str = Field(min_length=1, max_length=2000)
+    timeout_seconds: float = Field(2.0, gt=0, le=60, allow_inf_nan=False)
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        url = URL(value)
+        if url.scheme not in ("redis", "rediss", "unix") or not (url.host or url.path):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
+
+
+class DynamoDbSourceSettings(BaseModel):
+    """Lock items of a DynamoDB table with a fence counter
+    (``<name>:<table>/<lock key>:<fence>``; ``fencegate_client.dynamodb_lock``). The
+    gateway reads them with its own AWS credentials (botocore's default chain)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=SOURCE_NAME)
+    kind: Literal["dynamodb"]
+    table: str = Field(pattern=r"^[A-Za-z0-9_.-]{3,255}$")
+    region: str = Field(pattern=r"^[a-z0-9-]{1,40}$")
+    # A local or private endpoint (DynamoDB Local, moto, a VPC endpoint); none: AWS's.
+    endpoint_url: str | None = Field(None, max_length=2000)
+    timeout_seconds: float = Field(2.0, gt=0, le=60, allow_inf_nan=False)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            url = URL(value)
+            if url.scheme not in ("http", "https") or not url.host:
+                raise ValueError(f"{value!r}: must be http(s)://host[:port]")
+        return value
+
+
+class ZooKeeperSourceSettings(BaseModel):
+    """Locks held with ZooKeeper's lock recipe (``<name>:<the lock node's path>``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=SOURCE_NAME)
+    kind: Literal["zookeeper"]
+    hosts: list[str] = Field(min_length=1, max_length=16)
+    # One read (sync, children, stat) waits at most this long; then 503, nothing forwarded.
+    timeout_seconds: float = Field(2.0, gt=0, le=60, allow_inf_nan=False)
+    # The gateway's own ZooKeeper session (it holds nothing in it; reads only).
+    session_timeout_seconds: float = Field(10.0, ge=4, le=60, allow_inf_nan=False)
+
+    @field_validator("hosts")
+    @classmethod
+    def _host_ports(cls, value: list[str]) -> list[str]:
+        for host in value:
+            name, colon, port = host.rpartition(":")
+            if (
+                not colon
+                or not name
+                or not port.isdigit()
+                or not 0 < int(port) < 65536
+                or any(c in name for c in "/, ")
+            ):
+                raise ValueError(f"{host!r}: must be host:port")
+        return value
+
+
+LeaseSourceSettings = Annotated[
+    JwtSourceSettings
+    | EtcdSourceSettings
+    | ZooKeeperSourceSettings
+    | RedisSourceSettings
+    | DynamoDbSourceSettings,
+    Field(discriminator="kind"),
+]
 
 
 def check_public_key(pem: str) -> None:
@@ -636,6 +722,10 @@ class Settings(BaseSettings):
         duplicates = sorted({n for n in sources if sources.count(n) > 1})
         if duplicates:
             raise ValueError(f"lease_sources: duplicate name(s) {', '.join(duplicates)}")
+        if "fencegate" in sources:
+            # The audit, its source= filter and the metrics call the gateway's own leases
+            # "fencegate": a lease source of that name could not be told apart from them.
+            raise ValueError("lease_sources: the name fencegate is the gateway's own leases")
         return self
 
     def exposed_without_auth(self) -> list[str]:
@@ -790,7 +880,7 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None
             }
             update["signing"] = upstream.signing.model_copy(update=expanded)
         upstreams.append(upstream.model_copy(update=update))
-    sources: list[JwtSourceSettings | EtcdSourceSettings] = []
+    sources: list[LeaseSourceSettings] = []
     for index, source in enumerate(settings.lease_sources):
         if isinstance(source, JwtSourceSettings):
             keys = [ENV_REF.sub(lambda m: environ[m.group(1)], key) for key in source.public_keys]

@@ -4,8 +4,9 @@ Each row names the answer it gives, the fact it tests and, for a fact that costs
 learn, the step that finds it out. ``decide`` walks the rows in order: the first row
 whose test holds is the answer; a row whose fact is not known yet stops the walk with
 "find this out first". The proxy gathers facts (the cheap ones from the request line and
-headers, then the lease, a slot, the body, the admission, the wait for older writes, the
-last judgement before the send) and carries out the verdict. Nothing here does I/O.
+headers, then the lease, a slot, the body, the admission, a duplicate's wait for its
+first attempt, the wait for older writes, the last judgement before the send) and
+carries out the verdict. Nothing here does I/O.
 
 To add a refusal: a ``Reason`` with its row in ``fencegate_client.reasons`` (status,
 title, detail), a fact in ``Facts``, and a row where the spec's table puts it.
@@ -28,6 +29,9 @@ class Step(StrEnum):
     SLOT = "slot"  # one of the pool's concurrency slots, if one is free
     BODY = "body"  # the body, read up to the upstream's limit and within its time
     ADMISSION = "admission"  # the key claimed (or its record read) under the lease check
+    # ``Prefer: wait``: the key's first attempt settled (a bounded wait holding no slot
+    # and no database connection); then a slot and the admission again
+    WAIT = "wait"
     ORDER = "order"  # older generations' writes to the job settled (a bounded wait)
     SEND = "send"  # right before the first byte: still current, claim not past deadline
 
@@ -66,6 +70,11 @@ class Facts:
     slot_free: bool | _Unknown = UNKNOWN  # a slot of the request's pool was free (taken)
     over_limit: bool | _Unknown = UNKNOWN  # the body is over the upstream's limit
     body_in_time: bool | _Unknown = UNKNOWN  # it arrived within the body timeouts
+    # A duplicate of a write in flight that asked to wait (``Prefer: wait``): its first
+    # attempt settled within the wait. True also when there is nothing to wait for; the
+    # admission makes it UNKNOWN when it finds the key in flight and the wait has time
+    # left, and the record is found out again after the wait.
+    first_settled: bool | _Unknown = True
     # None: the key is this request's to forward (claimed, or taken over); else what its
     # record answers (a replay, a reused key, in progress, an unknown outcome).
     record: Reason | _Unknown | None = UNKNOWN
@@ -151,6 +160,8 @@ ROWS: Final[tuple[Row, ...]] = (
         fenced_only=False),
     Row(Reason.BODY_TIMEOUT,          "body_in_time",         _false,                 Step.BODY,
         fenced_only=False, close=True),
+    # The wait that ``Prefer: wait`` asks for; at its end, still in flight.
+    Row(Reason.REQUEST_IN_PROGRESS,   "first_settled",        _false,                 Step.WAIT),
     # idempotent-replay, replay-unavailable, idempotency-key-reused, request-in-progress,
     # outcome-unknown
     Row(FROM_FACT,                    "record",               _given,             Step.ADMISSION),

@@ -3,14 +3,15 @@
 ``Gateway.handle`` is the loop: intake reads the facts the request carries
 (``intake``), ``decision.decide`` names the next fact to find out or the verdict, the
 steps here find facts out (the lease, a slot, the body, the admission: one transaction
-before forwarding, the wait for older writes, the last judgement before the send), and
-the verdict is carried out: forwarded (``forwarding``) or answered by the gateway itself
-(``answers``).
+before forwarding, a duplicate's wait for its first attempt (``Prefer: wait``), the wait
+for older writes, the last judgement before the send), and the verdict is carried out:
+forwarded (``forwarding``) or answered by the gateway itself (``answers``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from .audit import Audit
 from .body import BodyTimeout, read_body, start_body_clock
 from .config import Settings
 from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
+from .duplicates import POLL_MAX, DuplicateWait, Settles, prefer_wait
 from .fence import Action, Reason, RecordState
 from .forwarding import Forwarder, upstream_url
 from .intake import Ctx, forward_headers, intake
@@ -45,6 +47,8 @@ ORDERING_POLL = 0.02
 
 # The lease check ``expect`` made before the client sent the body.
 LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
+# The wait a fenced write asked for with ``Prefer: wait=N`` (capped), if any.
+DUPLICATE_WAIT = web.RequestKey("duplicate_wait", DuplicateWait)
 
 
 class Gateway:
@@ -74,6 +78,8 @@ class Gateway:
         # Slots in use per pool: fenced writes past the lease check (up to
         # max_concurrent_requests) and unfenced requests (max_concurrent_unfenced_requests).
         self.slots = {"fenced": 0, "unfenced": 0}
+        # Duplicates waiting (``Prefer: wait``) for a key this replica may settle.
+        self.settles = Settles()
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""
@@ -114,6 +120,7 @@ class Gateway:
         start_body_clock(request, self.settings.gateway)
         try:
             facts = self._intake(ctx)
+            self._asked_wait(ctx, facts)
             checked = request.get(LEASE_CHECKED)  # by ``expect``, before the body came
             if checked is not None:
                 ctx.admission = checked
@@ -128,8 +135,7 @@ class Gateway:
         except lease_exc.StoreUnavailable:
             return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
         finally:
-            if ctx.slot is not None:
-                self.slots[ctx.slot] -= 1
+            self._free_slot(ctx)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: every refusal that needs no body (a stale token, a
@@ -170,6 +176,16 @@ class Gateway:
             ctx, self.upstreams, self.settings.gateway.max_idempotency_key_length, self.sources
         )
 
+    def _asked_wait(self, ctx: Ctx, facts: Facts) -> None:
+        """``Prefer: wait=N`` (RFC 7240) on a fenced write: how long it may wait for its
+        key's first attempt, if that is in flight (capped; a malformed one is ignored)."""
+        cap = self.settings.gateway.max_prefer_wait_seconds
+        if not facts.fenced or cap == 0:
+            return
+        asked = prefer_wait(ctx.request.headers.getall("Prefer", []))
+        if asked:
+            ctx.request[DUPLICATE_WAIT] = DuplicateWait(min(asked, cap))
+
     async def _find_out(self, ctx: Ctx, facts: Facts, step: Step) -> None:
         if step is Step.LEASE:
             if facts.over_limit is True or not ctx.request.content.is_eof():
@@ -193,6 +209,8 @@ class Gateway:
             await self._read(ctx, facts)
         elif step is Step.ADMISSION:
             await self._admit(ctx, facts)
+        elif step is Step.WAIT:
+            await self._wait_for_first(ctx, facts)
         elif step is Step.ORDER:
             await self._wait_in_order(ctx, facts)
         else:
@@ -247,6 +265,11 @@ class Gateway:
         """What the token's source says of its lease now (no database write)."""
         assert ctx.source is not None and ctx.source_token is not None
         return await ctx.source.check(ctx.source_token)
+
+    def _free_slot(self, ctx: Ctx) -> None:
+        if ctx.slot is not None:
+            self.slots[ctx.slot] -= 1
+            ctx.slot = None
 
     def _take_slot(self, ctx: Ctx, facts: Facts) -> None:
         """One of the pool's slots (fenced writes, unfenced requests), if one is free."""
@@ -330,7 +353,7 @@ class Gateway:
         # The key has a record that is not ours: what it answers.
         ctx.record = record = admission.record
         if record is None:  # its record vanished between our claim and our read
-            facts.record = Reason.REQUEST_IN_PROGRESS
+            self._in_progress(ctx, facts)
             return
         verdict = fence.record_verdict(
             record, ctx.fingerprint, admission.now, upstream.unknown_outcome
@@ -342,9 +365,59 @@ class Gateway:
         elif verdict.action is Action.FORWARD:
             # To be forwarded again, but the admission did not take the key over: another
             # request took it over first.
-            facts.record = Reason.REQUEST_IN_PROGRESS
+            self._in_progress(ctx, facts)
+        elif verdict.reason is Reason.REQUEST_IN_PROGRESS:
+            self._in_progress(ctx, facts)
         else:
             facts.record = verdict.reason
+
+    def _in_progress(self, ctx: Ctx, facts: Facts) -> None:
+        """The key is in flight under another request: ``request-in-progress``, unless
+        the request asked to wait (``Prefer: wait``) and its wait has time left."""
+        facts.record = Reason.REQUEST_IN_PROGRESS
+        wait = ctx.request.get(DUPLICATE_WAIT)
+        if wait is None:
+            return
+        assert ctx.admission is not None
+        wait.begin(ctx.admission.now)
+        if wait.left() > 0 and not _gone(ctx.request):
+            facts.first_settled = UNKNOWN
+
+    async def _wait_for_first(self, ctx: Ctx, facts: Facts) -> None:
+        """``Prefer: wait``: wait (bounded) for the key's first attempt to settle,
+        holding no slot and no database connection (each look at the record takes one
+        for a moment), then ask for a slot and the admission again: the admission
+        decides what the duplicate gets (the stored answer, as a replay). Ends early
+        when the client goes away."""
+        wait, admission, key = ctx.request[DUPLICATE_WAIT], ctx.admission, ctx.key
+        assert key is not None
+        assert admission is not None and admission.presented is not None
+        self._free_slot(ctx)
+        wait.waited = True
+        settled = await self._until_settled(ctx.request, admission.presented.job_id, key, wait)
+        facts.first_settled = settled
+        if settled:
+            facts.slot_free = facts.record = UNKNOWN
+
+    async def _until_settled(
+        self, request: web.Request, job_id: str, key: str, wait: DuplicateWait
+    ) -> bool:
+        """Until the key's record is no longer in flight (settled, released, or past its
+        deadline), this replica's settle of the key wakes us, or the wait ends (False)."""
+        with self.settles.watch(job_id, key) as watch:
+            while True:
+                settled = watch.current()
+                left = wait.left()
+                if left <= 0 or _gone(request):
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(settled.wait(), min(wait.poll, left))
+                wait.poll = min(wait.poll * 2, POLL_MAX)
+                record = await self.store.record(job_id, key)
+                if record is None or record.state is not RecordState.IN_FLIGHT:
+                    return True
+                if record.deadline <= wait.database_now():
+                    return True  # its replica is gone: the admission says what it is now
 
     async def _wait_in_order(self, ctx: Ctx, facts: Facts) -> None:
         """Wait (bounded) for older generations' writes; then judge the lease again: a
@@ -416,6 +489,7 @@ class Gateway:
         assert admission is not None and admission.presented is not None
         await self.store.release(admission.presented.job_id, ctx.key, ctx.attempt, ctx.back_to)
         ctx.attempt = None
+        self.settles.notify(admission.presented.job_id, ctx.key)
 
     async def _forward(self, ctx: Ctx, *, fenced: bool) -> web.StreamResponse:
         """Forward with the fencing headers (a fenced write) or without (a pass-through);
@@ -463,6 +537,12 @@ class Gateway:
         )
 
 
+def _gone(request: web.Request) -> bool:
+    """The client has gone away (its connection is closed)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 class _HeldKey:
     """The key a forwarded write holds (``forwarding.ClaimedKey``), bound to the store:
     ids taken when the forward begins."""
@@ -501,17 +581,18 @@ class _HeldKey:
                 note=note,
                 request=kept,
             )
-            return
-        await self._gateway.store.settle(
-            self._job_id,
-            self._key,
-            self._attempt,
-            state=state,
-            status=status,
-            headers=headers,
-            body=body,
-            note=note,
-        )
+        else:
+            await self._gateway.store.settle(
+                self._job_id,
+                self._key,
+                self._attempt,
+                state=state,
+                status=status,
+                headers=headers,
+                body=body,
+                note=note,
+            )
+        self._gateway.settles.notify(self._job_id, self._key)
 
     def _kept(self) -> KeptRequest | None:
         """The request to keep for a re-send by the gateway: only for an upstream that
@@ -550,6 +631,15 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
         return await handler(request)
 
     app = web.Application(middlewares=[request_id_middleware, unrouted])
+
+    async def preference_applied(request: web.Request, response: web.StreamResponse) -> None:
+        # RFC 7240: say that the request waited as ``Prefer: wait`` asked, whatever the
+        # answer after the wait (a replay, a forward, ``request-in-progress``).
+        wait = request.get(DUPLICATE_WAIT)
+        if wait is not None and wait.waited:
+            response.headers["Preference-Applied"] = wait.applied
+
+    app.on_response_prepare.append(preference_applied)
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         await gateway.start()

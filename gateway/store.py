@@ -231,6 +231,13 @@ class GatewayStore:
             )
         return await self._claimed(row, _external(lease, None), fenced, attempt, write.key)
 
+    async def record(self, job_id: str, key: str) -> Record | None:
+        """Read-only: the key's record as it is now (None: there is none). A duplicate
+        that waits (``Prefer: wait``) looks here for its first attempt to settle; the
+        admission, run again, decides what it gets."""
+        row = await self.backend.run("record", job_id=job_id, key=key)
+        return None if row is None else _record(row)
+
     async def older_in_flight(self, job_id: str, generation: int) -> bool:
         row = await self.backend.run("older_in_flight", job_id=job_id, generation=generation)
         return row is not None and bool(row["older_in_flight"])
@@ -469,8 +476,16 @@ def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:
 
 
 def _external(lease: ExternalLease, refused: Reason | None) -> Presented:
+    # Current for the source, yet below the fence: the source's counter went backwards.
+    behind = lease.refused is None and refused is Reason.STALE_GENERATION
     return Presented(
-        lease.job_id, lease.generation, lease.owner, None, source=lease.source, refused=refused
+        lease.job_id,
+        lease.generation,
+        lease.owner,
+        None,
+        source=lease.source,
+        refused=refused,
+        detail=lease.behind_fence if behind else None,
     )
 
 

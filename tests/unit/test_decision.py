@@ -49,6 +49,7 @@ for index, row in enumerate(ROWS):
         "slot_free": False,
         "over_limit": True,
         "body_in_time": False,
+        "first_settled": False,
         "record": Reason.IDEMPOTENCY_KEY_REUSED,
         "in_order": False,
         "at_send": Reason.ORDERING_TIMEOUT,
