@@ -175,9 +175,20 @@ class Worker:
         gateways = args.gateway.split(",") if args.gateway else controls
         if len(controls) == 1:
             controls *= len(gateways)
+        # A connection per request: a kept-alive connection that a replica closed (killed,
+        # restarted, idle) while this worker was stopped fails at once without sending a
+        # byte, so a paused worker's late write would never reach the gateway; a fresh
+        # connection delivers it, as the stalled workers the fence is for do.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         self.targets = [
             Target(
-                LeaseClient(c, gateway_url=g, token=args.token, timeout=CONTROL_TIMEOUT),
+                LeaseClient(
+                    c,
+                    gateway_url=g,
+                    token=args.token,
+                    timeout=CONTROL_TIMEOUT,
+                    session=self.session,
+                ),
                 args.direct.rstrip("/") if self.direct else g.rstrip("/"),
             )
             for c, g in zip(controls, gateways, strict=True)
@@ -186,6 +197,7 @@ class Worker:
     async def close(self) -> None:
         for target in self.targets:
             await target.client.close()
+        await self.session.close()
         self.history.writer.close()
 
     async def run(self) -> None:
