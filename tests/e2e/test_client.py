@@ -10,6 +10,7 @@ proxy listeners, and the gateway talks HTTP to an aiohttp server in a background
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -186,6 +187,38 @@ class FencegateProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def serving_a_copy(
+    config: Path, folder: Path, replacements: dict[str, str], **env: str
+) -> Iterator[FencegateProcess]:
+    """``fencegate serve`` with a copy of ``config`` in ``folder``, each key of
+    ``replacements`` (a line of the file, found exactly once) replaced by its value; a
+    database and listeners of its own from the environment."""
+    text = config.read_text(encoding="utf-8")
+    for original, replacement in replacements.items():
+        assert text.count(original) == 1, original
+        text = text.replace(original, replacement)
+    copy = folder / config.name
+    copy.write_text(text, encoding="utf-8")
+    control_port, proxy_port = free_port(), free_port()
+    process = FencegateProcess(
+        copy,
+        control_port=control_port,
+        proxy_port=proxy_port,
+        env=clean_env(
+            FENCEGATE_DATABASE_URL=f"sqlite+aiosqlite:///{folder / 'fencegate.db'}",
+            FENCEGATE_PROXY_LISTEN=f"127.0.0.1:{proxy_port}",
+            FENCEGATE_CONTROL_LISTEN=f"127.0.0.1:{control_port}",
+            **env,
+        ),
+    )
+    try:
+        process.start()
+        yield process
+    finally:
+        process.stop()
 
 
 def control_call(

@@ -20,7 +20,7 @@ from tests.e2e.test_client import (
     RecordingUpstream,
     clean_env,
     control_call,
-    free_port,
+    serving_a_copy,
 )
 from tests.e2e.test_examples import EXAMPLES, ROOT, SOURCES_CONFIG, run
 
@@ -40,28 +40,13 @@ def upstream_api() -> Iterator[RecordingUpstream]:
 def zk_server(
     tmp_path_factory: pytest.TempPathFactory, upstream_api: RecordingUpstream, zookeeper_hosts: str
 ) -> Iterator[FencegateProcess]:
+    replacements = {
+        'url = "http://127.0.0.1:9000"': f'url = "{upstream_api.url}"',
+        'hosts = ["127.0.0.1:2181"]': f'hosts = ["{zookeeper_hosts}"]',
+    }
     folder = tmp_path_factory.mktemp("fencegate-zookeeper")
-    text = SOURCES_CONFIG.read_text(encoding="utf-8")
-    for original, replacement in (
-        ('url = "http://127.0.0.1:9000"', f'url = "{upstream_api.url}"'),
-        ('hosts = ["127.0.0.1:2181"]', f'hosts = ["{zookeeper_hosts}"]'),
-    ):
-        assert text.count(original) == 1, original
-        text = text.replace(original, replacement)
-    config = folder / "lease_sources.toml"
-    config.write_text(text, encoding="utf-8")
-    control_port, proxy_port = free_port(), free_port()
-    env = clean_env(
-        FENCEGATE_DATABASE_URL=f"sqlite+aiosqlite:///{folder / 'sources.db'}",
-        FENCEGATE_PROXY_LISTEN=f"127.0.0.1:{proxy_port}",
-        FENCEGATE_CONTROL_LISTEN=f"127.0.0.1:{control_port}",
-    )
-    process = FencegateProcess(config, control_port=control_port, proxy_port=proxy_port, env=env)
-    try:
-        process.start()
+    with serving_a_copy(SOURCES_CONFIG, folder, replacements) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def test_zookeeper_example_defaults_to_the_example_config() -> None:

@@ -28,6 +28,7 @@ from tests.e2e.test_client import (
     clean_env,
     control_call,
     free_port,
+    serving_a_copy,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -305,28 +306,13 @@ def sources_server(
     """``fencegate serve`` with examples/lease_sources.toml: in a copy, the upstream's URL
     and etcd's endpoint point at the test's own; database and listeners come from the
     environment. The signing key is the file's own (the demo key's public half)."""
+    replacements = {
+        'url = "http://127.0.0.1:9000"': f'url = "{payments_api.url}"',
+        'endpoints = ["http://127.0.0.1:2379"]': f'endpoints = ["{etcd_url}"]',
+    }
     folder = tmp_path_factory.mktemp("fencegate-sources")
-    text = SOURCES_CONFIG.read_text(encoding="utf-8")
-    for original, replacement in (
-        ('url = "http://127.0.0.1:9000"', f'url = "{payments_api.url}"'),
-        ('endpoints = ["http://127.0.0.1:2379"]', f'endpoints = ["{etcd_url}"]'),
-    ):
-        assert text.count(original) == 1, original
-        text = text.replace(original, replacement)
-    config = folder / "lease_sources.toml"
-    config.write_text(text, encoding="utf-8")
-    control_port, proxy_port = free_port(), free_port()
-    env = clean_env(
-        FENCEGATE_DATABASE_URL=f"sqlite+aiosqlite:///{folder / 'sources.db'}",
-        FENCEGATE_PROXY_LISTEN=f"127.0.0.1:{proxy_port}",
-        FENCEGATE_CONTROL_LISTEN=f"127.0.0.1:{control_port}",
-    )
-    process = FencegateProcess(config, control_port=control_port, proxy_port=proxy_port, env=env)
-    try:
-        process.start()
+    with serving_a_copy(SOURCES_CONFIG, folder, replacements) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def test_source_examples_default_to_the_example_config() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_client import FencegateProcess, RecordingUpstream, clean_env, free_port
+from tests.e2e.test_client import FencegateProcess, RecordingUpstream, clean_env, serving_a_copy
 from tests.support import MotoServer, RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,30 +60,14 @@ def gateway(
     services: tuple[str, str],
 ) -> Iterator[FencegateProcess]:
     redis_url, dynamodb_url = services
+    replacements = {
+        'url = "http://127.0.0.1:9000"': f'url = "{payments_api.url}"',
+        'url = "redis://127.0.0.1:6379/0"': f'url = "{redis_url}"',
+        'endpoint_url = "http://127.0.0.1:5000"': f'endpoint_url = "{dynamodb_url}"',
+    }
     folder = tmp_path_factory.mktemp("fencegate-locks")
-    text = CONFIG.read_text(encoding="utf-8")
-    for original, replacement in (
-        ('url = "http://127.0.0.1:9000"', f'url = "{payments_api.url}"'),
-        ('url = "redis://127.0.0.1:6379/0"', f'url = "{redis_url}"'),
-        ('endpoint_url = "http://127.0.0.1:5000"', f'endpoint_url = "{dynamodb_url}"'),
-    ):
-        assert text.count(original) == 1, original
-        text = text.replace(original, replacement)
-    config = folder / "lease_sources.toml"
-    config.write_text(text, encoding="utf-8")
-    control_port, proxy_port = free_port(), free_port()
-    env = clean_env(
-        FENCEGATE_DATABASE_URL=f"sqlite+aiosqlite:///{folder / 'locks.db'}",
-        FENCEGATE_PROXY_LISTEN=f"127.0.0.1:{proxy_port}",
-        FENCEGATE_CONTROL_LISTEN=f"127.0.0.1:{control_port}",
-        **CREDENTIALS,
-    )
-    process = FencegateProcess(config, control_port=control_port, proxy_port=proxy_port, env=env)
-    try:
-        process.start()
+    with serving_a_copy(CONFIG, folder, replacements, **CREDENTIALS) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def run(example: Path, *args: str) -> list[str]:
