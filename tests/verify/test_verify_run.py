@@ -84,7 +84,7 @@ def test_gateway_under_every_nemesis_on_postgres(tmp_path: Path) -> None:
 
 
 def test_the_seed_repeats_the_fault_plan(tmp_path: Path) -> None:
-    args = ["--db", "sqlite", "--seconds", "6", "--tail", "2", "--nemesis", "pause,kill,upstream"]
+    args = ["--db", "sqlite", "--seconds", "6", "--tail", "5", "--nemesis", "pause,kill,upstream"]
     first = verify(tmp_path / "one", *args, "--seed", "4242")
     second = verify(tmp_path / "two", *args, "--seed", "4242")
     other = verify(tmp_path / "three", *args, "--seed", "4243")
