@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from urllib.request import parse_http_list
 
 # ``token [ BWS "=" BWS word ]`` of RFC 7240, where ``word`` is a token or a quoted string.
 _PREFERENCE = re.compile(
@@ -32,34 +33,14 @@ def prefer_wait(values: Iterable[str]) -> int | None:
     a preference the server cannot read is ignored). The first ``wait`` counts; other
     preferences are ignored."""
     for value in values:
-        for item in _split(value):
+        # The header's list items, commas inside quoted strings kept (the stdlib's parser).
+        for item in filter(None, parse_http_list(value)):
             match = _PREFERENCE.fullmatch(item)
             if match is None or match.group(1).lower() != "wait":
                 continue
             seconds = (match.group(2) or "").strip('"')
             return int(seconds) if _SECONDS.fullmatch(seconds) else None
     return None
-
-
-def _split(value: str) -> list[str]:
-    """The comma-separated items of a header value, commas inside quotes kept."""
-    items: list[str] = []
-    current: list[str] = []
-    quoted = escaped = False
-    for char in value:
-        if escaped:
-            escaped = False
-        elif char == "\\" and quoted:
-            escaped = True
-        elif char == '"':
-            quoted = not quoted
-        elif char == "," and not quoted:
-            items.append("".join(current))
-            current = []
-            continue
-        current.append(char)
-    items.append("".join(current))
-    return [item for item in items if item.strip()]
 
 
 # A waiting duplicate looks at its key's record again after this long, doubling up to
