@@ -369,6 +369,9 @@ class GatewaySettings(BaseModel):
     # upstream's own idle timeout: a write sent on a connection that the upstream closed
     # meanwhile is never re-sent, so its outcome is unknown.
     upstream_keepalive_seconds: float = Field(4.0, gt=0, le=3600, allow_inf_nan=False)
+    # The largest answer head read from an upstream (status line and headers, with those
+    # of 1xx answers before it); a larger one is not read: no answer, an unknown outcome.
+    max_upstream_head_bytes: int = Field(65536, ge=1024, le=1024 * 1024)
     shutdown_timeout_seconds: float = Field(15.0, ge=0, le=600, allow_inf_nan=False)
     # Answers up to this size are stored for replay; a duplicate of a larger one gets
     # 409 replay-unavailable (the write was applied; its body was not kept).

@@ -1,6 +1,6 @@
 """Sending a request to its upstream and streaming the answer back.
 
-The one client to the upstreams (``upstream_client.UpstreamClient``) lives here. While
+The one client to the upstreams (``upstream.UpstreamClient``) lives here. While
 the answer streams to the client, the part needed for replay is kept; how the exchange
 ended (not sent, no answer, an answer cut short, "not processed", a whole answer)
 decides what becomes of the write's claimed key, which the caller keeps (``ClaimedKey``).
@@ -24,7 +24,7 @@ from .fence import Reason, RecordState
 from .intake import HOP_BY_HOP, connection_named
 from .metrics import GatewayMetrics
 from .profiles import Answer
-from .upstream_client import (
+from .upstream import (
     ConnectTimeout,
     NoAnswerInTime,
     NotSent,
@@ -86,13 +86,14 @@ class Forwarder:
         return self.client is not None
 
     async def start(self) -> None:
-        # Nothing is re-sent once any byte of a request has left (upstream_client.py):
+        # Nothing is re-sent once any byte of a request has left (gateway/upstream/):
         # a fenced PUT that the upstream applied before it cut the connection must not
         # be applied twice; tests/integration asserts it (a cut connection after a PUT
         # or DELETE reaches the upstream once).
         self.client = UpstreamClient(
             connections_per_host=self.limits.upstream_connections_per_host,
             keepalive_seconds=self.limits.upstream_keepalive_seconds,
+            max_head_bytes=self.limits.max_upstream_head_bytes,
         )
 
     async def close(self) -> None:

@@ -32,7 +32,7 @@ from .forwarding import Forwarder, answer_headers, upstream_url, why_no_answer
 from .metrics import GatewayMetrics
 from .profiles import Answer, is_mismatch, upstream_key
 from .store import GatewayStore, KeptRequest, Resolution
-from .upstream_client import UpstreamError
+from .upstream import UpstreamError
 
 log = logging.getLogger("fencegate.resolve")
 
@@ -50,7 +50,10 @@ class ObjectState:
 PAUSE = 1.0
 # Records one round resolves per upstream at most (the next round goes on).
 ROUND = 50
-MARGIN = 1.0  # as the proxy's DEADLINE_MARGIN
+# The resolver's slack, in seconds: the role the proxy's DEADLINE_MARGIN plays there,
+# with a value of its own (not the same). Taken off the dedup window a re-send must fall
+# in, and added twice to a claimed record's deadline.
+MARGIN = 1.0
 
 
 class Resolver:

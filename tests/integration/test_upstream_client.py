@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 client (``gateway.upstream_client``) against real servers:
+"""The gateway's HTTP/1.1 client (``gateway.upstream``) against real servers:
 aiohttp test servers for well-behaved upstreams, raw asyncio servers for byte-level
 misbehaviour (answers cut short, connections closed without an answer, 1xx answers).
 
@@ -21,7 +21,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from gateway.upstream_client import (
+from gateway.upstream import (
     ConnectTimeout,
     CutShort,
     NoAnswer,
