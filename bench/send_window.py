@@ -11,7 +11,7 @@ docs/limits.md). This measures its size, in process, on SQLite and PostgreSQL:
 - ``read``: the last judgement's database round trip (the database's reading is taken
   somewhere inside it);
 - ``to_first_byte``: from that answer to the upstream client having written the request
-  to the socket (``upstream_client``'s connection's ``send``): the rest of the window.
+  to the socket (``gateway.upstream.connection.Connection.send``): the rest of the window.
 
     .venv/bin/python -m bench.send_window [--writes 2000] [--backends sqlite,postgres]
 
@@ -37,9 +37,10 @@ import sqlalchemy as sa
 from aiohttp import web
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway import migrate, upstream_client
+from gateway import migrate
 from gateway.config import Settings
 from gateway.proxy import Gateway, create_proxy_app
+from gateway.upstream import connection
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore
 
@@ -129,14 +130,14 @@ async def measure(
             if at is not None:
                 windows.append(time.perf_counter() - at)
 
-        send = upstream_client._Connection.send
+        send = connection.Connection.send
 
         async def timed_send(conn: Any, *args: Any) -> None:
             await send(conn, *args)
             await headers_sent()
 
         # Timers wrapped around the real methods (a measurement, not a test double).
-        setattr(upstream_client._Connection, "send", timed_send)  # noqa: B010
+        setattr(connection.Connection, "send", timed_send)  # noqa: B010
         setattr(gateway.store, "claim", timed_claim)  # noqa: B010
         setattr(gateway, "_judge_at_send", timed_judge_at_send)  # noqa: B010
 
@@ -164,7 +165,7 @@ async def measure(
                 await asyncio.gather(*(worker(lease, client) for lease in leases))
                 took = time.perf_counter() - started
         finally:
-            upstream_client._Connection.send = send  # type: ignore[method-assign]
+            connection.Connection.send = send  # type: ignore[method-assign]
             await proxy_runner.cleanup()
             await engine.dispose()
             await upstream_runner.cleanup()

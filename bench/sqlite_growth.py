@@ -10,8 +10,8 @@ step: wall-clock seconds and the process's CPU seconds, divided by the step's wr
 inverse of throughput), and, on Linux, the process's read and write system calls per
 write (``/proc/self/io``): SQLite reads a page it does not hold in its cache with one
 ``pread`` and writes each page of a commit with one ``pwrite``, so these count pages
-(plus a constant few reads of the event loop's wakeups, about 0.3 a write) and do not
-depend on the machine's speed. What grows here grows in the soak too; what
+(plus a constant few reads of the event loop's wakeups) and do not depend on the
+machine's speed. What grows here grows in the soak too; what
 stays flat here and grows in the soak is not SQLite's.
 
     .venv/bin/python -m bench.sqlite_growth [--writes 1000000] [--step 50000]

@@ -166,7 +166,7 @@ async def serve(
     ``freeze_gc`` (``fencegate serve`` sets it): once listening, move every object that
     exists then (modules, the app, the engine) out of the garbage collector's sight.
     They live as long as the process anyway, and scanning them in every full collection
-    stalled the event loop for tens of milliseconds (docs/performance.md: p99 halved)."""
+    stalled the event loop (docs/performance-history.md, "How the hot path got here")."""
     # The certificates first, then both ports: a bad file or a taken port is named
     # before anything else exists (no database file, no migration, no listener bound).
     exposed = settings.exposed_without_auth()

@@ -3,8 +3,9 @@ driver.
 
 A fenced write (admit, settle), a claim and a renewal each run a fixed statement. Through
 SQLAlchemy's per-call machinery (statement building, compiled-cache lookup, execution
-context, pool pre-ping, BEGIN/COMMIT around one statement) each cost 0.4-1 ms of the
-gateway's CPU; sent straight to the driver, about a tenth of that (docs/performance.md).
+context, pool pre-ping, BEGIN/COMMIT around one statement) they took most of the
+gateway's CPU; sent straight to the driver, a small part of it
+(docs/performance-history.md, "How the hot path got here").
 So every write goes direct, and only reads (listings, the dashboard) and the migrations
 stay on SQLAlchemy:
 
@@ -394,8 +395,8 @@ class Coalescer(Generic[Item, Answer]):
     A lane that has answered a batch lets the event loop run once before it takes the
     next: the callers it just answered go on first (an HTTP handler writes its answer
     and its client can send again) instead of waiting behind the next batch's send. On
-    PostgreSQL that made renewals through the API 9 % faster and claims 13 %
-    (docs/performance.md)."""
+    PostgreSQL that made renewals and claims through the API faster
+    (docs/performance-history.md, "Renewals on PostgreSQL, met")."""
 
     def __init__(
         self,

@@ -216,7 +216,7 @@ def test_quick_soak_checks_the_bare_proxy_in_each_interval(tmp_path: Path) -> No
 def test_soak_checks_keep_each_phase_apart() -> None:
     """The driver's bookkeeping: what starts and ends in an interval's check counts for the
     bare proxy, what crosses a switch of target counts for neither."""
-    from bench.driver import OK, Recorder
+    from bench.loops import OK, Recorder
 
     rec = Recorder(100.0, 110.0, interval=5.0, check=1.0)
     assert rec.phase(99.0) == (-1, False)  # the warm-up: the gateway's
@@ -249,7 +249,7 @@ def test_soak_options_are_checked() -> None:
 
 def test_the_soaks_trend_is_the_fitted_lines_change() -> None:
     """One noisy interval moves last-against-first a lot and the fitted trend little."""
-    from bench.run import soak_trend
+    from bench.report import soak_trend
 
     assert soak_trend([100.0, 100.0, 100.0]) == 0.0
     assert abs(soak_trend([90.0, 100.0, 110.0]) - 0.2) < 1e-9  # +20 % of the mean
