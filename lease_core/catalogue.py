@@ -6,11 +6,17 @@ The SQL decides (each change is conditional, so a lost race matches no row); the
 that runs an operation only reads its answer, and explains a refusal. ``Backend`` runs
 the operations and is the only writer; SQLAlchemy keeps the schema, the migrations and
 the read-only listings (jobs, the audit, the dashboard).
+
+A rule that several statements share (the lease is current, an outcome is unknown or
+overdue, ...) is a fragment, ``-- fragment: <name>``, written once per dialect (or once
+in ``common.sql``) and used as ``{name}``; the loader substitutes it, and refuses at load
+time an unknown fragment, one defined twice, one never used, and braces left over.
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,8 +33,13 @@ DIALECTS = ("postgresql", "sqlite")
 CONSTANTS: dict[str, type[StrEnum]] = {"State": State, "RecordState": RecordState}
 
 _HEADER = re.compile(r"^-- name: ([a-z_]+)( \(many(, one at a time)?\))?\s*$", re.MULTILINE)
+_FRAGMENT = re.compile(r"^-- fragment: ([a-z][a-z0-9_]*)\s*$", re.MULTILINE)
+_ANY_HEADER = re.compile(r"^-- (?:name|fragment):.*$", re.MULTILINE)
+_USE = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # a fragment; "{now}" is direct.Statement's
 _CONSTANT = re.compile(r"\{(\w+)\.(\w+)\}")
-_PLACEHOLDER = re.compile(r"\{(?!now\})[^}]*\}")
+_PLACEHOLDER = re.compile(r"\{(?!now\})[^{}]*\}")
+_LONE_BRACE = re.compile(r"\{(?!now\})|(?<!\{now)\}")
+_INDENT = re.compile(r"[ \t]*")
 _END = re.compile(r";\s*$", re.MULTILINE)
 
 
@@ -37,13 +48,15 @@ class Operation:
     """A named state change: ``statements`` run in order in one transaction (each one's
     first row merged into the answer, its columns parameters of the ones after it);
     ``many``: the form concurrent callers share on PostgreSQL; ``one_at_a_time``: its
-    batches are sent one after another, never two at once."""
+    batches are sent one after another, never two at once; ``source``: the file that
+    defines it."""
 
     name: str
     doc: str
     statements: tuple[Statement, ...]
     many: Statement | None = None
     one_at_a_time: bool = False
+    source: str = ""
 
     @cached_property
     def batched(self) -> Batched | None:
@@ -59,16 +72,35 @@ class Operation:
         return hash(self.name)
 
 
+@dataclass(frozen=True)
+class Fragment:
+    """A rule that several statements share (``-- fragment: <name>``), written once:
+    ``{name}`` in a statement or in another fragment stands for ``text``. It takes no
+    arguments: the aliases it names (``r.state``, ``clock.now``) are the ones its
+    statements must use, and its comment (``doc``) says so."""
+
+    name: str
+    doc: str
+    text: str
+    source: str
+
+
 class CatalogueError(ValueError):
     pass
 
 
 class Catalogue(Mapping[str, Operation]):
-    """The operations of one dialect, by name."""
+    """The operations of one dialect, by name, and the fragments they were written with."""
 
-    def __init__(self, dialect: str, operations: dict[str, Operation]) -> None:
+    def __init__(
+        self,
+        dialect: str,
+        operations: dict[str, Operation],
+        fragments: Mapping[str, Fragment] | None = None,
+    ) -> None:
         self.dialect = dialect
         self._operations = operations
+        self.fragments: Mapping[str, Fragment] = dict(fragments or {})
 
     def __getitem__(self, name: str) -> Operation:
         return self._operations[name]
@@ -80,83 +112,206 @@ class Catalogue(Mapping[str, Operation]):
         return len(self._operations)
 
 
-COMMON = "common"  # the operations whose SQL is the same on every dialect
+COMMON = "common"  # the operations and fragments that are the same on every dialect
 
 
 @cache
 def load(dialect: str) -> Catalogue:
     """The catalogue of ``dialect`` ("postgresql" or "sqlite"): its own file's operations
-    and the common ones; an operation is written in exactly one of the two."""
+    and the common ones; an operation, and a fragment, is written in exactly one of the
+    two, and every fragment either defines is used by the two together."""
     if dialect not in DIALECTS:
         raise CatalogueError(f"no SQL for the {dialect!r} dialect; one of {DIALECTS}")
-    operations = read(COMMON)
-    own = read(dialect)
-    both = sorted(set(operations) & set(own))
-    if both:
-        raise CatalogueError(f"{dialect}.sql and {COMMON}.sql both define {', '.join(both)}")
-    return Catalogue(dialect, {**operations, **own})
-
-
-def read(name: str) -> dict[str, Operation]:
-    """The operations of one file of ``SQL_DIR``."""
-    path = SQL_DIR / f"{name}.sql"
-    return parse(path.read_text(encoding="utf-8"), str(path))
+    files = {}
+    for name in (COMMON, dialect):
+        path = SQL_DIR / f"{name}.sql"
+        files[f"{SQL_DIR.parent.name}/{SQL_DIR.name}/{path.name}"] = path.read_text("utf-8")
+    operations, fragments = assemble(files)
+    return Catalogue(dialect, operations, fragments)
 
 
 def parse(text: str, source: str = "<sql>") -> dict[str, Operation]:
-    """The operations of one SQL file (format: the header of postgresql.sql)."""
-    headers = list(_HEADER.finditer(text))
+    """The operations of one self-contained SQL text (format: the header of
+    postgresql.sql), written with the fragments it defines."""
+    return assemble({source: text})[0]
+
+
+def assemble(files: Mapping[str, str]) -> tuple[dict[str, Operation], dict[str, Fragment]]:
+    """The operations of SQL files loaded together (source name: text), and the fragments
+    they share: a fragment of any of them may be used in any of them. Refused: an
+    operation or a fragment defined twice (in one file or in two), an unknown fragment,
+    one that uses itself, one that nothing uses, and braces left over."""
+    fragments: dict[str, Fragment] = {}
+    sections: list[_Section] = []
+    for source, text in files.items():
+        own_fragments, own_sections = _split(text, source)
+        for name, fragment in own_fragments.items():
+            if name in fragments:
+                raise CatalogueError(
+                    f"{fragments[name].source} and {source} both define the fragment {{{name}}}"
+                )
+            fragments[name] = fragment
+        sections += own_sections
+    expander = _Expander(fragments)
+    operations: dict[str, Operation] = {}
+    for source in files:
+        own = _operations(source, [s for s in sections if s.source == source], expander)
+        both = sorted(set(operations) & set(own))
+        if both:
+            first = operations[both[0]].source
+            raise CatalogueError(f"{source} and {first} both define {', '.join(both)}")
+        operations.update(own)
+    unused = [f for f in fragments.values() if f.name not in expander.used]
+    if unused:
+        names = ", ".join(f"{{{f.name}}} ({f.source})" for f in unused)
+        raise CatalogueError(f"fragment never used by {' or '.join(files)}: {names}")
+    return operations, fragments
+
+
+@dataclass(frozen=True)
+class _Section:
+    """One ``-- name:`` block of a file, its SQL not yet expanded."""
+
+    source: str
+    name: str
+    many: bool
+    one_at_a_time: bool
+    doc: str
+    sql: str
+
+
+def _split(text: str, source: str) -> tuple[dict[str, Fragment], list[_Section]]:
+    """The fragments and the operations' blocks of one file, in order."""
+    headers = list(_ANY_HEADER.finditer(text))
+    fragments: dict[str, Fragment] = {}
+    sections: list[_Section] = []
+    for i, header in enumerate(headers):
+        end = headers[i + 1].start() if i + 1 < len(headers) else len(text)
+        doc, sql = _doc_and_sql(text[header.end() : end])
+        if fragment := _FRAGMENT.fullmatch(header.group(0)):
+            name = fragment.group(1)
+            if name in fragments:
+                raise CatalogueError(f"{source}: the fragment {{{name}}} is defined twice")
+            if name == "now":
+                raise CatalogueError(f"{source}: {{now}} is the clock, not a fragment")
+            if not sql:
+                raise CatalogueError(f"{source}: the fragment {{{name}}} has no SQL")
+            if _END.search(sql):
+                raise CatalogueError(
+                    f"{source}: the fragment {{{name}}} ends a statement (';'): a fragment"
+                    " is a part of one statement"
+                )
+            fragments[name] = Fragment(name, doc, textwrap.dedent(sql).strip(), source)
+        elif operation := _HEADER.fullmatch(header.group(0)):
+            name, many = operation.group(1), bool(operation.group(2))
+            sections.append(_Section(source, name, many, bool(operation.group(3)), doc, sql))
+        else:
+            raise CatalogueError(f"{source}: not a header: {header.group(0)!r}")
+    return fragments, sections
+
+
+def _doc_and_sql(body: str) -> tuple[str, str]:
+    """The comment lines at the top of a block (what it does) and its SQL lines."""
+    doc_lines: list[str] = []
+    sql_lines: list[str] = []
+    for line in body.splitlines():
+        if line.startswith("--"):
+            if not sql_lines:
+                doc_lines.append(line[2:].strip())
+            continue
+        if line.strip():
+            sql_lines.append(line)
+    return " ".join(doc_lines).strip(), "\n".join(sql_lines)
+
+
+def _operations(source: str, sections: list[_Section], expander: _Expander) -> dict[str, Operation]:
+    """The operations of one file's blocks, their fragments and states substituted."""
     singles: dict[str, tuple[str, tuple[Statement, ...]]] = {}
     manys: dict[str, Statement] = {}
     one_at_a_time: set[str] = set()
-    for i, header in enumerate(headers):
-        name, many = header.group(1), bool(header.group(2))
-        if header.group(3):
+    for section in sections:
+        name = section.name
+        if section.one_at_a_time:
             one_at_a_time.add(name)
-        end = headers[i + 1].start() if i + 1 < len(headers) else len(text)
-        body = text[header.end() : end]
-        doc_lines: list[str] = []
-        sql_lines: list[str] = []
-        for line in body.splitlines():
-            if line.startswith("--"):
-                if not sql_lines:
-                    doc_lines.append(line[2:].strip())
-                continue
-            if line.strip():
-                sql_lines.append(line)
+        where = f"{source}: {name}"
         statements = tuple(
-            Statement(_constants(part.strip(), source, name))
-            for part in _END.split("\n".join(sql_lines))
+            Statement(_constants(expander.expand(part.strip(), where), where))
+            for part in _END.split(section.sql)
             if part.strip()
         )
         if not statements:
             raise CatalogueError(f"{source}: {name} has no statement")
-        if many:
+        if section.many:
             if name in manys or len(statements) != 1:
                 raise CatalogueError(f"{source}: {name} (many) must be one statement, once")
             manys[name] = statements[0]
         else:
             if name in singles:
                 raise CatalogueError(f"{source}: {name} is defined twice")
-            singles[name] = (" ".join(doc_lines).strip(), statements)
+            singles[name] = (section.doc, statements)
     operations = {}
     for name in dict.fromkeys([*singles, *manys]):
         doc, statements = singles.get(name, ("", ()))
         operations[name] = Operation(
-            name, doc, statements, manys.get(name), one_at_a_time=name in one_at_a_time
+            name,
+            doc,
+            statements,
+            manys.get(name),
+            one_at_a_time=name in one_at_a_time,
+            source=source,
         )
     return operations
 
 
-def _constants(sql: str, source: str, name: str) -> str:
+class _Expander:
+    """Substitutes the fragments into SQL, each one's own fragments first; remembers
+    which were used. A fragment's lines after its first are indented as the line it is
+    used on."""
+
+    def __init__(self, fragments: Mapping[str, Fragment]) -> None:
+        self.fragments = fragments
+        self.used: set[str] = set()
+        self._texts: dict[str, str] = {}
+
+    def expand(self, sql: str, where: str, within: tuple[str, ...] = ()) -> str:
+        def substitute(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name == "now":
+                return match.group(0)
+            line = sql[sql.rfind("\n", 0, match.start()) + 1 :]
+            indent = _INDENT.match(line)
+            return self._text(name, where, within).replace(
+                "\n", "\n" + (indent.group(0) if indent else "")
+            )
+
+        return _USE.sub(substitute, sql)
+
+    def _text(self, name: str, where: str, within: tuple[str, ...]) -> str:
+        fragment = self.fragments.get(name)
+        if fragment is None:
+            raise CatalogueError(f"{where}: unknown fragment {{{name}}}")
+        if name in within:
+            cycle = " -> ".join(f"{{{n}}}" for n in (*within, name))
+            raise CatalogueError(f"{fragment.source}: a fragment uses itself: {cycle}")
+        self.used.add(name)
+        if name not in self._texts:
+            inner = f"{fragment.source}: fragment {{{name}}}"
+            self._texts[name] = self.expand(fragment.text, inner, (*within, name))
+        return self._texts[name]
+
+
+def _constants(sql: str, where: str) -> str:
     def literal(match: re.Match[str]) -> str:
         enum = CONSTANTS.get(match.group(1))
         if enum is None or match.group(2) not in enum.__members__:
-            raise CatalogueError(f"{source}: {name}: no such state {match.group(0)}")
+            raise CatalogueError(f"{where}: no such state {match.group(0)}")
         return f"'{enum[match.group(2)].value}'"
 
     sql = _CONSTANT.sub(literal, sql)
-    unknown = _PLACEHOLDER.search(sql)
-    if unknown is not None:
-        raise CatalogueError(f"{source}: {name}: unknown placeholder {unknown.group(0)}")
+    leftover = _PLACEHOLDER.search(sql) or _LONE_BRACE.search(sql)
+    if leftover is not None:
+        raise CatalogueError(
+            f"{where}: leftover braces {leftover.group(0)!r}: neither a fragment, a state"
+            " nor {now}"
+        )
     return sql

@@ -1,6 +1,67 @@
 -- The operations whose SQL is the same on every dialect (lease_core/catalogue.py loads
 -- this file with each dialect's own, postgresql.sql or sqlite.sql; an operation lives in
 -- exactly one of them). The format is explained at the top of postgresql.sql.
+--
+-- The rules first: a fragment ("-- fragment: <name>", used as "{name}") says once what
+-- several statements test or set. One written here is the same on every dialect; one a
+-- single dialect's statements use, or that each dialect writes its own way, goes in that
+-- dialect's file. Every fragment defined is used, and the name says what the rule
+-- tells, not where it is used.
+
+
+-- ---------------------------------------------------------------------------------------
+-- Rules
+-- ---------------------------------------------------------------------------------------
+
+-- fragment: lease_current
+-- The job row's lease is current: leased, and not expired at {now}. (The batches of
+-- postgresql.sql write it for their own aliases: admit (many) of job at clock.now,
+-- renew (many) of jobs.)
+state = {State.LEASED} AND lease_expires_at > {now}
+
+-- fragment: token_lease_current
+-- The job row's lease is :token_hash's, and current.
+lease_token_hash = :token_hash AND {lease_current}
+
+-- fragment: lease_expired
+-- The job row's lease has expired at {now}: its job can be leased again.
+state = {State.LEASED} AND lease_expires_at <= {now}
+
+-- fragment: unknown_or_overdue
+-- The record's outcome is unknown: said so, or in flight past its deadline at {now}.
+-- (postgresql.sql: r_unknown_or_overdue, of the record r at clock.now.)
+(state = {RecordState.UNKNOWN}
+     OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+
+-- fragment: lease_older_in_flight
+-- A write of a generation older than the lease l's to its job is still in flight at
+-- clock.now.
+EXISTS (
+    SELECT 1 FROM idempotency_records AS o
+    WHERE o.job_id = l.job_id AND o.state = {RecordState.IN_FLIGHT}
+      AND o.generation < l.generation AND o.deadline > clock.now
+)
+
+-- fragment: external_older_in_flight
+-- A write of a generation older than :generation to the job :job_id (of another lease
+-- source) is still in flight at {now}.
+EXISTS (
+    SELECT 1 FROM idempotency_records AS o
+    WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
+      AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
+)
+
+-- fragment: raise_fence
+-- An admission's upsert of its job's fence (INSERT INTO fences ... ON CONFLICT): raised
+-- to the lease's generation, never lowered, and not written again for an equal one.
+ON CONFLICT (job_id) DO UPDATE
+    SET generation = excluded.generation, updated_at = excluded.updated_at
+    WHERE fences.generation < excluded.generation
+
+
+-- ---------------------------------------------------------------------------------------
+-- Operations
+-- ---------------------------------------------------------------------------------------
 
 -- name: fail
 -- The current lease fails its job: back to pending after :retry_in seconds, or failed
@@ -9,7 +70,7 @@ UPDATE jobs SET
     state = CASE WHEN attempts >= max_attempts THEN {State.FAILED} ELSE {State.PENDING} END,
     claimable_at = CASE WHEN attempts >= max_attempts THEN NULL ELSE {now} + :retry_in END,
     error = :error, lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
@@ -36,11 +97,7 @@ WHERE l.token_hash = :token_hash;
 SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
        j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
        f.generation AS fence_generation,
-       EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = l.job_id AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < l.generation AND o.deadline > clock.now
-       ) AS older_in_flight
+       {lease_older_in_flight} AS older_in_flight
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN leases AS l ON l.token_hash = :token_hash
 LEFT JOIN jobs AS j ON j.job_id = l.job_id
@@ -51,11 +108,7 @@ LEFT JOIN fences AS f ON f.job_id = l.job_id;
 -- namespaced "<source>/<job>") and whether an older generation's write to it is still
 -- in flight; always one row (fence_generation NULL: nothing of it has written yet).
 SELECT {now} AS now, f.generation AS fence_generation,
-       EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
-       ) AS older_in_flight
+       {external_older_in_flight} AS older_in_flight
 FROM (SELECT 1 AS one) AS one
 LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text);
 
@@ -79,11 +132,7 @@ ON CONFLICT (job_id) DO UPDATE
     WHERE fences.generation <= excluded.generation
 RETURNING generation AS admitted;
 SELECT {now} AS now, f.generation AS fence_generation,
-       EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
-       ) AS older_in_flight,
+       {external_older_in_flight} AS older_in_flight,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
 FROM (SELECT 1 AS one) AS one
@@ -106,8 +155,7 @@ SET state = {RecordState.IN_FLIGHT}, generation = CAST(:generation AS bigint),
 WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
   AND CAST(:admitted AS bigint) IS NOT NULL AND CAST(:retry AS boolean)
   AND fingerprint = CAST(:fingerprint AS text)
-  AND (state = {RecordState.UNKNOWN}
-       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+  AND {unknown_or_overdue}
 RETURNING 1 AS taken;
 
 -- name: record
@@ -145,8 +193,7 @@ WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 -- request with this key is forwarded. No row: not (or no longer) unknown.
 DELETE FROM idempotency_records
 WHERE job_id = :job_id AND key = :key
-  AND (state = {RecordState.UNKNOWN}
-       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+  AND {unknown_or_overdue}
 RETURNING 1 AS changed;
 
 -- name: audit

@@ -12,10 +12,33 @@
 -- gathers the callers into fewer, larger batches, measured faster through the API,
 -- docs/performance.md). "{now}" is the authoritative time
 -- (PostgreSQL's clock, or an injected one); "{State.X}" and "{RecordState.X}" are the
--- states of lease_core.rules, as literals.
+-- states of lease_core.rules, as literals. "-- fragment: <name>", a comment, then SQL
+-- with no ";" defines a rule that several statements share, and "{name}" in a statement
+-- (or in another fragment) stands for it: the header of common.sql says where one goes.
 -- lease_core/sql/sqlite.sql defines the same operations for SQLite; those whose SQL is
 -- the same on both are in lease_core/sql/common.sql instead (an operation lives in
 -- exactly one file).
+
+
+-- ---------------------------------------------------------------------------------------
+-- Rules: this dialect's fragments (the others are in common.sql)
+-- ---------------------------------------------------------------------------------------
+
+-- fragment: new_job
+-- A new pending job, nothing when the id is taken; a job created again after a purge
+-- continues above its last generation (job_tombstones).
+INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
+                  claimable_at, created_at, updated_at)
+VALUES (CAST(:job_id AS text), :queue, {State.PENDING},
+        COALESCE((SELECT t.generation FROM job_tombstones AS t WHERE t.job_id = :job_id), 0),
+        0, :max_attempts, CAST(:payload AS jsonb), {now}, {now}, {now})
+ON CONFLICT (job_id) DO NOTHING
+
+-- fragment: r_unknown_or_overdue
+-- unknown_or_overdue (common.sql) of the record r at clock.now: its outcome is unknown,
+-- said so or in flight past its deadline.
+(r.state = {RecordState.UNKNOWN}
+     OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= clock.now))
 
 
 -- ---------------------------------------------------------------------------------------
@@ -25,12 +48,7 @@
 -- name: enqueue
 -- A new pending job; a job created again after a purge continues above its last
 -- generation (job_tombstones). No row: the id is taken.
-INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
-                  claimable_at, created_at, updated_at)
-VALUES (CAST(:job_id AS text), :queue, {State.PENDING},
-        COALESCE((SELECT t.generation FROM job_tombstones AS t WHERE t.job_id = :job_id), 0),
-        0, :max_attempts, CAST(:payload AS jsonb), {now}, {now}, {now})
-ON CONFLICT (job_id) DO NOTHING
+{new_job}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
@@ -39,12 +57,7 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 -- expired, or the same owner holds it (a restarted process under the same name fences
 -- its predecessor off); the grant is recorded in leases. granted NULL: refused, and
 -- found_state / found_expires_at say why.
-INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
-                  claimable_at, created_at, updated_at)
-VALUES (CAST(:job_id AS text), :queue, {State.PENDING},
-        COALESCE((SELECT t.generation FROM job_tombstones AS t WHERE t.job_id = :job_id), 0),
-        0, :max_attempts, CAST(:payload AS jsonb), {now}, {now}, {now})
-ON CONFLICT (job_id) DO NOTHING;
+{new_job};
 WITH found AS (
     SELECT j.state, j.lease_expires_at FROM jobs AS j WHERE j.job_id = :job_id
 ),
@@ -117,7 +130,7 @@ UPDATE jobs SET
     lease_expires_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
     claimable_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
     updated_at = {now}
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
 
 -- name: renew (many, one at a time)
@@ -157,7 +170,7 @@ SELECT i.n, renewed.* FROM input AS i JOIN renewed ON renewed.lease_token_hash =
 UPDATE jobs SET
     state = {State.COMPLETED}, result = CAST(:result AS jsonb), lease_token_hash = NULL,
     lease_expires_at = NULL, claimable_at = NULL, updated_at = {now}
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
@@ -167,7 +180,7 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 UPDATE jobs SET
     state = {State.PENDING}, claimable_at = {now}, attempts = GREATEST(attempts - 1, 0),
     lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
@@ -184,7 +197,7 @@ SELECT EXISTS (
 ) AS writing;
 DELETE FROM jobs
 WHERE job_id = :job_id AND NOT CAST(:writing AS boolean)
-  AND NOT (state = {State.LEASED} AND lease_expires_at > {now})
+  AND NOT ({lease_current})
 RETURNING generation AS purged_generation;
 DELETE FROM idempotency_records
 WHERE job_id = :job_id AND CAST(:purged_generation AS bigint) IS NOT NULL;
@@ -202,7 +215,7 @@ WITH failed AS (
         state = {State.FAILED}, error = 'the lease expired on the last attempt',
         lease_token_hash = NULL, claimable_at = NULL, lease_expires_at = NULL,
         updated_at = {now}
-    WHERE state = {State.LEASED} AND lease_expires_at <= {now} AND attempts >= max_attempts
+    WHERE {lease_expired} AND attempts >= max_attempts
     RETURNING 1
 )
 SELECT count(*) AS changed FROM failed;
@@ -277,9 +290,7 @@ raised AS (
     SELECT DISTINCT ON (c.job_id) c.job_id, c.generation, clock.now
     FROM current_lease AS c CROSS JOIN clock
     ORDER BY c.job_id, c.generation DESC
-    ON CONFLICT (job_id) DO UPDATE
-        SET generation = excluded.generation, updated_at = excluded.updated_at
-        WHERE fences.generation < excluded.generation
+    {raise_fence}
 ),
 claim AS (
     INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
@@ -302,8 +313,7 @@ held AS (
     ) AS r
     CROSS JOIN clock
     WHERE i.retry AND r.fingerprint = i.fingerprint
-      AND (r.state = {RecordState.UNKNOWN}
-           OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= clock.now))
+      AND {r_unknown_or_overdue}
     ORDER BY r.job_id, r.key
     FOR UPDATE OF r
 ),
@@ -416,8 +426,7 @@ found AS (
     JOIN fences AS f ON f.job_id = r.job_id AND f.generation <= r.generation
     CROSS JOIN clock
     WHERE r.upstream = CAST(:upstream AS text)
-      AND (r.state = {RecordState.UNKNOWN}
-           OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= clock.now))
+      AND {r_unknown_or_overdue}
       AND r.request_body IS NOT NULL
       AND r.created_at > clock.now - CAST(:window AS double precision)
       AND r.resolve_attempts < CAST(:max_attempts AS integer)
@@ -455,8 +464,7 @@ UPDATE idempotency_records
 SET state = {RecordState.COMPLETED}, status = :status, headers = CAST(:headers AS json),
     body = :body, note = 'resolved by an operator: applied', updated_at = {now}
 WHERE job_id = :job_id AND key = :key
-  AND (state = {RecordState.UNKNOWN}
-       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+  AND {unknown_or_overdue}
 RETURNING 1 AS changed;
 
 -- name: purge_records

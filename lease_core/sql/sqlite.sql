@@ -10,18 +10,43 @@
 
 
 -- ---------------------------------------------------------------------------------------
--- Jobs and leases
+-- Rules: this dialect's fragments (the others are in common.sql)
 -- ---------------------------------------------------------------------------------------
 
--- name: enqueue
--- A new pending job; a job created again after a purge continues above its last
--- generation (job_tombstones). No row: the id is taken.
+-- fragment: new_job
+-- A new pending job, nothing when the id is taken; a job created again after a purge
+-- continues above its last generation (job_tombstones).
 INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
                   claimable_at, created_at, updated_at)
 VALUES (:job_id, :queue, {State.PENDING},
         COALESCE((SELECT t.generation FROM job_tombstones AS t WHERE t.job_id = :job_id), 0),
         0, :max_attempts, :payload, {now}, {now}, {now})
 ON CONFLICT (job_id) DO NOTHING
+
+-- fragment: grant
+-- The SET of a grant: the job row leased to :owner under :token_hash for :ttl seconds,
+-- at its next generation, its attempts counted. (postgresql.sql writes it out in acquire
+-- and in claim, whose values come from its batch.)
+state = {State.LEASED}, generation = generation + 1, owner = :owner,
+lease_token_hash = :token_hash, lease_ttl_seconds = :ttl,
+lease_expires_at = {now} + :ttl, claimable_at = {now} + :ttl,
+attempts = attempts + 1, updated_at = {now}
+
+-- fragment: record_grant
+-- The grant just made under :token_hash, recorded in leases.
+INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
+SELECT lease_token_hash, job_id, generation, owner, {now}, lease_expires_at
+FROM jobs WHERE lease_token_hash = :token_hash
+
+
+-- ---------------------------------------------------------------------------------------
+-- Jobs and leases
+-- ---------------------------------------------------------------------------------------
+
+-- name: enqueue
+-- A new pending job; a job created again after a purge continues above its last
+-- generation (job_tombstones). No row: the id is taken.
+{new_job}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
@@ -29,36 +54,23 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 -- A named job, created pending if absent, is leased when it is pending, its lease
 -- expired, or the same owner holds it; the grant is recorded in leases. granted NULL:
 -- refused, and found_state / found_expires_at say why.
-INSERT INTO jobs (job_id, queue, state, generation, attempts, max_attempts, payload,
-                  claimable_at, created_at, updated_at)
-VALUES (:job_id, :queue, {State.PENDING},
-        COALESCE((SELECT t.generation FROM job_tombstones AS t WHERE t.job_id = :job_id), 0),
-        0, :max_attempts, :payload, {now}, {now}, {now})
-ON CONFLICT (job_id) DO NOTHING;
+{new_job};
 SELECT state AS found_state, lease_expires_at AS found_expires_at
 FROM jobs WHERE job_id = :job_id;
 UPDATE jobs SET
-    state = {State.LEASED}, generation = generation + 1, owner = :owner,
-    lease_token_hash = :token_hash, lease_ttl_seconds = :ttl,
-    lease_expires_at = {now} + :ttl, claimable_at = {now} + :ttl,
-    attempts = attempts + 1, updated_at = {now}
+    {grant}
 WHERE job_id = :job_id
   AND (state = {State.PENDING}
        OR (state = {State.LEASED} AND (lease_expires_at <= {now} OR owner = :owner)))
 RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload,
           1 AS granted;
-INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
-SELECT lease_token_hash, job_id, generation, owner, {now}, lease_expires_at
-FROM jobs WHERE lease_token_hash = :token_hash;
+{record_grant};
 
 -- name: claim
 -- Lease the next claimable job of a queue (pending and due, or leased with an expired
 -- lease, with attempts left), and record the grant.
 UPDATE jobs SET
-    state = {State.LEASED}, generation = generation + 1, owner = :owner,
-    lease_token_hash = :token_hash, lease_ttl_seconds = :ttl,
-    lease_expires_at = {now} + :ttl, claimable_at = {now} + :ttl,
-    attempts = attempts + 1, updated_at = {now}
+    {grant}
 WHERE job_id = (
     SELECT job_id FROM jobs
     WHERE queue = :queue AND claimable_at IS NOT NULL AND claimable_at <= {now}
@@ -66,9 +78,7 @@ WHERE job_id = (
     ORDER BY claimable_at LIMIT 1
 )
 RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
-INSERT INTO leases (token_hash, job_id, generation, owner, granted_at, expires_at)
-SELECT lease_token_hash, job_id, generation, owner, {now}, lease_expires_at
-FROM jobs WHERE lease_token_hash = :token_hash;
+{record_grant};
 
 -- name: renew
 -- Extend the current lease (by its ttl, or a new one). No row: the lease is not current.
@@ -77,7 +87,7 @@ UPDATE jobs SET
     lease_expires_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
     claimable_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
     updated_at = {now}
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
 
 -- name: complete
@@ -85,7 +95,7 @@ RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payloa
 UPDATE jobs SET
     state = {State.COMPLETED}, result = :result, lease_token_hash = NULL,
     lease_expires_at = NULL, claimable_at = NULL, updated_at = {now}
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
@@ -95,7 +105,7 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 UPDATE jobs SET
     state = {State.PENDING}, claimable_at = {now}, attempts = MAX(attempts - 1, 0),
     lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
@@ -111,7 +121,7 @@ SELECT EXISTS (
 ) AS writing;
 DELETE FROM jobs
 WHERE job_id = :job_id AND NOT :writing
-  AND NOT (state = {State.LEASED} AND lease_expires_at > {now})
+  AND NOT ({lease_current})
 RETURNING generation AS purged_generation;
 DELETE FROM idempotency_records
 WHERE job_id = :job_id AND :purged_generation IS NOT NULL;
@@ -127,7 +137,7 @@ UPDATE jobs SET
     state = {State.FAILED}, error = 'the lease expired on the last attempt',
     lease_token_hash = NULL, claimable_at = NULL, lease_expires_at = NULL,
     updated_at = {now}
-WHERE state = {State.LEASED} AND lease_expires_at <= {now} AND attempts >= max_attempts;
+WHERE {lease_expired} AND attempts >= max_attempts;
 SELECT changes() AS changed;
 
 -- name: purge_grants
@@ -159,11 +169,7 @@ SELECT changes() AS changed, {now} - :older_than AS cutoff;
 SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
        j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
        f.generation AS fence_generation,
-       EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = l.job_id AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < l.generation AND o.deadline > clock.now
-       ) AS older_in_flight,
+       {lease_older_in_flight} AS older_in_flight,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
 FROM (SELECT {now} AS now) AS clock
@@ -173,16 +179,14 @@ LEFT JOIN fences AS f ON f.job_id = l.job_id
 LEFT JOIN idempotency_records AS r ON r.job_id = l.job_id AND r.key = :key;
 INSERT INTO fences (job_id, generation, updated_at)
 SELECT job_id, generation, {now} FROM jobs
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
-ON CONFLICT (job_id) DO UPDATE
-    SET generation = excluded.generation, updated_at = excluded.updated_at
-    WHERE fences.generation < excluded.generation;
+WHERE {token_lease_current}
+{raise_fence};
 INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
                                  upstream, method, path, deadline, created_at, updated_at)
 SELECT job_id, :key, :fingerprint, {RecordState.IN_FLIGHT}, generation, :attempt, :upstream,
        :method, :path, {now} + :deadline_in, {now}, {now}
 FROM jobs
-WHERE lease_token_hash = :token_hash AND state = {State.LEASED} AND lease_expires_at > {now}
+WHERE {token_lease_current}
 ON CONFLICT (job_id, key) DO NOTHING
 RETURNING 1 AS claimed;
 UPDATE idempotency_records
@@ -190,8 +194,7 @@ SET state = {RecordState.IN_FLIGHT}, generation = j.generation, attempt = :attem
     deadline = {now} + :deadline_in, updated_at = {now}
 FROM (
     SELECT job_id, generation FROM jobs
-    WHERE lease_token_hash = :token_hash AND state = {State.LEASED}
-      AND lease_expires_at > {now}
+    WHERE {token_lease_current}
 ) AS j
 WHERE idempotency_records.job_id = j.job_id AND idempotency_records.key = :key
   AND :retry AND idempotency_records.fingerprint = :fingerprint
@@ -289,8 +292,7 @@ UPDATE idempotency_records
 SET state = {RecordState.COMPLETED}, status = :status, headers = :headers,
     body = :body, note = 'resolved by an operator: applied', updated_at = {now}
 WHERE job_id = :job_id AND key = :key
-  AND (state = {RecordState.UNKNOWN}
-       OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+  AND {unknown_or_overdue}
 RETURNING 1 AS changed;
 
 -- name: purge_records

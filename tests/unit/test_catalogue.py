@@ -1,5 +1,6 @@
 """The catalogue of state changes: every dialect defines the same operations, with the
-same parameters, documented; states are named through the enums, never spelled."""
+same parameters, documented; states are named through the enums, never spelled; a rule
+several statements share is a fragment, written once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import pytest
 
 from lease_core import catalogue
-from lease_core.catalogue import CatalogueError, parse
+from lease_core.catalogue import CatalogueError, assemble, parse
 from lease_core.direct import BATCH_LANES, parameter_names
 from lease_core.rules import RecordState, State
 
@@ -62,9 +63,19 @@ def test_states_are_named_through_the_enums(dialect: str) -> None:
 def test_an_operation_is_written_in_one_file_only() -> None:
     """Common operations are not written again per dialect, and a dialect's own
     operation is not the same SQL as the other dialect's (it would belong in common)."""
-    common = set(catalogue.read(catalogue.COMMON))
+
+    def source(op: catalogue.Operation) -> str:
+        return op.source.rsplit("/", 1)[-1].removesuffix(".sql")
+
+    common = {n for n, op in CATALOGUES["sqlite"].items() if source(op) == catalogue.COMMON}
     assert common, "common.sql defines the operations that are the same on every dialect"
-    own = {dialect: catalogue.read(dialect) for dialect in catalogue.DIALECTS}
+    assert common == {
+        n for n, op in CATALOGUES["postgresql"].items() if source(op) == catalogue.COMMON
+    }
+    own = {
+        dialect: {n: op for n, op in ops.items() if source(op) == dialect}
+        for dialect, ops in CATALOGUES.items()
+    }
     for ops in own.values():
         assert common.isdisjoint(ops)
     same = [
@@ -122,7 +133,10 @@ SELECT i.n FROM unnest(CAST(:a AS int[])) WITH ORDINALITY AS i(a, n);
     [
         ("-- name: a\nSELECT {State.NOPE};", "no such state"),
         ("-- name: a\nSELECT {Other.X};", "no such state"),
-        ("-- name: a\nSELECT '{oops}';", "unknown placeholder"),
+        ("-- name: a\nSELECT '{oops}';", r"unknown fragment \{oops\}"),
+        ("-- name: a\nSELECT '{Oops!}';", r"leftover braces '\{Oops!\}'"),
+        ("-- name: a\nSELECT '{' || :x;", "leftover braces '{'"),
+        ("-- name: a\nSELECT 1 AS x};", "leftover braces '}'"),
         ("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;", "defined twice"),
         ("-- name: a (many)\nSELECT 1;\nSELECT 2;", "one statement"),
         ("-- name: a\n-- only a comment\n", "has no statement"),
@@ -136,3 +150,84 @@ def test_the_loader_refuses_what_it_cannot_run(text: str, message: str) -> None:
 def test_an_unknown_dialect_is_named() -> None:
     with pytest.raises(CatalogueError, match="mysql"):
         catalogue.load("mysql")
+
+
+FRAGMENTS = """
+-- fragment: leased
+-- The row is leased.
+state = {State.LEASED}
+
+-- fragment: current
+-- Leased, and not expired: two lines, the second indented as the use.
+{leased}
+  AND lease_expires_at > {now}
+
+-- name: renew
+-- Uses a fragment that uses another.
+UPDATE jobs SET updated_at = {now}
+    WHERE job_id = :job_id AND {current};
+-- name: purge
+-- Uses one in parentheses.
+DELETE FROM jobs WHERE NOT ({leased});
+"""
+
+
+def test_fragments_expand_where_they_are_used() -> None:
+    ops = parse(FRAGMENTS)
+    assert ops["renew"].statements[0].text == (
+        "UPDATE jobs SET updated_at = {now}\n"
+        "    WHERE job_id = :job_id AND state = 'leased'\n"
+        "      AND lease_expires_at > {now}"
+    )
+    assert ops["purge"].statements[0].text == "DELETE FROM jobs WHERE NOT (state = 'leased')"
+
+
+def test_a_fragment_of_one_file_serves_the_others_loaded_with_it() -> None:
+    common = "-- fragment: leased\n-- The row is leased.\nstate = {State.LEASED}\n"
+    own = "-- name: purge\n-- Uses common's.\nDELETE FROM jobs WHERE {leased};\n"
+    operations, fragments = assemble({"common.sql": common, "sqlite.sql": own})
+    assert operations["purge"].statements[0].text == "DELETE FROM jobs WHERE state = 'leased'"
+    assert operations["purge"].source == "sqlite.sql"
+    assert fragments["leased"].source == "common.sql"
+    assert fragments["leased"].doc == "The row is leased."
+
+
+USE = "-- name: a\nSELECT 1 WHERE {f};\n"
+F = "-- fragment: f\nx = 1\n"
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"s.sql": "-- name: a\nSELECT 1 WHERE {nope};"}, r"s.sql: a: unknown fragment \{nope\}"),
+        ({"s.sql": F + F + USE}, r"s.sql: the fragment \{f\} is defined twice"),
+        ({"c.sql": F, "s.sql": F + USE}, r"c.sql and s.sql both define the fragment \{f\}"),
+        ({"s.sql": F + "-- fragment: g\ny = 2\n" + USE}, r"never used .*\{g\} \(s.sql\)"),
+        ({"c.sql": F, "s.sql": "-- name: a\nSELECT 1;"}, r"never used by c.sql or s.sql: \{f\}"),
+        ({"s.sql": "-- fragment: f\nx = {f}\n" + USE}, r"uses itself: \{f\} -> \{f\}"),
+        ({"s.sql": "-- fragment: f\nx = 1;\n" + USE}, "a part of one statement"),
+        ({"s.sql": "-- fragment: f\n-- only a comment\n" + USE}, "has no SQL"),
+        ({"s.sql": "-- fragment: now\nclock()\n" + USE}, "the clock, not a fragment"),
+        ({"s.sql": "-- fragment: Bad-Name\nx\n" + USE}, "not a header"),
+        ({"s.sql": "-- fragment: f\nx = {State.NOPE}\n" + USE}, r"no such state \{State.NOPE\}"),
+        ({"s.sql": "-- fragment: f\nx = '{'\n" + USE}, "leftover braces '{'"),
+        ({"c.sql": USE, "s.sql": F + USE}, "s.sql and c.sql both define a"),
+    ],
+)
+def test_the_loader_refuses_a_fragment_it_cannot_use(files: dict[str, str], message: str) -> None:
+    with pytest.raises(CatalogueError, match=message):
+        assemble(files)
+
+
+@pytest.mark.parametrize("dialect", catalogue.DIALECTS)
+def test_every_fragment_says_what_it_is_and_is_used(dialect: str) -> None:
+    """The rules the catalogue shares are fragments (the lease is current, an outcome is
+    unknown or overdue, ...), each with its comment; the loader has checked that each is
+    used, and none is left unexpanded."""
+    fragments = CATALOGUES[dialect].fragments
+    assert {"lease_current", "token_lease_current", "unknown_or_overdue"} <= set(fragments)
+    for name, fragment in fragments.items():
+        assert len(fragment.doc) > 20, f"{dialect}: the fragment {name} has no comment"
+    current = "lease_token_hash = :token_hash AND state = 'leased' AND lease_expires_at > {now}"
+    for name in ("fail", "renew", "complete", "release"):
+        assert current in CATALOGUES[dialect][name].statements[0].text, name
