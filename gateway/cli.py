@@ -269,8 +269,14 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
         ]
         print(f"fencegate: {ConfigError(problems)}", file=sys.stderr)
         return EXIT_USAGE
+    replicated, refused = _replication_line(settings)
+    if refused:
+        print(f"fencegate: {refused}", file=sys.stderr)
+        return 1
     print("configuration is valid")
     print(f"  database        {_safe_url(settings.database_url)}")
+    if replicated:
+        print(f"  replication     {replicated}")
     print(f"  proxy_listen    {settings.proxy_listen}")
     print(f"  control_listen  {settings.control_listen}")
     print(
@@ -313,6 +319,34 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     for key, name, _ in env_references(settings):
         print(f"  serve needs     {name} (set) for {key}")
     return 0
+
+
+def _replication_line(settings: Settings) -> tuple[str, str]:
+    """(what check-config says of a PostgreSQL's replication, the refusal serve would
+    give or ""). An unreachable database is said, not refused: the file is what is checked."""
+    from . import replication
+
+    if settings.sqlite:
+        return "", ""
+    seen: list[replication.Replication] = []
+
+    async def read() -> None:
+        engine = create_engine(settings.database_url)
+        try:
+            seen.append(await replication.replication(engine))
+        finally:
+            await engine.dispose()
+
+    try:
+        run_loop(read())
+    except Exception as error:
+        return f"not checked: {migrate.database_error(error, settings.database_url)}", ""
+    found = seen[0].problems()
+    if found and not settings.database.allow_async_failover:
+        return "", replication.refusal(found)
+    if found:
+        return f"{seen[0].summary()}; can lose commits (allow_async_failover = true)", ""
+    return seen[0].summary(), ""
 
 
 def _safe_url(url: str) -> str:

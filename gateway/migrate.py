@@ -58,7 +58,11 @@ def database_error(error: BaseException, database_url: str) -> str:
     it, else ``database error: <the driver's first line>``. Never the statement's
     parameters (the engines hide them) nor a password."""
     url = sa.make_url(database_url)
-    where = f"{url.host or 'localhost'}:{url.port or 5432}"
+    hosts = url.query.get("host")
+    if isinstance(hosts, tuple) and len(hosts) > 1:  # several (config.several_hosts)
+        where = ", ".join(hosts)
+    else:
+        where = f"{url.host or 'localhost'}:{url.port or 5432}"
     cause: BaseException | None = error
     seen = 0
     while cause is not None and seen < 10:

@@ -25,7 +25,7 @@ from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
 
-from . import admin, dashboard, logs, migrate, tasks, tls, tracing
+from . import admin, dashboard, logs, migrate, replication, tasks, tls, tracing
 from .auth import auth_check
 from .body import body_deadline_check
 from .config import ConfigError, Settings, parse_listen
@@ -63,7 +63,22 @@ async def readyz(request: web.Request) -> web.Response:
             f"The database schema is at {revision or 'no revision'}, this version needs "
             f"{migrate.head_revision()}: run `fencegate migrate`."
         )
-    return web.json_response({"status": "ready", "schema": revision})
+    answer: dict[str, object] = {"status": "ready", "schema": revision}
+    settings = request.app[SETTINGS]
+    if not settings.sqlite:
+        try:
+            seen = await replication.replication(store.engine)
+        except Exception as error:
+            raise exc.StoreUnavailable(
+                f"The database is not reachable ({type(error).__name__})."
+            ) from error
+        if seen.in_recovery:
+            raise exc.StoreUnavailable(f"The database server {seen.server} is a standby.")
+        database = seen.to_json()
+        if settings.database.allow_async_failover:
+            database |= {"allow_async_failover": True, "can_lose_commits": seen.problems()}
+        answer["database"] = database
+    return web.json_response(answer)
 
 
 def create_control_app(
@@ -147,6 +162,34 @@ async def prepare_database(settings: Settings, store: LeaseStore) -> None:
         )
 
 
+async def check_replication(settings: Settings, store: LeaseStore) -> None:
+    """Refuse (SystemExit) a PostgreSQL that a failover could make lose an acknowledged
+    commit, unless ``database.allow_async_failover``; say what was found either way."""
+    if settings.sqlite:
+        return
+    try:
+        seen = await replication.replication(store.engine)
+    except Exception as error:
+        message = migrate.database_error(error, settings.database_url)
+        raise SystemExit(f"fencegate: {message}") from error
+    if seen.in_recovery:
+        raise SystemExit(
+            f"fencegate: the database server {seen.server} is a standby and takes no writes: "
+            "point database_url at the primary, or list every host with "
+            "target_session_attrs=read-write"
+        )
+    found = seen.problems()
+    if found and not settings.database.allow_async_failover:
+        raise SystemExit(f"fencegate: {replication.refusal(found)}")
+    if found:
+        log.warning(
+            "database.allow_async_failover = true: starting although a failover can lose "
+            "an acknowledged commit and move a fence back (%s)",
+            "; ".join(found),
+        )
+    log.info("database: %s", seen.summary())
+
+
 async def serve(
     settings: Settings,
     *,
@@ -194,6 +237,7 @@ async def serve(
     runners: list[web.AppRunner] = []
     try:
         await prepare_database(settings, store)
+        await check_replication(settings, store)
         addresses: list[str] = []
         gateway = Gateway(settings, store)
         if reload_settings is not None:

@@ -4,6 +4,7 @@ with the authoritative clock, measured, its errors translated once."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +15,8 @@ from . import catalogue
 from . import exceptions as exc
 from .db import Clock, Dialect, direct_of
 from .metrics import Metrics
+
+log = logging.getLogger("fencegate.database")
 
 Row = Mapping[str, Any]
 
@@ -32,6 +35,15 @@ class Backend:
         self.dialect = Dialect(engine, clock)
         self.catalogue = catalogue.load(self.dialect.name)
         self.metrics = metrics or Metrics()
+        self.server: str | None = None  # host:port of the last server connected to
+        self.direct.on_connect = self._connected
+
+    def _connected(self, server: str) -> None:
+        self.metrics.db_connections.inc()
+        if self.server is not None and server != self.server:
+            self.metrics.db_primary_changes.inc()
+            log.warning("the database's primary is now %s (was %s)", server, self.server)
+        self.server = server
 
     @property
     def sqlite(self) -> bool:

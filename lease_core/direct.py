@@ -138,6 +138,9 @@ class Direct:
     ``dispose()``; connects on first use."""
 
     sqlite: bool
+    # Told "host:port" of the server each new connection reached (PostgreSQL): the
+    # backend counts reconnects and notices a new primary after a failover.
+    on_connect: Callable[[str], None] | None = None
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         """Run one statement as its own transaction; its first row, if any."""
@@ -237,9 +240,22 @@ class PostgresDirect(Direct):
                 # No reset query on release (asyncpg's default costs a round trip per
                 # use): these statements never change a session's state.
                 self._pool = await asyncpg.create_pool(
-                    min_size=0, max_size=self._pool_size, reset=_no_reset, **self._connect_args
+                    min_size=0,
+                    max_size=self._pool_size,
+                    reset=_no_reset,
+                    init=self._connected,
+                    **self._connect_args,
                 )
         return self._pool
+
+    async def _connected(self, conn: Any) -> None:
+        """A new connection of the pool (the first ones, or one replacing a connection
+        that broke: a restart or a failover): which server it reached. With several
+        hosts and ``target_session_attrs=read-write``, asyncpg tried them in order and
+        kept the one that takes writes."""
+        if self.on_connect is not None:
+            row = await conn.fetchrow(_SERVER_OF_CONNECTION)
+            self.on_connect(f"{row[0]}:{row[1]}")
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         row: Row | None = await self._send("fetchrow", statement, params)
@@ -448,6 +464,11 @@ class Coalescer(Generic[Item, Answer]):
                 await asyncio.sleep(0)  # the answered callers run before the next send
         finally:
             self._running -= 1
+
+
+_SERVER_OF_CONNECTION = (
+    "SELECT coalesce(host(inet_server_addr()), 'local socket'), inet_server_port()"
+)
 
 
 async def _no_reset(_conn: Any) -> None:

@@ -32,6 +32,18 @@ class Metrics:
             "Transactions that failed because the database was unreachable.",
             registry=r,
         )
+        self.db_connections = Counter(
+            "fencegate_db_connections",
+            "Connections the hot path's pool opened to PostgreSQL: beyond the pool's size, "
+            "each one replaces a connection lost to a restart or a failover.",
+            registry=r,
+        )
+        self.db_primary_changes = Counter(
+            "fencegate_db_primary_changes",
+            "New connections that reached another server than the one before: a failover "
+            "or switchover seen by this replica.",
+            registry=r,
+        )
         self.purged = Counter(
             "fencegate_purged_rows", "Rows removed by retention.", ["what"], registry=r
         )

@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         "faults for --seconds, then check history.jsonl against ledger.jsonl. Exit 0: no "
         "violation, 1: a violation, 2: the run could not start or its files are unreadable.",
     )
-    r.add_argument("--db", choices=["sqlite", "pg"], default="sqlite")
+    r.add_argument(
+        "--db",
+        choices=["sqlite", "pg", "patroni"],
+        default="sqlite",
+        help="pg: one PostgreSQL; patroni: three, replicated synchronously, failing over",
+    )
     r.add_argument("--seconds", type=float, default=60.0, help="fault window (default 60)")
     r.add_argument(
         "--nemesis",
@@ -56,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds to settle after the faults (default {TAIL_SECONDS:g})",
     )
     r.add_argument("--workers", type=int, default=8)
-    r.add_argument("--replicas", type=int, default=None, help="default 1 (sqlite), 3 (pg)")
+    r.add_argument("--replicas", type=int, default=None, help="default 1 (sqlite), 3 (pg, patroni)")
     r.add_argument(
         "--min-completed",
         type=_share,

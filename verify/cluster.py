@@ -31,6 +31,17 @@ OS_USER = "postgres"
 TRUSTED_SUBNET = "10.213.0.0/16"  # verify.netns: the namespaces' side of their veth pairs
 
 
+async def execute(url: str, sql: str) -> list[sa.Row[Any]]:
+    """One statement outside a transaction (CREATE DATABASE, ALTER SYSTEM) at ``url``."""
+    engine = create_async_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            result = await conn.execute(sa.text(sql))
+            return list(result.all()) if result.returns_rows else []
+    finally:
+        await engine.dispose()
+
+
 class ClusterError(Exception):
     """The cluster could not be made or started."""
 
@@ -106,6 +117,8 @@ class PgCluster:
         original = self.data / "postgresql.conf.initdb"
         if not original.exists():
             shutil.copy(conf, original)
+            if self.as_root:  # the server reads its folder whole (pg_basebackup)
+                shutil.chown(original, user=OS_USER)
         ours = "".join(f"{name} = {value}\n" for name, value in settings.items())
         conf.write_text(original.read_text() + "\n# fencegate fault tests\n" + ours)
         hba = self.data / "pg_hba.conf"
@@ -152,6 +165,26 @@ class PgCluster:
                 last = error
         raise ClusterError(f"the cluster did not start: {last}")
 
+    def standby(self) -> PgCluster:
+        """A streaming standby of this cluster (``pg_basebackup -R``), started on a port
+        of its own. It replicates asynchronously unless this cluster names it in
+        ``synchronous_standby_names`` (``'*'`` names any)."""
+        standby = PgCluster(listen=self.listen[1:])
+        if standby.as_root:
+            shutil.chown(standby.base, user=OS_USER)
+        standby._run(
+            "pg_basebackup", "-D", str(standby.data), "-R", "-X", "stream",
+            "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "--no-sync",
+            "--checkpoint=fast",
+        )  # fmt: skip
+        standby.configure(free_port())
+        standby.start()
+        return standby
+
+    def promote(self) -> None:
+        """A standby becomes a primary (``pg_ctl promote``; waits until it takes writes)."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
+
     def destroy(self) -> None:
         try:
             if self.data.exists() and self.is_running():
@@ -165,13 +198,7 @@ class PgCluster:
         return f"postgresql+asyncpg://postgres@{host}:{self.port}/{database}"
 
     async def execute(self, sql: str, database: str = "postgres") -> list[sa.Row[Any]]:
-        engine = create_async_engine(self.url(database), isolation_level="AUTOCOMMIT")
-        try:
-            async with engine.connect() as conn:
-                result = await conn.execute(sa.text(sql))
-                return list(result.all()) if result.returns_rows else []
-        finally:
-            await engine.dispose()
+        return await execute(self.url(database), sql)
 
     async def create_database(self, template: str | None = None) -> str:
         name = f"fg_{uuid.uuid4().hex[:12]}"

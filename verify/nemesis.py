@@ -13,6 +13,10 @@ the whole plan first (``"phase": "plan"``), then a line when each fault starts a
   the database, all of it or 30 % of its packets, for 1-8 s.
 - ``clock``: restart a replica under ``faketime -f +Nm`` (or ``-Nm``, N in 2..10; the
   monotonic clock stays real) for 1-8 s, then again with the real clock.
+- ``failover`` (Patroni): the primary gives way, by ``patronictl switchover`` or by a
+  kill -9 of its postmaster (Patroni promotes a synchronous standby); the fault ends once
+  the cluster is whole again (every standby synchronous), so each failover starts from a
+  cluster that can lose nothing.
 - ``upstream``: the upstream cuts answers after applying, answers slowly, or answers 503
   without applying, for a share (0.2-0.5) of the writes, for 1-8 s.
 """
@@ -32,8 +36,14 @@ from verify.events import JsonlWriter
 from verify.procs import Child, StartError
 from verify.stack import Replica, Stack
 
-NEMESES = ("pause", "kill", "partition", "clock", "upstream", "db-restart")
+NEMESES = ("pause", "kill", "partition", "clock", "upstream", "db-restart", "failover")
+# The nemeses of one database only: db-restart restarts the one PostgreSQL of --db pg,
+# failover moves the primary of --db patroni's cluster.
+DATABASE_NEMESES = {"db-restart": "pg", "failover": "patroni"}
 MAX_TTL = 3.0
+# Seconds a target rests after a fault of this kind before the plan gives it another (a
+# failover's cluster needs about ten to be whole again).
+AFTER = {"kill": 3.0, "clock": 3.0, "failover": 12.0}
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,7 @@ def plan(
     seconds: float,
     replicas: list[str],
     workers: list[str],
-    pg: bool,
+    db: str,
 ) -> list[Fault]:
     """The faults of a run, from its seed alone."""
     rng = random.Random(f"nemesis/{seed}")
@@ -81,10 +91,10 @@ def plan(
     t = rng.uniform(0.5, 2.0)
     while kinds and t < seconds:
         kind = rng.choice(kinds)
-        fault = _draw(rng, len(faults), t, kind, replicas, workers, pg, busy)
+        fault = _draw(rng, len(faults), t, kind, replicas, workers, db, busy)
         if fault is not None:
             faults.append(fault)
-            busy[fault.slot] = t + fault.duration + (3.0 if kind in ("kill", "clock") else 0.5)
+            busy[fault.slot] = t + fault.duration + AFTER.get(kind, 0.5)
         t += rng.uniform(1.0, 4.0)
     return faults
 
@@ -96,7 +106,7 @@ def _draw(
     kind: str,
     replicas: list[str],
     workers: list[str],
-    pg: bool,
+    db: str,
     busy: dict[str, float],
 ) -> Fault | None:
     def free(targets: list[str], sort: str) -> list[str]:
@@ -121,13 +131,17 @@ def _draw(
         targets = free(replicas, "network")
         if not targets:
             return None
-        to = rng.choice(["upstream", "database"]) if pg else "upstream"
+        to = rng.choice(["upstream", "database"]) if db != "sqlite" else "upstream"
         loss = rng.choice([None, 0.3])
         return Fault(index, at, kind, rng.choice(targets), span, {"to": to, "loss": loss})
     if kind == "db-restart":
         if busy.get("db-restart:db", 0.0) > at:
             return None
         return Fault(index, at, kind, "db", 3.0, {"mode": rng.choice(["fast", "immediate"])})
+    if kind == "failover":
+        if busy.get("failover:db", 0.0) > at:
+            return None
+        return Fault(index, at, kind, "db", 1.0, {"how": rng.choice(["switchover", "kill"])})
     if kind == "upstream":
         if busy.get("upstream:upstream", 0.0) > at:
             return None
@@ -152,6 +166,7 @@ class Nemesis:
         self.last_heal = 0.0  # time.monotonic() of the last partition healed
         self.active: set[int] = set()
         self.aborting = False
+        self.failovers: list[dict[str, Any]] = []  # each: from, to, began, primary_at
         for fault in faults:
             self.log.write({"phase": "plan", **fault.to_json()})
 
@@ -225,15 +240,17 @@ class Nemesis:
         elif kind == "partition":
             replica = self.replica(fault.target)
             assert replica.namespace is not None and self.stack.upstream is not None
-            cluster = self.stack.cluster
-            port = self.stack.upstream.port
-            if params["to"] == "database" and cluster is not None:
-                port = cluster.port
+            ports = [self.stack.upstream.port]
+            if params["to"] == "database":
+                ports = self.stack.database_ports()
             self.partitions += 1
-            await asyncio.to_thread(replica.namespace.cut, port, loss=params["loss"])
+            for port in ports:
+                await asyncio.to_thread(replica.namespace.cut, port, loss=params["loss"])
         elif kind == "db-restart":
             assert self.stack.cluster is not None
             await asyncio.to_thread(self.stack.cluster.restart, params["mode"])
+        elif kind == "failover":
+            await self._fail_over(fault)
         elif kind == "upstream":
             assert self.stack.upstream is not None
             await self.stack.upstream.set_faults(params["mode"], params["probability"])
@@ -261,9 +278,27 @@ class Nemesis:
         elif kind == "db-restart":
             assert self.stack.cluster is not None
             await asyncio.to_thread(self.stack.cluster.ensure_running)
+        elif kind == "failover":
+            assert self.stack.patroni is not None
+            await asyncio.to_thread(self.stack.patroni.wait_healthy, 90)
         elif kind == "upstream":
             assert self.stack.upstream is not None
             await self.stack.upstream.set_faults("none")
+
+    async def _fail_over(self, fault: Fault) -> None:
+        """Move the primary; note when it went and how long the cluster had none."""
+        cluster = self.stack.patroni
+        assert cluster is not None
+        began = time.time()
+        if fault.params["how"] == "switchover":
+            old = await asyncio.to_thread(cluster.switchover)
+        else:
+            old = await asyncio.to_thread(cluster.kill_primary)
+        new = await asyncio.to_thread(cluster.wait_primary, 60, other_than=old)
+        ended = time.time()
+        failover = {"from": old, "to": new.name, "began": began, "primary_at": ended}
+        self.failovers.append(failover)
+        self._note("failover", fault, **failover, seconds=round(ended - began, 3))
 
     async def _start(self, replica: Replica, skew: str | None) -> None:
         for attempt in range(3):

@@ -13,6 +13,7 @@ import asyncio
 import json
 import shutil
 import signal
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,8 +22,9 @@ from typing import Any
 from verify import netns
 from verify.check import Report, check_files
 from verify.cluster import PG_BIN, ClusterError
-from verify.events import JsonlWriter, UnreadableFile
-from verify.nemesis import NEMESES, Nemesis, plan
+from verify.events import JsonlWriter, UnreadableFile, read_history
+from verify.nemesis import DATABASE_NEMESES, NEMESES, Nemesis, plan
+from verify.patroni import PATRONI
 from verify.procs import Child, StartError
 from verify.roles import Control, Feeder, Observer, Operator, Tail
 from verify.stack import Stack
@@ -58,12 +60,13 @@ def choose_nemeses(text: str, db: str) -> tuple[list[str], list[str]]:
         return [], notes
     everything = words == ["all"]
     if everything:
-        words = [n for n in NEMESES if n != "db-restart" or db == "pg"]
+        words = [n for n in NEMESES if n not in DATABASE_NEMESES or DATABASE_NEMESES[n] == db]
     unknown = [w for w in words if w not in NEMESES]
     if unknown:
         raise SetupError(f"unknown nemesis {', '.join(unknown)}: use {', '.join(NEMESES)}, all")
-    if "db-restart" in words and db != "pg":
-        raise SetupError("db-restart needs --db pg")
+    for word in words:
+        if word in DATABASE_NEMESES and DATABASE_NEMESES[word] != db:
+            raise SetupError(f"{word} needs --db {DATABASE_NEMESES[word]}")
     if "partition" in words:
         why = netns.unavailable()
         if why is not None:
@@ -73,9 +76,11 @@ def choose_nemeses(text: str, db: str) -> tuple[list[str], list[str]]:
             notes.append(f"note: partition left out of `all`: {why}")
     if "clock" in words and shutil.which("faketime") is None:
         raise SetupError("the clock nemesis needs libfaketime: apt-get install faketime")
-    if db == "pg" and not (PG_BIN / "initdb").is_file():
+    if db == "patroni" and shutil.which(PATRONI) is None:
+        raise SetupError("--db patroni needs Patroni: apt-get install patroni etcd-server")
+    if db in ("pg", "patroni") and not (PG_BIN / "initdb").is_file():
         raise SetupError(
-            f"--db pg needs the PostgreSQL server binaries in {PG_BIN}: apt-get install "
+            f"--db {db} needs the PostgreSQL server binaries in {PG_BIN}: apt-get install "
             "postgresql (or set FENCEGATE_FAULTS_PG_BIN)"
         )
     return words, notes
@@ -126,7 +131,7 @@ async def run(options: Options) -> int:
             seconds=options.seconds,
             replicas=[r.name for r in stack.replicas],
             workers=names,
-            pg=options.db == "pg",
+            db=options.db,
         )
         nemesis = Nemesis(stack, workers, faults)
         operator = Operator(control, options.out / "ledger.jsonl", nemesis.network_quiet_for)
@@ -191,6 +196,45 @@ def merge_histories(out: Path, names: list[str]) -> None:
             writer.write(event)
 
 
+def failover_figures(out: Path, failovers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the failovers cost the workers: the time the cluster had no primary, the time
+    from the new primary to the first write answered 2xx, and the writes refused
+    ``store-unavailable`` or left unknown (``info``) between a failover's start and the
+    first write answered after it."""
+    if not failovers:
+        return None
+    try:
+        events = read_history(out / "history.jsonl")
+    except (OSError, UnreadableFile):
+        return None
+    answered = sorted(
+        e.time for e in events if e.f == "write" and e.type == "ok" and (e.status or 0) < 300
+    )
+    without, after, refused, unknown = [], [], 0, 0
+    for failover in failovers:
+        began, primary_at = failover["began"], failover["primary_at"]
+        without.append(primary_at - began)
+        first = next((t for t in answered if t >= primary_at), None)
+        if first is not None:
+            after.append(first - primary_at)
+        until = first if first is not None else primary_at
+        for event in events:
+            if event.f == "write" and began <= event.time <= until:
+                refused += event.reason == "store-unavailable"
+                unknown += event.type == "info"
+
+    def median_max(values: list[float]) -> list[float] | None:
+        return [round(statistics.median(values), 2), round(max(values), 2)] if values else None
+
+    return {
+        "count": len(failovers),
+        "without_primary": median_max(without),
+        "first_write_after": median_max(after),
+        "store_unavailable": refused,
+        "unknown": unknown,
+    }
+
+
 def finish(
     options: Options, nemesis: Nemesis | None, operator: Operator | None, elapsed: float
 ) -> int:
@@ -205,6 +249,7 @@ def finish(
     if report is not None:
         print(report.render())
     faults = dict(sorted(nemesis.counts.items())) if nemesis else {}
+    figures = failover_figures(out, nemesis.failovers) if nemesis else None
     summary = {
         "seed": options.seed,
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
@@ -218,9 +263,18 @@ def finish(
         "jobs_claimed": report.jobs_claimed if report else None,
         "jobs_completed": report.jobs_completed if report else None,
         "completed_share": report.completed_share if report else None,
+        "failovers": figures,
     }
     (out / "run.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     fault_text = ", ".join(f"{k} {n}" for k, n in faults.items()) or "none"
+    if figures:
+        print(
+            f"failovers: {figures['count']}, without a primary {figures['without_primary']} s "
+            f"(median, max), first write answered after the new primary "
+            f"{figures['first_write_after']} s (median, max); writes refused "
+            f"store-unavailable {figures['store_unavailable']}, held unknown "
+            f"{figures['unknown']} during them"
+        )
     if report is None:
         print(f"summary: faults {sum(faults.values())} ({fault_text}), no report")
         code = 2

@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 
 from verify import netns
-from verify.cluster import ClusterError, PgCluster, free_port
+from verify.cluster import ClusterError, PgCluster, execute, free_port
+from verify.patroni import PatroniCluster
 from verify.procs import FENCEGATE, Child, Children, StartError, child_env, wait_for_line
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,6 +135,7 @@ class Stack:
         self.children = Children(out)
         self.namespaces: list[netns.Namespace] = []
         self.cluster: PgCluster | None = None
+        self.patroni: PatroniCluster | None = None
         self.replicas: list[Replica] = []
         self.upstream: Upstream | None = None
         self.worker_token = "worker-" + secrets.token_hex(16)
@@ -165,13 +167,20 @@ class Stack:
         if self.db == "sqlite":
             return [f"sqlite+aiosqlite:///{self.out / 'fencegate.db'}"] * self.count
         hosts = [n.host_addr for n in self.namespaces] or ["127.0.0.1"] * self.count
-        self.cluster = PgCluster(listen=[n.host_addr for n in self.namespaces])
-        await asyncio.to_thread(self.cluster.up)
-        await self.cluster.execute('CREATE DATABASE "verify"')
+        cluster: PgCluster | PatroniCluster
+        if self.db == "patroni":
+            cluster = self.patroni = PatroniCluster(3)
+            await asyncio.to_thread(cluster.up)
+            primary = await asyncio.to_thread(cluster.wait_primary)
+            await execute(cluster.member_url(primary.name), 'CREATE DATABASE "verify"')
+        else:
+            cluster = self.cluster = PgCluster(listen=[n.host_addr for n in self.namespaces])
+            await asyncio.to_thread(cluster.up)
+            await cluster.execute('CREATE DATABASE "verify"')
         result = await asyncio.to_thread(
             subprocess.run,
             [FENCEGATE, "migrate"],
-            env=child_env(FENCEGATE_DATABASE_URL=self.cluster.url("verify")),
+            env=child_env(FENCEGATE_DATABASE_URL=cluster.url("verify")),
             cwd=self.out,
             capture_output=True,
             text=True,
@@ -180,7 +189,13 @@ class Stack:
         )
         if result.returncode != 0:
             raise ClusterError(f"fencegate migrate failed:\n{result.stdout}{result.stderr}")
-        return [self.cluster.url("verify", host) for host in hosts]
+        return [cluster.url("verify", host) for host in hosts]
+
+    def database_ports(self) -> list[int]:
+        """The ports the replicas reach the database at (every member's, on Patroni)."""
+        if self.patroni is not None:
+            return [node.port for node in self.patroni.nodes]
+        return [self.cluster.port] if self.cluster is not None else []
 
     def _replica(self, index: int, database_url: str, upstream_port: int) -> Replica:
         name = f"replica-{chr(ord('a') + index)}"
@@ -255,3 +270,8 @@ class Stack:
                 self.cluster.destroy()
             except Exception as error:
                 print(f"verify: could not remove the PostgreSQL cluster: {error}")
+        if self.patroni is not None:
+            try:
+                self.patroni.down()
+            except Exception as error:
+                print(f"verify: could not remove the Patroni cluster: {error}")
