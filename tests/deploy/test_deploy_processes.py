@@ -1,12 +1,12 @@
 """What the containers would run, run as real processes (there is no Docker engine here).
 
-The image is stood in for by a fresh virtual environment: a wheel built with
-``pip wheel --no-deps`` from exactly the files the Dockerfile's build stage copies, then
-installed non-editable with the ``postgres`` extra, as the Dockerfile does. Against a
-fresh PostgreSQL database and the example configuration deploy/fencegate.toml it runs
-``check-config``, the migration Job (``fencegate migrate``), two Deployment replicas
-(``fencegate serve``) on the same database, the image's HEALTHCHECK command, and a
-SIGTERM stop.
+The image is stood in for by a fresh virtual environment: the server's and the client's
+wheels built with ``pip wheel --no-deps`` from exactly the files the Dockerfile's build
+stage copies, then installed non-editable with the ``postgres`` extra, as the Dockerfile
+does. Against a fresh PostgreSQL database and the example configuration
+deploy/fencegate.toml it runs ``check-config``, the migration Job (``fencegate
+migrate``), two Deployment replicas (``fencegate serve``) on the same database, the
+image's HEALTHCHECK command, and a SIGTERM stop.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ def _check(result: subprocess.CompletedProcess[str], what: str) -> None:
         )
 
 
+# The first test that asks for the image builds it: two wheels and a venv with every
+# dependency, minutes on a busy two-core machine, so those tests get the fresh-venv tests'
+# timeout (tests/e2e/test_client.py) instead of the default two minutes.
+BUILDS_THE_IMAGE = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
     work = tmp_path_factory.mktemp("image")
@@ -108,12 +114,16 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
             shutil.copy2(origin, target)
     wheels = work / "wheels"
     result = _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--wheel-dir", str(wheels), "."],
+        [
+            *(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q"),
+            *("--wheel-dir", str(wheels), "./client", "."),
+        ],
         timeout=240,
         cwd=src,
     )
     _check(result, "pip wheel --no-deps")
     (wheel,) = wheels.glob("fencegate-*.whl")
+    (client,) = wheels.glob("fencegate_client-*.whl")  # not on the index: named as a file
     # A venv without its own pip (creating one with pip costs seconds); this pip installs
     # into it, wheel and dependencies, as the image's `pip install ...[postgres,otel]` does.
     venv = work / "venv"
@@ -122,7 +132,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
     result = _run(
         [
             *(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")),
-            *("install", "-q", f"{wheel}[postgres,otel]"),
+            *("install", "-q", f"{wheel}[postgres,otel]", str(client)),
         ],
         timeout=300,
     )
@@ -323,6 +333,7 @@ def wait_ready(replica: Replica, deadline: float) -> None:
 # -- tests -----------------------------------------------------------------------------
 
 
+@BUILDS_THE_IMAGE
 def test_wheel_installs_with_its_migrations(image: Image, tmp_path: Path) -> None:
     """A non-editable install (the image's) finds the alembic scripts it ships under
     <prefix>/share/fencegate/alembic, and imports the installed code, not the checkout."""
@@ -345,6 +356,7 @@ def test_wheel_installs_with_its_migrations(image: Image, tmp_path: Path) -> Non
         assert command in result.stdout
 
 
+@BUILDS_THE_IMAGE
 def test_check_config_accepts_the_example_config(image: Image, tmp_path: Path) -> None:
     config = _config(tmp_path)
     secrets_env = _secrets("postgresql+asyncpg://fencegate:s3cret-pw@postgres:5432/fencegate")
@@ -383,6 +395,7 @@ def test_check_config_accepts_the_example_config(image: Image, tmp_path: Path) -
         assert expected in result.stderr
 
 
+@BUILDS_THE_IMAGE
 @pytest.mark.postgres
 def test_migration_job_then_two_replicas(
     image: Image, tmp_path: Path, processes: list[subprocess.Popen[bytes]]

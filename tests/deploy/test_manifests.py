@@ -659,7 +659,7 @@ def test_dockerfile_copies_only_what_the_context_has() -> None:
     buildkit_ignore = dockerignore_patterns(DEPLOY / "Dockerfile.dockerignore")
     assert root_ignore == buildkit_ignore
     sources = copy_sources(dockerfile())
-    needed = {"pyproject.toml", "gateway/", "lease_core/", "fencegate_client/", "alembic/"}
+    needed = {"pyproject.toml", "gateway/", "lease_core/", "client/", "alembic/"}
     assert needed <= set(sources)
     for source in sources:
         assert (ROOT / source).exists(), source

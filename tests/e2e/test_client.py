@@ -805,7 +805,7 @@ def test_a_missing_library_is_named_with_the_extra_to_install(
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last == (
-        f"ModuleNotFoundError: {module} needs {library}: pip install 'fencegate[{extra}]'"
+        f"ModuleNotFoundError: {module} needs {library}: pip install 'fencegate-client[{extra}]'"
     ), done.stderr
 
 
@@ -823,19 +823,23 @@ def test_a_missing_base_library_is_named_too(module: str, library: str, install:
 
 
 @pytest.fixture(scope="module")
-def fencegate_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project's wheel, built from a copy of the sources (a build in the tree would
-    leave build/ and egg-info behind)."""
+def fencegate_wheels(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The server's wheel and the client's (``fencegate-client``, which the server depends
+    on and which is not on the package index), built from a copy of the sources (a build
+    in the tree would leave build/ and egg-info behind)."""
     work = tmp_path_factory.mktemp("wheel")
     src = work / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         (src / name).write_bytes((ROOT / name).read_bytes())
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for folder in ("lease_core", "gateway", "fencegate_client", "alembic"):
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for folder in ("lease_core", "gateway", "client", "alembic"):
         shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--wheel-dir", str(work), "."],
+        [
+            *(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q"),
+            *("--wheel-dir", str(work), "./client", "."),
+        ],
         cwd=src,
         capture_output=True,
         text=True,
@@ -844,7 +848,8 @@ def fencegate_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = work.glob("fencegate-*.whl")
-    return wheel
+    (client,) = work.glob("fencegate_client-*.whl")
+    return wheel, client
 
 
 @pytest.mark.slow
@@ -853,7 +858,7 @@ def fencegate_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("extra", "example"), [("requests", "requests_worker.py"), ("boto3", "boto3_upload.py")]
 )
 def test_one_extra_is_enough_for_its_worker(
-    fencegate_wheel: Path, tmp_path: Path, extra: str, example: str
+    fencegate_wheels: tuple[Path, Path], tmp_path: Path, extra: str, example: str
 ) -> None:
     """``pip install 'fencegate[requests]'`` (or ``[boto3]``) in a fresh venv, nothing
     else: the example worker runs until it asks the lease API (nobody listens, so httpx
@@ -870,7 +875,7 @@ def test_one_extra_is_enough_for_its_worker(
     installed = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")),
-            *("install", "-q", f"{fencegate_wheel}[{extra}]"),
+            *("install", "-q", f"{fencegate_wheels[0]}[{extra}]", str(fencegate_wheels[1])),
         ],
         capture_output=True,
         text=True,

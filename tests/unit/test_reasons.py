@@ -23,8 +23,8 @@ from lease_core import exceptions as lease_exc
 from lease_core import rules
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("lease_core", "gateway", "fencegate_client")
-HOME = ROOT / "fencegate_client" / "reasons.py"
+PACKAGES = ("lease_core", "gateway", "client/fencegate_client")  # folders under ROOT
+HOME = ROOT / "client" / "fencegate_client" / "reasons.py"
 
 # Every reason on the wire, with its status (None: not fixed) and who answers it.
 WIRE: dict[str, tuple[int | None, str]] = {

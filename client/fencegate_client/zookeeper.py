@@ -16,7 +16,7 @@ path, prefixed with the source's name::
 
 The gateway reads the lock's children: the node present and the lowest holds the lock
 (the generation is the node's ``czxid``); a node still waiting, or gone, is refused
-(docs/lease-sources.md). Needs kazoo: ``pip install 'fencegate[zookeeper]'``.
+(docs/lease-sources.md). Needs kazoo: ``pip install 'fencegate-client[zookeeper]'``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._needs import needs
 try:
     import kazoo.recipe.lock  # noqa: F401  (the Lock whose node this names)
 except ModuleNotFoundError as error:
-    needs(error, __name__, "kazoo", install="'fencegate[zookeeper]'")
+    needs(error, __name__, "kazoo", install="'fencegate-client[zookeeper]'")
     raise
 
 __all__ = ["lock_token"]

@@ -6,8 +6,10 @@ writes through the gateway fenced by it.
     from fencegate_client import LeaseClient, LeaseLost         # asyncio (aiohttp)
     from fencegate_client.sync import LeaseClient              # threads (httpx)
 
-It is apart from the lease service (``lease_core``) and the gateway: nothing here imports
-them. ``aio`` is the asyncio client (aiohttp), ``sync`` the synchronous one (httpx);
+It is a distribution of its own (``fencegate-client``) and apart from the lease service
+(``lease_core``) and the gateway: nothing here imports them, and installing it brings no
+server dependency. ``aio`` is the asyncio client (aiohttp), ``sync`` the synchronous one
+(httpx): both only drive the operations of ``core`` (flows without I/O, written once);
 ``httpx``, ``requests`` and ``boto3`` fence the HTTP clients a worker already uses;
 ``celery`` fences Celery tasks (``FencedTask``).
 ``protocol`` (header names, step keys, the lease API's calls, a lease's state, the
@@ -15,9 +17,9 @@ gateway's answer), ``reasons`` (every problem reason, with its status and title)
 ``errors`` (one class per lease-API reason) do no I/O and are shared by every client.
 
 Names are loaded on first use (module ``__getattr__``): importing this package loads no
-HTTP library, so a worker needs only the one its client uses (the extras
-``fencegate[httpx]``, ``fencegate[requests]``, ``fencegate[boto3]``,
-``fencegate[celery]``; aiohttp for ``aio``).
+HTTP library, so a worker loads only the one its client uses (the extras
+``fencegate-client[requests]``, ``[boto3]``, ``[celery]`` bring the integrations'; the
+base install brings aiohttp and httpx for ``aio`` and ``sync``).
 """
 
 from __future__ import annotations

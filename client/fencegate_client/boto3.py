@@ -40,7 +40,7 @@ try:
     from botocore.config import Config
 except ModuleNotFoundError as error:
     for library in ("boto3", "botocore"):
-        needs(error, __name__, library, install="'fencegate[boto3]'")
+        needs(error, __name__, library, install="'fencegate-client[boto3]'")
     raise
 
 from .protocol import IDEMPOTENCY_KEY, LeaseState, fence_for, to_gateway

@@ -34,7 +34,7 @@ try:
 except ModuleNotFoundError as error:
     from ._needs import needs
 
-    needs(error, __name__, "boto3", install="'fencegate[dynamodb]'")
+    needs(error, __name__, "boto3", install="'fencegate-client[dynamodb]'")
     raise
 
 NAMES = {"#f": "fence", "#h": "holder", "#e": "expires_at"}

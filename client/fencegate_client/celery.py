@@ -45,7 +45,7 @@ while the first still runs) is retried after ``fence_ttl`` seconds; a job alread
 the job's stored result. ``fencegate_control_url`` (required), ``fencegate_gateway_url``
 and ``fencegate_token`` come from the app's configuration, or per task from
 ``fence_control_url``, ``fence_gateway_url`` and ``fence_token``. Needs the ``celery``
-extra (``pip install 'fencegate[celery]'``).
+extra (``pip install 'fencegate-client[celery]'``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ try:
     from celery.exceptions import Ignore, Reject, Retry
 except ModuleNotFoundError as error:
     for library in ("celery", "httpx"):
-        needs(error, __name__, library, install="'fencegate[celery]'")
+        needs(error, __name__, library, install="'fencegate-client[celery]'")
     raise
 
 from . import errors as exc

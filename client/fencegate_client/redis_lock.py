@@ -36,7 +36,7 @@ try:
 except ModuleNotFoundError as error:
     from ._needs import needs
 
-    needs(error, __name__, "redis", install="'fencegate[redis]'")
+    needs(error, __name__, "redis", install="'fencegate-client[redis]'")
     raise
 
 # KEYS[1] the lock, KEYS[2] its fence counter; ARGV[1] a random part, ARGV[2] the TTL in

@@ -6,7 +6,7 @@ and what to install, instead of a bare ``No module named 'httpx'``.
     try:
         import httpx
     except ModuleNotFoundError as error:
-        needs(error, __name__, "httpx", install="'fencegate[httpx]'")
+        needs(error, __name__, "httpx", install="'fencegate-client[httpx]'")
         raise
 """
 

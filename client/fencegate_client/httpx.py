@@ -31,7 +31,7 @@ from ._needs import needs
 try:
     import httpx
 except ModuleNotFoundError as error:
-    needs(error, __name__, "httpx", install="'fencegate[httpx]'")
+    needs(error, __name__, "httpx", install="'fencegate-client[httpx]'")
     raise
 
 from .errors import LeaseLost

@@ -31,7 +31,7 @@ try:
     import requests
     from requests.adapters import HTTPAdapter
 except ModuleNotFoundError as error:
-    needs(error, __name__, "requests", install="'fencegate[requests]'")
+    needs(error, __name__, "requests", install="'fencegate-client[requests]'")
     raise
 
 from .protocol import IDEMPOTENCY_KEY, LeaseState, fence_for, may_report_loss, to_gateway
