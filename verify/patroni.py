@@ -130,23 +130,23 @@ class PatroniCluster:
     def _start_etcd(self) -> None:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        log = (self.base / "etcd.log").open("ab")
-        self.etcd = subprocess.Popen(
-            [
-                "etcd",
-                "--name=fencegate",
-                f"--data-dir={self.base / 'etcd'}",
-                f"--listen-client-urls={self.etcd_url}",
-                f"--advertise-client-urls={self.etcd_url}",
-                f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-cluster=fencegate=http://127.0.0.1:{peer}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        with (self.base / "etcd.log").open("ab") as log:  # the child keeps its own copy
+            self.etcd = subprocess.Popen(
+                [
+                    "etcd",
+                    "--name=fencegate",
+                    f"--data-dir={self.base / 'etcd'}",
+                    f"--listen-client-urls={self.etcd_url}",
+                    f"--advertise-client-urls={self.etcd_url}",
+                    f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                    f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                    f"--initial-cluster=fencegate=http://127.0.0.1:{peer}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -232,15 +232,15 @@ class PatroniCluster:
         argv = [PATRONI, str(node.config)]
         if self.as_root:
             argv = ["runuser", "-u", OS_USER, "--", *argv]
-        log = (self.base / f"{node.name}.patroni.log").open("ab")
-        node.process = subprocess.Popen(
-            argv,
-            cwd=self.base,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        with (self.base / f"{node.name}.patroni.log").open("ab") as log:
+            node.process = subprocess.Popen(
+                argv,
+                cwd=self.base,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def down(self) -> None:
         """Every member (Patroni stops its PostgreSQL), then etcd; the folder goes."""
@@ -337,6 +337,9 @@ class PatroniCluster:
         """A database URL naming every member, for the member that takes writes."""
         hosts = "&".join(f"host={host}:{node.port}" for node in self.nodes)
         return f"postgresql+asyncpg://postgres@/{database}?{hosts}&target_session_attrs=read-write"
+
+    def member_port(self, name: str) -> int:
+        return self._node(name).port
 
     def member_url(self, name: str, database: str = "postgres") -> str:
         return f"postgresql+asyncpg://postgres@127.0.0.1:{self._node(name).port}/{database}"

@@ -14,6 +14,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import sqlalchemy as sa
 import yaml
 
 from gateway.config import ConfigError, load_settings, resolve_secrets
@@ -52,8 +53,8 @@ MANIFESTS = kubernetes_manifests()
 # Custom resources: their schemas are not among the Kubernetes ones, so they are checked
 # structurally (below); each is an optional file, outside kustomization.yaml's
 # resources, since applying it fails on a cluster without its CRD.
-CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
-OPTIONAL_FILES = {"servicemonitor.yaml"}
+CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "Cluster": "postgresql.cnpg.io/v1"}
+OPTIONAL_FILES = {"servicemonitor.yaml", "cnpg-cluster.yaml"}
 BUILT_IN = [m for m in MANIFESTS if m[1]["kind"] not in CUSTOM_KINDS]
 
 
@@ -128,6 +129,7 @@ def test_manifests_found() -> None:
             "NetworkPolicy",
             "NetworkPolicy",
             "ServiceMonitor",
+            "Cluster",
         ]
     )
 
@@ -664,7 +666,10 @@ def test_dockerfile_copies_only_what_the_context_has() -> None:
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not ignored(source, root_ignore), f"{source} is excluded by .dockerignore"
-    for local in (".venv", ".git", "build", "gateway/__pycache__", "fencegate.db", "deploy/.env"):
+    for local in (
+        ".venv", ".git", "build", "gateway/__pycache__", "fencegate.db", "deploy/.env",
+        "client/fencegate_client.egg-info",
+    ):  # fmt: skip
         assert ignored(local, root_ignore), f"{local} would be sent to the build context"
 
 
@@ -678,3 +683,36 @@ def test_example_config_is_the_image_default() -> None:
     assert data["auth"] == {"worker_tokens": [], "admin_tokens": []}  # from the Secret
     (payments,) = data["upstreams"]
     assert "${PAYMENTS_API_KEY}" in payments["set_headers"]["Authorization"]
+
+
+# -- the CloudNativePG Cluster -------------------------------------------------------------
+
+
+def test_cnpg_cluster_replicates_synchronously_to_every_standby() -> None:
+    """The operator's CRD is not in kubernetes-validate: the fields that matter are
+    checked here. Every standby synchronous (maxSyncReplicas = instances - 1), at least
+    one always (minSyncReplicas >= 1): serve refuses an asynchronous standby."""
+    cluster = one("Cluster")
+    assert set(cluster) == {"apiVersion", "kind", "metadata", "spec"}
+    spec = cluster["spec"]
+    allowed = {
+        "instances", "imageName", "primaryUpdateStrategy", "minSyncReplicas",
+        "maxSyncReplicas", "postgresql", "bootstrap", "storage", "affinity",
+    }  # fmt: skip
+    assert set(spec) <= allowed, set(spec) - allowed
+    assert spec["instances"] >= 3
+    assert spec["minSyncReplicas"] >= 1
+    assert spec["maxSyncReplicas"] == spec["instances"] - 1
+    assert re.fullmatch(r"ghcr\.io/cloudnative-pg/postgresql:\d+\.\d+", spec["imageName"])
+    initdb = spec["bootstrap"]["initdb"]
+    assert "GRANT pg_monitor TO " + initdb["owner"] in initdb["postInitApplicationSQL"]
+    assert int(spec["postgresql"]["parameters"]["max_connections"]) >= 250
+    assert spec["affinity"]["enablePodAntiAffinity"] is True
+
+
+def test_the_gateway_reaches_the_cnpg_primary_through_its_read_write_service() -> None:
+    cluster = one("Cluster")
+    url = sa.make_url(named("Secret", "fencegate-secrets")["stringData"]["FENCEGATE_DATABASE_URL"])
+    initdb = cluster["spec"]["bootstrap"]["initdb"]
+    assert url.host == f"{cluster['metadata']['name']}-rw"
+    assert (url.username, url.database) == (initdb["owner"], initdb["database"])

@@ -1,0 +1,82 @@
+"""The failover nemesis of ``python -m verify run --db patroni``: which nemeses each
+database allows, the plan's failovers, and the figures the summary reports."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from verify.events import HistoryEvent
+from verify.nemesis import AFTER, plan
+from verify.run import SetupError, choose_nemeses, failover_figures
+
+SHA = "0" * 64
+
+
+def test_each_database_has_its_own_database_nemesis() -> None:
+    patroni, _ = choose_nemeses("all", "patroni")
+    assert "failover" in patroni and "db-restart" not in patroni
+    pg, _ = choose_nemeses("all", "pg")
+    assert "db-restart" in pg and "failover" not in pg
+    sqlite, _ = choose_nemeses("all", "sqlite")
+    assert not {"db-restart", "failover"} & set(sqlite)
+    with pytest.raises(SetupError, match="failover needs --db patroni"):
+        choose_nemeses("failover", "pg")
+    with pytest.raises(SetupError, match="db-restart needs --db pg"):
+        choose_nemeses("db-restart", "patroni")
+
+
+def test_the_plan_spaces_failovers_and_uses_both_ways() -> None:
+    faults = plan(7, ["failover"], seconds=600, replicas=["a"], workers=["w"], db="patroni")
+    assert len(faults) >= 20
+    assert {f.params["how"] for f in faults} == {"switchover", "kill"}
+    starts = [f.at for f in faults]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert min(gaps) >= 1.0 + AFTER["failover"]
+    # Partitions to the database exist on Patroni as on one PostgreSQL.
+    cuts = plan(3, ["partition"], seconds=300, replicas=["a", "b"], workers=[], db="patroni")
+    assert "database" in {f.params["to"] for f in cuts}
+
+
+def write(out: Path, completions: list[HistoryEvent]) -> None:
+    """The history: each completion after its invocation."""
+    lines = []
+    for done in completions:
+        lines.append(json.dumps(event(done.time, "invoke").to_json()))
+        lines.append(json.dumps(done.to_json()))
+    (out / "history.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def event(
+    t: float, kind: str, status: int | None = None, reason: str | None = None
+) -> HistoryEvent:
+    return HistoryEvent(
+        time=t, process="w0", type=kind, f="write", job="j", generation=1, key="k",  # type: ignore[arg-type]
+        status=status, reason=reason, body_sha256=None if kind == "info" else SHA,
+    )  # fmt: skip
+
+
+def test_the_failover_figures(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        [
+            event(99.0, "ok", 201),  # before: not counted
+            event(101.0, "fail", 503, "store-unavailable"),
+            event(102.0, "info"),
+            event(103.0, "fail", 503, "store-unavailable"),
+            event(104.5, "ok", 201),  # the first answered after the new primary (104)
+            event(105.0, "fail", 503, "store-unavailable"),  # after: not counted
+        ],
+    )
+    figures = failover_figures(tmp_path, [{"began": 100.0, "primary_at": 104.0}])
+    assert figures == {
+        "count": 1,
+        "without_primary": [4.0, 4.0],
+        "first_write_after": [0.5, 0.5],
+        "store_unavailable": 2,
+        "unknown": 1,
+    }
+    assert failover_figures(tmp_path, []) is None
