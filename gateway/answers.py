@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -14,12 +14,16 @@ from lease_core.problems import problem_response
 
 from . import fence, tracing
 from .audit import Audit, AuditEntry, audit_path
+from .decision import Verdict
 from .fence import Reason, Record
 from .intake import Ctx
 from .metrics import GatewayMetrics
 
 # The proxy's logger: operators filter on it for every answer the gateway gives itself.
 log = logging.getLogger("fencegate.proxy")
+
+# The audit's label of an unknown outcome that the gateway resolved itself (``resolve``).
+AUTO_RESOLVED: Final = Reason.AUTO_RESOLVED
 
 
 class Answers:
@@ -68,6 +72,24 @@ class Answers:
             **extra,
             **ctx.extra,
         )
+
+    async def refuse(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
+        """A refusal the decision (or the table after the forward) gave, rendered: the
+        extension members its reason shows, the connection closed where it asks."""
+        reason = verdict.reason
+        assert reason is not None
+        if reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
+            ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
+        if reason is Reason.REPLAY_UNAVAILABLE and ctx.record is not None:
+            ctx.extra["stored_status"] = ctx.record.status
+        if reason is Reason.BODY_TIMEOUT:
+            return await self.body_timeout(ctx)
+        response = await self.reject(ctx, reason, detail=verdict.detail)
+        if verdict.close:
+            # Malformed or ambiguous framing: nothing sent after it on the connection may
+            # ever be read as a request.
+            response.force_close()
+        return response
 
     async def replay(self, ctx: Ctx, record: Record) -> web.Response:
         """The key's stored answer (the table sent one kept too large to store to

@@ -17,7 +17,8 @@ from aiohttp import web
 from lease_core.problems import Check, problem_response
 
 from .config import GatewaySettings, UpstreamSettings
-from .fence import Hasher, Reason
+from .decision import http_error
+from .fence import Hasher
 
 
 class BodyTimeouts(NamedTuple):
@@ -97,7 +98,7 @@ def body_deadline_check(limits: GatewaySettings) -> Check:
         except TimeoutError:
             response = problem_response(
                 status=408,
-                reason=Reason.HTTP_ERROR,
+                reason=http_error(408),
                 title="Request Timeout",
                 detail="The request body did not arrive in time (body_timeout_seconds).",
             )

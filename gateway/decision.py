@@ -9,7 +9,10 @@ first attempt, the wait for older writes, the last judgement before the send) an
 carries out the verdict. Nothing here does I/O.
 
 To add a refusal: a ``Reason`` with its row in ``fencegate_client.reasons`` (status,
-title, detail), a fact in ``Facts``, and a row where the spec's table puts it.
+title, detail), a fact in ``Facts``, and a row where the spec's table puts it. A
+``Reason`` is chosen here, in the rules behind the facts (``fence``) and in the answers
+after the forward (``after_forward``), nowhere else in the gateway
+(``tests/unit/test_decision_is_the_only_chooser.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class Facts:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
+    """The gateway's one verdict type: what to do with the request (and, refused, why)."""
+
     outcome: Outcome
     reason: Reason | None = None
     detail: str | None = None  # None: the reason's own detail
@@ -179,6 +184,20 @@ ROWS: Final[tuple[Row, ...]] = (
 
 
 PASS: Final = Verdict(Outcome.PASS)
+
+# Answers outside the table's walk: the database (or a lease source) did not answer while
+# facts were gathered; an ``Expect`` other than ``100-continue``.
+STORE_UNAVAILABLE: Final = Verdict(Outcome.REFUSE, Reason.STORE_UNAVAILABLE)
+EXPECT_UNSUPPORTED: Final = Verdict(
+    Outcome.REFUSE, Reason.INVALID_REQUEST, "Only Expect: 100-continue is supported."
+)
+
+
+def http_error(status: int) -> Reason:
+    """Either listener's answer to a request refused below the application (bytes the
+    HTTP parser refuses; a control body that did not arrive in time, 408):
+    ``invalid-request`` for a 400, else ``http-error`` with the status."""
+    return Reason.INVALID_REQUEST if status == 400 else Reason.HTTP_ERROR
 
 
 def decide(facts: Facts) -> Verdict:

@@ -1,7 +1,11 @@
-"""The fencing decision as pure functions: what the gateway knows about a request, the
-lease behind its token and the key's record in, a verdict out. No I/O here.
+"""The rules behind the decision's facts, as pure functions: the lease behind a token,
+a key's record, a lease source's finding and the last judgement before the send each
+turned into the ``Reason`` that the decision table's row answers (None: nothing stops
+the write). With keys, fingerprints and the records' shapes. No I/O here.
 
-The order of checks is the spec's table: the first row that applies is the answer.
+One of the decision modules (with ``decision`` and ``after_forward``): a ``Reason`` is
+chosen here or there and nowhere else in the gateway
+(``tests/unit/test_decision_is_the_only_chooser.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 from fencegate_client.reasons import GATEWAY_REASONS as GATEWAY_REASONS
 from fencegate_client.reasons import REASONS as ALL_REASONS
@@ -96,7 +100,7 @@ def source_of(job_id: str) -> str:
     return source if slash else "fencegate"
 
 
-# -- records and verdicts -----------------------------------------------------------
+# -- records and the rules of the facts -----------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,30 +135,31 @@ class Presented:
     detail: str | None = None  # the source's explanation of the refusal, if it has one
 
 
-class Action(StrEnum):
-    FORWARD = "forward"
-    REPLAY = "replay"
-    REJECT = "reject"
+class Lost(StrEnum):
+    """What a lease source (``gateway.sources``) found out about a lease that may no
+    longer write: a fact, which ``external_reason`` turns into the refusal's reason."""
+
+    NEWER_HOLDER = "newer-holder"  # somebody newer holds the lock now
+    RELEASED = "released"  # released (or its session ended), nobody newer holds it
+    EXPIRED = "expired"  # its lease ran out, nobody newer holds it
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    action: Action
-    reason: Reason | None = None
-
-    @classmethod
-    def reject(cls, reason: Reason) -> Verdict:
-        return cls(Action.REJECT, reason)
+_LOST: dict[Lost, Reason] = {
+    Lost.NEWER_HOLDER: Reason.STALE_GENERATION,
+    Lost.RELEASED: Reason.LEASE_ENDED,
+    Lost.EXPIRED: Reason.LEASE_EXPIRED,
+}
 
 
-FORWARD = Verdict(Action.FORWARD)
-REPLAY = Verdict(Action.REPLAY, Reason.IDEMPOTENT_REPLAY)
+UNKNOWN_TOKEN: Final = Reason.INVALID_FENCING_TOKEN
+"""The lease of a token that no lease (nor its source) knows."""
 
 
 def lease_reason(presented: Presented | None, now: float) -> Reason | None:
-    """None when the presented lease may write now; else why not."""
+    """None when the presented lease may write now; else why not (None presented: no
+    such token)."""
     if presented is None:
-        return Reason.INVALID_FENCING_TOKEN
+        return UNKNOWN_TOKEN
     if presented.source is not None:
         return presented.refused
     assert presented.generation is not None
@@ -165,6 +170,14 @@ def lease_reason(presented: Presented | None, now: float) -> Reason | None:
     return rules.refusal_reason(presented.generation, job, now)
 
 
+def lease_after_wait(lease: Reason | None, highest: int | None, generation: int) -> Reason | None:
+    """The lease judged again after the wait for older writes: a newer generation
+    admitted meanwhile makes a current lease stale."""
+    if lease is None and (highest or 0) > generation:
+        return Reason.STALE_GENERATION
+    return lease
+
+
 def effective_state(record: Record, now: float) -> RecordState:
     """An in-flight record whose deadline passed (its replica crashed or hung) is unknown."""
     if record.state is RecordState.IN_FLIGHT and record.deadline <= now:
@@ -172,22 +185,32 @@ def effective_state(record: Record, now: float) -> RecordState:
     return record.state
 
 
-def record_verdict(record: Record, fingerprint: str, now: float, policy: str) -> Verdict:
-    """What a request whose key already has a record gets."""
+def record_reason(record: Record | None, fingerprint: str, now: float, policy: str) -> Reason:
+    """What a request whose key has a record that the admission did not give it gets:
+    ``idempotent-replay`` (the stored answer), ``replay-unavailable`` (applied, but the
+    answer was too large to keep), ``idempotency-key-reused``, ``outcome-unknown``, or
+    ``request-in-progress``: in flight under another request, or to be forwarded again
+    (retry) but taken over by another request first, or vanished between our claim and
+    our read."""
+    if record is None:
+        return Reason.REQUEST_IN_PROGRESS
     if record.fingerprint != fingerprint:
-        return Verdict.reject(Reason.IDEMPOTENCY_KEY_REUSED)
+        return Reason.IDEMPOTENCY_KEY_REUSED
     state = effective_state(record, now)
     if state is RecordState.COMPLETED:
-        return REPLAY
-    if state is RecordState.IN_FLIGHT:
-        return Verdict.reject(Reason.REQUEST_IN_PROGRESS)
-    if policy == "retry":
-        return FORWARD
-    return Verdict.reject(Reason.OUTCOME_UNKNOWN)
+        return Reason.IDEMPOTENT_REPLAY if record.body is not None else Reason.REPLAY_UNAVAILABLE
+    if state is RecordState.IN_FLIGHT or policy == "retry":
+        return Reason.REQUEST_IN_PROGRESS
+    return Reason.OUTCOME_UNKNOWN
+
+
+def in_progress(record: Reason | None) -> bool:
+    """The key is in flight under another request (a duplicate may wait for it)."""
+    return record is Reason.REQUEST_IN_PROGRESS
 
 
 def external_reason(
-    refused: Reason | None,
+    refused: Lost | None,
     generation: int | None,
     fence: int | None,
     expires_at: float | None,
@@ -195,15 +218,28 @@ def external_reason(
 ) -> Reason | None:
     """Why a lease of another source may not write (None: it may), in the spec's order:
     a generation below the job's fence is stale whatever the source says; then the
-    source's own verdict (ended, expired, a newer holder); then the expiry a signed
+    source's own finding (released, expired, a newer holder); then the expiry a signed
     token carries, by the database's clock."""
     if generation is not None and fence is not None and fence > generation:
         return Reason.STALE_GENERATION
     if refused is not None:
-        return refused
+        return _LOST[refused]
     if expires_at is not None and expires_at <= now:
         return Reason.LEASE_EXPIRED
     return None
+
+
+def refused_by_admission(
+    generation: int, fence: int | None, expires_at: float | None, now: float
+) -> Reason:
+    """Why ``admit_external`` admitted nothing: below the fence (stale), or past its
+    expiry; nothing else refuses, so stale when neither shows any more."""
+    return external_reason(None, generation, fence, expires_at, now) or Reason.STALE_GENERATION
+
+
+def behind_fence(lost: Lost | None, refused: Reason | None) -> bool:
+    """Current for its source, yet below the fence: the source's counter went backwards."""
+    return lost is None and refused is Reason.STALE_GENERATION
 
 
 def send_verdict(generation: int, fence: int | None, seconds_left: float) -> Reason | None:

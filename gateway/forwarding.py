@@ -4,7 +4,9 @@ The one client to the upstreams (``upstream.UpstreamClient``) lives here. While
 the answer streams to the client, the part needed for replay is kept; how the exchange
 ended (not sent, no answer, an answer cut short, "not processed", a whole answer)
 decides what becomes of the write's claimed key, which the caller keeps (``ClaimedKey``).
-Refusals are the caller's to give (``refuse``).
+An exchange that brought no answer to stream back is reported to the caller (``refuse``)
+as what happened (``after_forward.Exchange``, or the answer's meaning for the key); the
+answer it gets is ``after_forward``'s to choose.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any, NamedTuple, Protocol
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .after_forward import Ended, Exchange
 from .config import GatewaySettings, UpstreamSettings
-from .fence import Reason, RecordState
+from .fence import RecordState
 from .intake import HOP_BY_HOP, connection_named
 from .metrics import GatewayMetrics
 from .profiles import Answer
@@ -68,7 +71,7 @@ class ClaimedKey(Protocol):
         """The upstream's answer (or that the outcome is unknown) kept for the key."""
 
 
-Refuse = Callable[[Reason], Awaitable[web.StreamResponse]]
+Refuse = Callable[[Ended], Awaitable[web.StreamResponse]]
 
 
 class Forwarder:
@@ -123,14 +126,14 @@ class Forwarder:
         metrics.in_flight.inc()
         try:
             answer = await self._request(request, upstream, url, headers, body, key, send_left)
-            if isinstance(answer, Reason):
+            if isinstance(answer, Exchange):
                 return await refuse(answer)
             if key is not None and _precondition_failed(upstream, headers, answer.status):
                 # Not applied (RFC 9110 13.1): not the key's answer, and the worker is
                 # told so in the gateway's words rather than in S3's XML.
                 answer.close()
                 await key.release()
-                return await refuse(Reason.PRECONDITION_FAILED)
+                return await refuse(Answer.PRECONDITION_FAILED)
             try:
                 return await self._stream(request, upstream, answer, key)
             finally:
@@ -162,9 +165,9 @@ class Forwarder:
         body: io.BytesIO,
         key: ClaimedKey | None,
         send_left: float | None,
-    ) -> UpstreamResponse | Reason:
+    ) -> UpstreamResponse | Exchange:
         """The upstream's answer once its head has arrived; else the key settled (not
-        sent: released; no answer: unknown) and the reason to refuse with."""
+        sent: released; no answer: unknown) and how the exchange ended."""
         assert self.client is not None
         total = upstream.timeout_seconds
         if key is not None and send_left is not None:
@@ -184,9 +187,7 @@ class Forwarder:
             if key is not None:
                 await key.release()
             return (
-                Reason.UPSTREAM_TIMEOUT
-                if isinstance(error, ConnectTimeout)
-                else Reason.UPSTREAM_UNAVAILABLE
+                Exchange.CONNECT_TIMEOUT if isinstance(error, ConnectTimeout) else Exchange.NOT_SENT
             )
         except Exception as error:
             # Sent (or maybe sent), but no answer: whether it was applied is unknown.
@@ -202,9 +203,9 @@ class Forwarder:
                     note=f"no answer: {why_no_answer(error)}",
                 )
             return (
-                Reason.UPSTREAM_TIMEOUT
+                Exchange.NO_ANSWER_IN_TIME
                 if isinstance(error, NoAnswerInTime)
-                else Reason.UPSTREAM_UNAVAILABLE
+                else Exchange.NO_ANSWER
             )
 
     async def _stream(

@@ -24,8 +24,10 @@ from typing import Any
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
-from fencegate_client.reasons import REASONS, Reason
+from fencegate_client.reasons import REASONS
 from lease_core.problems import problem_response
+
+from .decision import http_error
 
 log = logging.getLogger("fencegate.http")
 
@@ -62,7 +64,7 @@ class ProblemRequestHandler(web_protocol.RequestHandler):
         log.warning("refused a malformed request from %s: %s", request.remote, kind)
         if request.writer.output_size > 0:  # an answer has begun: the connection is broken
             raise ConnectionError("an answer was already being sent")
-        reason = Reason.INVALID_REQUEST if status == 400 else Reason.HTTP_ERROR
+        reason = http_error(status)
         title = REASONS[reason].title if reason in REASONS else HTTPStatus(status).phrase
         response = problem_response(
             status=status,

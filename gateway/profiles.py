@@ -83,8 +83,8 @@ class Answer(StrEnum):
     NOT_PROCESSED = "not-processed"  # the upstream did not act: the key is free again
     UNKNOWN = "unknown"  # whether the upstream acted is not known
     # The request's own precondition was not met (RFC 9110 13.1): nothing was applied,
-    # and the answer is not the key's. (Answered with ``Reason.PRECONDITION_FAILED``,
-    # whose spelling lives in fencegate_client/reasons.py only.)
+    # and the answer is not the key's (the gateway's answer to it is chosen in
+    # ``after_forward``'s table).
     PRECONDITION_FAILED = "precondition-not-met"
 
 

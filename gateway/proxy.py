@@ -25,13 +25,23 @@ from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore
 
 from . import fence, profiles, s3, sources
+from .after_forward import answer_after
 from .answers import Answers
 from .audit import Audit
 from .body import BodyTimeout, read_body, start_body_clock
 from .config import Settings
-from .decision import UNKNOWN, Facts, Outcome, Step, Verdict, decide
+from .decision import (
+    EXPECT_UNSUPPORTED,
+    STORE_UNAVAILABLE,
+    UNKNOWN,
+    Facts,
+    Outcome,
+    Step,
+    Verdict,
+    decide,
+)
 from .duplicates import POLL_MAX, DuplicateWait, Settles, prefer_wait
-from .fence import Action, Reason, RecordState
+from .fence import RecordState
 from .forwarding import Forwarder, upstream_url
 from .intake import Ctx, forward_headers, intake
 from .logs import request_id_middleware
@@ -124,7 +134,7 @@ class Gateway:
             checked = request.get(LEASE_CHECKED)  # by ``expect``, before the body came
             if checked is not None:
                 ctx.admission = checked
-                facts.lease = fence.lease_reason(checked.presented, checked.now)
+                facts.lease = checked.lease
             while (verdict := decide(facts)).need is not None:
                 try:
                     await self._find_out(ctx, facts, verdict.need)
@@ -133,7 +143,7 @@ class Gateway:
                     raise
             return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
+            return await self.answers.refuse(ctx, STORE_UNAVAILABLE)
         finally:
             self._free_slot(ctx)
 
@@ -153,9 +163,7 @@ class Gateway:
     async def _refuse_before_body(self, request: web.Request) -> web.StreamResponse | None:
         ctx = Ctx(request)
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return await self.answers.reject(
-                ctx, Reason.INVALID_REQUEST, detail="Only Expect: 100-continue is supported."
-            )
+            return await self.answers.refuse(ctx, EXPECT_UNSUPPORTED)
         try:
             facts = self._intake(ctx)
             facts.slot_free = True  # judged as if: the handler takes its slot for the body
@@ -164,7 +172,7 @@ class Gateway:
             if verdict.outcome is Outcome.REFUSE:
                 return await self._carry_out(ctx, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.answers.reject(ctx, Reason.STORE_UNAVAILABLE)
+            return await self.answers.refuse(ctx, STORE_UNAVAILABLE)
         if ctx.admission is not None:
             request[LEASE_CHECKED] = ctx.admission
         return None
@@ -239,17 +247,17 @@ class Gateway:
             # or before it, so either this read sees its claim or the resolver sees
             # our fence and does not re-send.
             facts.in_order = facts.at_send = UNKNOWN
-        if facts.at_send is Reason.STALE_GENERATION:
-            highest = max(claim.fence or 0, admission.highest or 0)
-            ctx.admission = replace(admission, highest=highest)
+        if claim.fence is not None and claim.fence > (admission.highest or 0):
+            # A newer generation was admitted meanwhile: the highest known, for the answer.
+            ctx.admission = replace(admission, highest=claim.fence)
 
     async def _check_lease(self, ctx: Ctx, facts: Facts) -> None:
         admission = await self._lease_now(ctx)
         if admission is None:
-            facts.lease = Reason.INVALID_FENCING_TOKEN
+            facts.lease = fence.UNKNOWN_TOKEN
             return
         ctx.admission = admission
-        facts.lease = fence.lease_reason(admission.presented, admission.now)
+        facts.lease = admission.lease
 
     async def _lease_now(self, ctx: Ctx) -> Admission | None:
         """Read-only: the lease behind the token as the database (and, for a lease of
@@ -310,11 +318,11 @@ class Gateway:
         if ctx.source is not None:
             external = await self._external(ctx)
             if external is None:
-                facts.lease = Reason.INVALID_FENCING_TOKEN
+                facts.lease = fence.UNKNOWN_TOKEN
                 return
             if external.refused is not None:  # nothing to admit: explain it
                 ctx.admission = admission = await self.store.check_external(external)
-                facts.lease = fence.lease_reason(admission.presented, admission.now)
+                facts.lease = admission.lease
                 return
         else:
             assert ctx.token_hash is not None
@@ -342,7 +350,7 @@ class Gateway:
         else:
             admission = await self.store.admit(write)
         ctx.admission = admission
-        facts.lease = fence.lease_reason(admission.presented, admission.now)
+        facts.lease = admission.lease  # judged once, when the store read the answer
         if facts.lease is not None:
             return
         ctx.attempt, ctx.back_to = admission.attempt, admission.back_to
@@ -350,31 +358,18 @@ class Gateway:
             facts.record = None
             facts.in_order = UNKNOWN if admission.older_in_flight else True
             return
-        # The key has a record that is not ours: what it answers.
-        ctx.record = record = admission.record
-        if record is None:  # its record vanished between our claim and our read
-            self._in_progress(ctx, facts)
-            return
-        verdict = fence.record_verdict(
-            record, ctx.fingerprint, admission.now, upstream.unknown_outcome
+        # The key has a record that is not ours (or it vanished between our claim and
+        # our read): what it answers.
+        ctx.record = admission.record
+        facts.record = fence.record_reason(
+            admission.record, ctx.fingerprint, admission.now, upstream.unknown_outcome
         )
-        if verdict.action is Action.REPLAY and record.body is None:
-            # Applied, but the answer was too large to keep.
-            ctx.extra["stored_status"] = record.status
-            facts.record = Reason.REPLAY_UNAVAILABLE
-        elif verdict.action is Action.FORWARD:
-            # To be forwarded again, but the admission did not take the key over: another
-            # request took it over first.
-            self._in_progress(ctx, facts)
-        elif verdict.reason is Reason.REQUEST_IN_PROGRESS:
-            self._in_progress(ctx, facts)
-        else:
-            facts.record = verdict.reason
+        if fence.in_progress(facts.record):
+            self._may_wait(ctx, facts)
 
-    def _in_progress(self, ctx: Ctx, facts: Facts) -> None:
+    def _may_wait(self, ctx: Ctx, facts: Facts) -> None:
         """The key is in flight under another request: ``request-in-progress``, unless
         the request asked to wait (``Prefer: wait``) and its wait has time left."""
-        facts.record = Reason.REQUEST_IN_PROGRESS
         wait = ctx.request.get(DUPLICATE_WAIT)
         if wait is None:
             return
@@ -431,13 +426,10 @@ class Gateway:
             return
         now_seen = await self._lease_now(ctx)
         if now_seen is None:  # its grant was purged meanwhile
-            facts.lease, facts.in_order = Reason.INVALID_FENCING_TOKEN, True
+            facts.lease, facts.in_order = fence.UNKNOWN_TOKEN, True
             return
         ctx.admission = now_seen
-        reason = fence.lease_reason(now_seen.presented, now_seen.now)
-        if reason is None and (now_seen.highest or 0) > generation:
-            reason = Reason.STALE_GENERATION
-        facts.lease = reason
+        facts.lease = fence.lease_after_wait(now_seen.lease, now_seen.highest, generation)
         facts.in_order = True
 
     async def _wait_for_older(self, job_id: str, generation: int) -> bool:
@@ -457,19 +449,9 @@ class Gateway:
         if verdict.outcome is Outcome.REPLAY:
             assert ctx.record is not None
             return await self.answers.replay(ctx, ctx.record)
-        assert verdict.reason is not None
         if ctx.attempt is not None:  # our claim on the key: it was not sent, undo it
             await self._release(ctx)
-        if verdict.reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
-            ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
-        if verdict.reason is Reason.BODY_TIMEOUT:
-            return await self.answers.body_timeout(ctx)
-        response = await self.answers.reject(ctx, verdict.reason, detail=verdict.detail)
-        if verdict.close:
-            # Malformed or ambiguous framing: nothing sent after it on the connection may
-            # ever be read as a request.
-            response.force_close()
-        return response
+        return await self.answers.refuse(ctx, verdict)
 
     async def _release_unsent(self, ctx: Ctx) -> None:
         """The database failed while a claimed write was still being decided on (waiting
@@ -532,7 +514,7 @@ class Gateway:
             ctx.body,
             key=key,
             send_left=ctx.send_left,
-            refuse=lambda reason: self.answers.reject(ctx, reason),
+            refuse=lambda ended: self.answers.refuse(ctx, answer_after(ended)),
             decided_since=ctx.started if ctx.admission is not None else None,
         )
 

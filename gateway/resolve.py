@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 
 from . import s3
+from .answers import AUTO_RESOLVED
 from .audit import Audit, AuditEntry
 from .config import GatewaySettings, UpstreamSettings
-from .fence import Reason, RecordState
+from .fence import RecordState
 from .forwarding import Forwarder, answer_headers, upstream_url, why_no_answer
 from .metrics import GatewayMetrics
 from .profiles import Answer, is_mismatch, upstream_key
@@ -248,7 +249,7 @@ class Resolver:
         self.metrics.resolutions.labels(upstream.name, "resolved").inc()
         await self.audit.record(
             AuditEntry(
-                reason=Reason.AUTO_RESOLVED.value,
+                reason=AUTO_RESOLVED.value,
                 status=status,
                 method=claimed.method,
                 path=f"/{upstream.name}/{claimed.path}",

@@ -29,10 +29,12 @@ from .sources import ExternalLease
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """Everything the admit transaction learned, for ``fence`` to judge."""
+    """Everything the admit transaction (or a read of the lease) learned; ``lease`` is
+    its verdict on the lease, judged once here (``fence.lease_reason``)."""
 
     now: float
     presented: Presented | None
+    lease: Reason | None  # None: the lease may write now; else why not
     highest: int | None = None
     claimed: bool = False
     attempt: str | None = None
@@ -121,7 +123,9 @@ class GatewayStore:
         row = await self.backend.run("lease_of_token", token_hash=token_hash)
         assert row is not None
         presented, highest = _presented(row)
-        return Admission(now=float(row["now"]), presented=presented, highest=highest)
+        now = float(row["now"])
+        lease = fence.lease_reason(presented, now)
+        return Admission(now=now, presented=presented, lease=lease, highest=highest)
 
     async def claim(self, job_id: str, key: str, attempt: str) -> Claim:
         """Read-only, right before a claimed write is sent: the job's fence, the claim's
@@ -150,10 +154,10 @@ class GatewayStore:
         assert row is not None
         now = float(row["now"])
         presented, highest = _presented(row)
-        if presented is None:
-            return Admission(now=now, presented=None)
-        if fence.lease_reason(presented, now) is not None:  # why nothing was claimed
-            return Admission(now=now, presented=presented, highest=highest)
+        lease = fence.lease_reason(presented, now)  # the SQL's verdict, read once
+        if lease is not None:  # why nothing was claimed
+            return Admission(now=now, presented=presented, lease=lease, highest=highest)
+        assert presented is not None
         return await self._claimed(row, presented, highest, attempt, write.key)
 
     async def _claimed(
@@ -181,6 +185,7 @@ class GatewayStore:
         return Admission(
             now=now,
             presented=presented,
+            lease=None,
             highest=max(presented.generation, highest or 0),
             claimed=claimed,
             attempt=attempt if ours else None,
@@ -203,7 +208,10 @@ class GatewayStore:
             lease.refused, lease.generation, fenced, lease.expires_at, now
         )
         return Admission(
-            now=now, presented=_external(lease, refused), highest=_highest(lease, fenced)
+            now=now,
+            presented=_external(lease, refused),
+            lease=refused,
+            highest=_highest(lease, fenced),
         )
 
     async def admit_external(self, lease: ExternalLease, write: WriteRequest) -> Admission:
@@ -223,11 +231,13 @@ class GatewayStore:
         assert row is not None
         now, fenced = float(row["now"]), row["fence_generation"]
         if row["admitted"] is None:
-            refused = fence.external_reason(None, lease.generation, fenced, lease.expires_at, now)
             # Refused by the SQL: stale, or past its expiry; nothing else refuses.
-            refused = refused or Reason.STALE_GENERATION
+            refused = fence.refused_by_admission(lease.generation, fenced, lease.expires_at, now)
             return Admission(
-                now=now, presented=_external(lease, refused), highest=_highest(lease, fenced)
+                now=now,
+                presented=_external(lease, refused),
+                lease=refused,
+                highest=_highest(lease, fenced),
             )
         return await self._claimed(row, _external(lease, None), fenced, attempt, write.key)
 
@@ -476,8 +486,7 @@ def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:
 
 
 def _external(lease: ExternalLease, refused: Reason | None) -> Presented:
-    # Current for the source, yet below the fence: the source's counter went backwards.
-    behind = lease.refused is None and refused is Reason.STALE_GENERATION
+    behind = fence.behind_fence(lease.refused, refused)
     return Presented(
         lease.job_id,
         lease.generation,

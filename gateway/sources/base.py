@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.fence import Reason
+from gateway.fence import Lost
 
 log = logging.getLogger("fencegate.sources")
 
@@ -23,9 +23,10 @@ class ExternalLease:
     job_id: str  # namespaced: "<source>/<job>"
     generation: int | None  # None: not known (an etcd key that is gone)
     owner: str
-    # None: the lease may write, as far as the source can tell; else why not
-    # (stale-generation, lease-ended, lease-expired).
-    refused: Reason | None = None
+    # None: the lease may write, as far as the source can tell; else what it found out
+    # (a newer holder, released, expired), a fact the decision turns into a reason
+    # (``fence.external_reason``).
+    refused: Lost | None = None
     # Judged by the admission with the database's clock (signed tokens); None: the source
     # judged the expiry itself.
     expires_at: float | None = None

@@ -17,7 +17,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gateway.config import DynamoDbSourceSettings
-from gateway.fence import Reason
+from gateway.fence import Lost
 from lease_core import exceptions as lease_exc
 
 from .base import ExternalLease, log, namespaced
@@ -78,12 +78,10 @@ class DynamoDbSource:
             return None  # never granted this fence
         owner = item.get("holder", {}).get("S", "")[:200]
         if held > fence:  # somebody acquired it since
-            return ExternalLease(
-                self.name, job_id, fence, owner, Reason.STALE_GENERATION, newer=held
-            )
+            return ExternalLease(self.name, job_id, fence, owner, Lost.NEWER_HOLDER, newer=held)
         expires_at = _number(item.get("expires_at"))
         if expires_at is None:  # released
-            return ExternalLease(self.name, job_id, fence, owner, Reason.LEASE_ENDED)
+            return ExternalLease(self.name, job_id, fence, owner, Lost.RELEASED)
         return ExternalLease(
             self.name, job_id, fence, owner, expires_at=expires_at, behind_fence=BEHIND_FENCE
         )

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from gateway.config import EtcdSourceSettings
-from gateway.fence import Reason
+from gateway.fence import Lost
 from lease_core import exceptions as lease_exc
 
 from .base import ExternalLease, log, namespaced
@@ -86,10 +86,10 @@ class EtcdSource:
             return None
         if holder is not None:  # released or expired, and somebody newer holds it now
             return ExternalLease(
-                self.name, job_id, None, lease_hex, Reason.STALE_GENERATION, newer=holder[1]
+                self.name, job_id, None, lease_hex, Lost.NEWER_HOLDER, newer=holder[1]
             )
         alive = await self._lease_alive(int(lease_hex, 16))
-        refused = Reason.LEASE_ENDED if alive else Reason.LEASE_EXPIRED
+        refused = Lost.RELEASED if alive else Lost.EXPIRED
         return ExternalLease(self.name, job_id, None, lease_hex, refused)
 
     def _remember(self, token: str, revision: int) -> None:

@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 
 from fencegate_client.redis_lock import fence_of, lock_keys
 from gateway.config import RedisSourceSettings
-from gateway.fence import Reason
+from gateway.fence import Lost
 from lease_core import exceptions as lease_exc
 
 from .base import ExternalLease, log, namespaced
@@ -66,11 +66,9 @@ class RedisSource:
             # had: not a token of this lock.
             return None
         if held_fence is not None and held_fence > fence:  # somebody newer holds it
-            return ExternalLease(
-                self.name, job_id, fence, "", Reason.STALE_GENERATION, newer=held_fence
-            )
+            return ExternalLease(self.name, job_id, fence, "", Lost.NEWER_HOLDER, newer=held_fence)
         # Released or expired (Redis keeps no trace of which), nobody newer holds it.
-        return ExternalLease(self.name, job_id, fence, "", Reason.LEASE_ENDED)
+        return ExternalLease(self.name, job_id, fence, "", Lost.RELEASED)
 
     async def _read(self, name: str) -> tuple[str | None, int | None]:
         """The lock's value and its counter; Redis unreachable: 503, as for the

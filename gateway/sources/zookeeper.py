@@ -20,7 +20,7 @@ from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.retry import KazooRetry
 
 from gateway.config import ZooKeeperSourceSettings
-from gateway.fence import Reason
+from gateway.fence import Lost
 from lease_core import exceptions as lease_exc
 
 from .base import ExternalLease, log, namespaced
@@ -108,7 +108,7 @@ class ZooKeeperSource:
             try:
                 data, stat = await self._call("get_async", token)
             except NoNodeError:  # released between the two reads
-                return ExternalLease(self.name, job_id, None, node, Reason.LEASE_ENDED)
+                return ExternalLease(self.name, job_id, None, node, Lost.RELEASED)
             if contenders[0][1] == node:
                 # The lowest sequence number: it holds the lock (no lower number can
                 # appear later under the same parent).
@@ -119,11 +119,9 @@ class ZooKeeperSource:
             # Gone, and a newer node holds the lock now.
             stat = await self._call("exists_async", f"{path}/{contenders[0][1]}")
             newer = None if stat is None else int(stat.czxid)
-            return ExternalLease(
-                self.name, job_id, None, node, Reason.STALE_GENERATION, newer=newer
-            )
+            return ExternalLease(self.name, job_id, None, node, Lost.NEWER_HOLDER, newer=newer)
         # Gone (released, or its session ended) and nobody newer holds the lock.
-        return ExternalLease(self.name, job_id, None, node, Reason.LEASE_ENDED)
+        return ExternalLease(self.name, job_id, None, node, Lost.RELEASED)
 
     async def _call(self, method: str, *args: Any) -> Any:
         """One kazoo call (``*_async``: an IAsyncResult settled by kazoo's thread), its

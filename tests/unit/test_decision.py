@@ -10,9 +10,12 @@ from typing import Any
 
 import pytest
 
+from gateway.after_forward import AFTER_FORWARD, Exchange, answer_after
 from gateway.decision import (
+    EXPECT_UNSUPPORTED,
     FROM_FACT,
     ROWS,
+    STORE_UNAVAILABLE,
     UNKNOWN,
     Facts,
     Outcome,
@@ -20,8 +23,10 @@ from gateway.decision import (
     Step,
     Verdict,
     decide,
+    http_error,
 )
 from gateway.fence import REASONS, Reason
+from gateway.profiles import Answer
 
 # Every fact known, and none of them refusing: a fenced write that goes out.
 CLEAR = Facts(
@@ -175,3 +180,36 @@ def test_a_request_without_a_current_lease_is_refused_before_it_takes_a_slot() -
     assert decide(facts) == Verdict(Outcome.REFUSE, Reason.INVALID_FENCING_TOKEN)
     assert decide(Facts(lease=None)) == Verdict(Outcome.NEED, need=Step.SLOT)
     assert decide(Facts(lease=None, slot_free=True)) == Verdict(Outcome.NEED, need=Step.BODY)
+
+
+# -- the answers after the forward, and outside the table's walk ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("ended", "reason"),
+    [
+        (Exchange.CONNECT_TIMEOUT, Reason.UPSTREAM_TIMEOUT),
+        (Exchange.NOT_SENT, Reason.UPSTREAM_UNAVAILABLE),
+        (Exchange.NO_ANSWER_IN_TIME, Reason.UPSTREAM_TIMEOUT),
+        (Exchange.NO_ANSWER, Reason.UPSTREAM_UNAVAILABLE),
+        (Answer.PRECONDITION_FAILED, Reason.PRECONDITION_FAILED),
+    ],
+)
+def test_the_answers_after_the_forward(ended: Exchange | Answer, reason: Reason) -> None:
+    assert answer_after(ended) == Verdict(Outcome.REFUSE, reason)
+    assert REASONS[reason].status in (412, 502, 504)
+
+
+def test_every_way_an_exchange_ends_without_an_answer_has_its_row() -> None:
+    assert set(Exchange) <= set(AFTER_FORWARD)
+    # The other meanings of an answer are the upstream's own answer, streamed back.
+    assert set(AFTER_FORWARD) - set(Exchange) == {Answer.PRECONDITION_FAILED}
+
+
+def test_the_answers_outside_the_walk() -> None:
+    assert STORE_UNAVAILABLE == Verdict(Outcome.REFUSE, Reason.STORE_UNAVAILABLE)
+    assert EXPECT_UNSUPPORTED.reason is Reason.INVALID_REQUEST
+    assert EXPECT_UNSUPPORTED.detail == "Only Expect: 100-continue is supported."
+    assert http_error(400) is Reason.INVALID_REQUEST
+    assert http_error(408) is Reason.HTTP_ERROR
+    assert http_error(431) is Reason.HTTP_ERROR

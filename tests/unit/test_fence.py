@@ -1,7 +1,7 @@
 """``gateway.fence``, the fencing decision as pure functions: table-driven, no I/O.
 
 Keys (``parse_key``, ``canonical_key``), fingerprints, the lease behind a token
-(``lease_reason``), a key's record (``effective_state``, ``record_verdict``), the
+(``lease_reason``), a key's record (``effective_state``, ``record_reason``), the
 problem document's extension members and the reason catalogue, each row by row.
 """
 
@@ -17,17 +17,7 @@ from hypothesis import strategies as st
 from fencegate_client.errors import LOST_BY_REASON
 from fencegate_client.reasons import AUDIT_ONLY
 from gateway import fence
-from gateway.fence import (
-    FORWARD,
-    REASONS,
-    REPLAY,
-    Action,
-    Presented,
-    Reason,
-    Record,
-    RecordState,
-    Verdict,
-)
+from gateway.fence import REASONS, Presented, Reason, Record, RecordState
 from lease_core.rules import Job, State
 
 TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -357,13 +347,18 @@ def test_lease_reason_is_a_lease_refusal_or_none(
         assert (state, job_generation, owner) == (State.LEASED, generation, "worker-1")
 
 
-# -- records: effective_state and record_verdict ---------------------------------------------
+# -- records: effective_state and record_reason ---------------------------------------------
 
 FP = "f" * 64
 
 
-def record(state: RecordState, deadline: float = NOW + 10, fingerprint: str = FP) -> Record:
-    return Record(fingerprint, state, generation=4, attempt="a1", deadline=deadline)
+def record(
+    state: RecordState,
+    deadline: float = NOW + 10,
+    fingerprint: str = FP,
+    body: bytes | None = b"{}",
+) -> Record:
+    return Record(fingerprint, state, generation=4, attempt="a1", deadline=deadline, body=body)
 
 
 @pytest.mark.parametrize(
@@ -383,13 +378,17 @@ def test_effective_state(stored: Record, state: RecordState) -> None:
     assert fence.effective_state(stored, NOW) is state
 
 
-REUSED = Verdict.reject(Reason.IDEMPOTENCY_KEY_REUSED)
-IN_PROGRESS = Verdict.reject(Reason.REQUEST_IN_PROGRESS)
-UNKNOWN = Verdict.reject(Reason.OUTCOME_UNKNOWN)
+REUSED = Reason.IDEMPOTENCY_KEY_REUSED
+IN_PROGRESS = Reason.REQUEST_IN_PROGRESS
+UNKNOWN = Reason.OUTCOME_UNKNOWN
+REPLAY = Reason.IDEMPOTENT_REPLAY
+# To be forwarded again (retry), but the admission did not take the key over: another
+# request took it over first.
+TAKEN = Reason.REQUEST_IN_PROGRESS
 
 
 @pytest.mark.parametrize(
-    ("case", "stored", "policy", "verdict"),
+    ("case", "stored", "policy", "reason"),
     [
         # another request under the key: refused whatever the record's state
         ("reused, completed", record(RecordState.COMPLETED, fingerprint="0" * 64), "hold", REUSED),
@@ -405,10 +404,17 @@ UNKNOWN = Verdict.reject(Reason.OUTCOME_UNKNOWN)
         ("replay", record(RecordState.COMPLETED), "hold", REPLAY),
         ("replay under retry", record(RecordState.COMPLETED), "retry", REPLAY),
         ("replay, long after", record(RecordState.COMPLETED, deadline=NOW - 60), "hold", REPLAY),
+        (
+            "applied, the answer too large to keep",
+            record(RecordState.COMPLETED, body=None),
+            "hold",
+            Reason.REPLAY_UNAVAILABLE,
+        ),
+        ("vanished between the claim and the read", None, "hold", IN_PROGRESS),
         ("in progress", record(RecordState.IN_FLIGHT), "hold", IN_PROGRESS),
         ("in progress under retry", record(RecordState.IN_FLIGHT), "retry", IN_PROGRESS),
         ("unknown, hold", record(RecordState.UNKNOWN), "hold", UNKNOWN),
-        ("unknown, retry", record(RecordState.UNKNOWN), "retry", FORWARD),
+        ("unknown, retry", record(RecordState.UNKNOWN), "retry", TAKEN),
         (
             "in flight past its deadline, hold",
             record(RecordState.IN_FLIGHT, deadline=NOW - 1),
@@ -419,7 +425,7 @@ UNKNOWN = Verdict.reject(Reason.OUTCOME_UNKNOWN)
             "in flight past its deadline, retry",
             record(RecordState.IN_FLIGHT, deadline=NOW - 1),
             "retry",
-            FORWARD,
+            TAKEN,
         ),
         (
             "in flight to exactly now, hold",
@@ -429,14 +435,23 @@ UNKNOWN = Verdict.reject(Reason.OUTCOME_UNKNOWN)
         ),
     ],
 )
-def test_record_verdict(case: str, stored: Record, policy: str, verdict: Verdict) -> None:
-    assert fence.record_verdict(stored, FP, NOW, policy) == verdict, case
+def test_record_reason(case: str, stored: Record | None, policy: str, reason: Reason) -> None:
+    assert fence.record_reason(stored, FP, NOW, policy) is reason, case
+    assert fence.in_progress(reason) is (reason is Reason.REQUEST_IN_PROGRESS)
 
 
-def test_verdicts() -> None:
-    assert FORWARD == Verdict(Action.FORWARD, None)
-    assert REPLAY == Verdict(Action.REPLAY, Reason.IDEMPOTENT_REPLAY)
-    assert Verdict.reject(Reason.LEASE_ENDED) == Verdict(Action.REJECT, Reason.LEASE_ENDED)
+@pytest.mark.parametrize(
+    ("lease", "highest", "expected"),
+    [
+        (None, None, None),
+        (None, 4, None),
+        (None, 5, Reason.STALE_GENERATION),  # a newer generation admitted meanwhile
+        (Reason.LEASE_ENDED, 5, Reason.LEASE_ENDED),
+        (Reason.LEASE_EXPIRED, 3, Reason.LEASE_EXPIRED),
+    ],
+)
+def test_lease_after_wait(lease: Reason | None, highest: int | None, expected: Reason) -> None:
+    assert fence.lease_after_wait(lease, highest, generation=4) is expected
 
 
 # -- problem_extra --------------------------------------------------------------------------

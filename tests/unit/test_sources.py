@@ -18,7 +18,7 @@ from gateway.config import (
     env_references,
     resolve_secrets,
 )
-from gateway.fence import Reason, external_reason, source_of
+from gateway.fence import Lost, Reason, external_reason, source_of
 from gateway.sources import EtcdSource, JwtSource, build, namespaced, split_token
 
 
@@ -162,16 +162,17 @@ def test_the_helper_refuses_claims_the_gateway_would_refuse() -> None:
         (None, 5, 5, None, None),
         (None, 5, 6, None, Reason.STALE_GENERATION),
         # stale comes before the source's own verdict and before the expiry (spec order)
-        (Reason.LEASE_ENDED, 5, 6, None, Reason.STALE_GENERATION),
+        (Lost.RELEASED, 5, 6, None, Reason.STALE_GENERATION),
+        (Lost.NEWER_HOLDER, 5, 5, None, Reason.STALE_GENERATION),
         (None, 5, 6, 50.0, Reason.STALE_GENERATION),
-        (Reason.LEASE_ENDED, 5, 5, None, Reason.LEASE_ENDED),
-        (Reason.LEASE_EXPIRED, None, 9, None, Reason.LEASE_EXPIRED),
+        (Lost.RELEASED, 5, 5, None, Reason.LEASE_ENDED),
+        (Lost.EXPIRED, None, 9, None, Reason.LEASE_EXPIRED),
         (None, 5, 4, 100.0, Reason.LEASE_EXPIRED),  # expires_at <= now
         (None, 5, 4, 100.5, None),
     ],
 )
 def test_external_verdicts_in_the_tables_order(
-    refused: Reason | None,
+    refused: Lost | None,
     generation: int | None,
     fence: int | None,
     expires_at: float | None,
