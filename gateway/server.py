@@ -51,9 +51,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready when the database answers at a compatible schema, and on PostgreSQL is the
+    primary: which one, and how its standbys replicate."""
     store = request.app[lease_api.STORE]
+    settings = request.app[SETTINGS]
     try:
         revision = await migrate.current_revision(store.engine)
+        seen = None if settings.sqlite else await replication.replication(store.engine)
     except Exception as error:
         raise exc.StoreUnavailable(
             f"The database is not reachable ({type(error).__name__})."
@@ -64,14 +68,7 @@ async def readyz(request: web.Request) -> web.Response:
             f"{migrate.head_revision()}: run `fencegate migrate`."
         )
     answer: dict[str, object] = {"status": "ready", "schema": revision}
-    settings = request.app[SETTINGS]
-    if not settings.sqlite:
-        try:
-            seen = await replication.replication(store.engine)
-        except Exception as error:
-            raise exc.StoreUnavailable(
-                f"The database is not reachable ({type(error).__name__})."
-            ) from error
+    if seen is not None:
         if seen.in_recovery:
             raise exc.StoreUnavailable(f"The database server {seen.server} is a standby.")
         database = seen.to_json()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +113,9 @@ async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
 
 
 @pytest.fixture
-def group(tmp_path: Path) -> AsyncIterator[ProcessGroup]:
+def group(tmp_path: Path) -> Iterator[ProcessGroup]:
     processes = ProcessGroup(tmp_path)
-    yield processes  # type: ignore[misc]
+    yield processes
     processes.cleanup()
 
 
@@ -139,6 +139,19 @@ async def write(session: aiohttp.ClientSession, proxy: str, generation: int, ste
         headers={"Fencing-Token": token(generation), "Idempotency-Key": step_key(JOB, step)},
         timeout=15,
     )
+
+
+async def write_once_reconnected(
+    session: aiohttp.ClientSession, proxy: str, generation: int, step: str
+) -> Answer:
+    """The write's first answer other than store-unavailable (the gateway connecting to
+    the promoted standby)."""
+    for _ in range(100):
+        answer = await write(session, proxy, generation, step)
+        if answer.reason != "store-unavailable":
+            return answer
+        await asyncio.sleep(0.2)
+    raise AssertionError("the gateway never reached the promoted standby")
 
 
 def applied(upstream: UpstreamProc) -> list[tuple[int, str]]:
@@ -194,13 +207,8 @@ async def test_an_asynchronous_failover_moves_the_fence_back(
         assert (stale.status, stale.reason) == (409, "stale-generation"), stale
         await pair.fail_over()
         # The same gateway, reconnected to the promoted standby: the fence is back at 1.
-        late: Answer | None = None
-        for _ in range(100):
-            late = await write(session, replica.proxy, 1, "late")
-            if late.reason != "store-unavailable":
-                break
-            await asyncio.sleep(0.2)
-        assert late is not None and late.status == 201, late
+        late = await write_once_reconnected(session, replica.proxy, 1, "late")
+        assert late.status == 201, late
     # What the upstream applied: generation 1 after generation 2, the stale write that
     # fencing exists to stop.
     assert applied(upstream) == [(1, "first"), (2, "second"), (1, "late")]
@@ -234,12 +242,7 @@ async def test_a_synchronous_standby_holds_the_fence(
             pass
         else:
             assert answer.status == 503, answer  # store-unavailable, never a 2xx
-        late: Answer | None = None
-        for _ in range(100):
-            late = await write(session, replica.proxy, 1, "late")
-            if late.reason != "store-unavailable":
-                break
-            await asyncio.sleep(0.2)
-        assert late is not None and late.status == 201, late
+        late = await write_once_reconnected(session, replica.proxy, 1, "late")
+        assert late.status == 201, late
     # Generation 2 never reached the upstream, so generation 1's write is not stale there.
     assert applied(upstream) == [(1, "first"), (1, "late")]
