@@ -21,6 +21,10 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+# How long serve checks again before refusing (a standby rejoining after a failover streams
+# asynchronously until the failover manager lists it as synchronous: about one of
+# Patroni's loops).
+SETTLE_SECONDS = 15.0
 # synchronous_commit values that acknowledge a commit before a standby has it.
 LOCAL_COMMITS = ("off", "local")
 # sync_state values of a standby that is not waited for (potential: it would be, if the

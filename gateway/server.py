@@ -161,21 +161,41 @@ async def prepare_database(settings: Settings, store: LeaseStore) -> None:
 
 async def check_replication(settings: Settings, store: LeaseStore) -> None:
     """Refuse (SystemExit) a PostgreSQL that a failover could make lose an acknowledged
-    commit, unless ``database.allow_async_failover``; say what was found either way."""
+    commit, unless ``database.allow_async_failover``; say what was found either way.
+
+    A standby that rejoins after a failover streams asynchronously for a moment, until
+    the failover manager makes it synchronous: before refusing, the check is made again
+    every second for ``replication.SETTLE_SECONDS``."""
     if settings.sqlite:
         return
-    try:
-        seen = await replication.replication(store.engine)
-    except Exception as error:
-        message = migrate.database_error(error, settings.database_url)
-        raise SystemExit(f"fencegate: {message}") from error
-    if seen.in_recovery:
-        raise SystemExit(
-            f"fencegate: the database server {seen.server} is a standby and takes no writes: "
-            "point database_url at the primary, or list every host with "
-            "target_session_attrs=read-write"
-        )
-    found = seen.problems()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + replication.SETTLE_SECONDS
+    warned = False
+    while True:
+        try:
+            seen = await replication.replication(store.engine)
+        except Exception as error:
+            message = migrate.database_error(error, settings.database_url)
+            raise SystemExit(f"fencegate: {message}") from error
+        if seen.in_recovery:
+            raise SystemExit(
+                f"fencegate: the database server {seen.server} is a standby and takes no "
+                "writes: point database_url at the primary, or list every host with "
+                "target_session_attrs=read-write"
+            )
+        found = seen.problems()
+        waiting = found and not settings.database.allow_async_failover
+        if not waiting or loop.time() >= deadline:
+            break
+        if not warned:
+            warned = True
+            log.warning(
+                "%s; checking again for up to %g s (a standby rejoining after a failover "
+                "is synchronous within seconds)",
+                "; ".join(found),
+                replication.SETTLE_SECONDS,
+            )
+        await asyncio.sleep(1.0)
     if found and not settings.database.allow_async_failover:
         raise SystemExit(f"fencegate: {replication.refusal(found)}")
     if found:

@@ -103,6 +103,8 @@ async def first_answered(
 async def test_the_gateway_keeps_its_fences_across_a_failover(
     patroni: PatroniCluster, group: ProcessGroup, tmp_path: Path, how: str
 ) -> None:
+    # The previous test's failover over: its old primary synchronous again.
+    await asyncio.to_thread(patroni.wait_healthy, 90)
     upstream = await start_upstream(group)
     config = write_config(tmp_path, patroni.url("fence"), upstream.url, (PAY,))
     replica = await start_replica(group, config, "gateway")
