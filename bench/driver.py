@@ -77,9 +77,10 @@ Post = Callable[[str, bytes, dict[str, str]], Awaitable[tuple[int, bytes]]]
 
 @contextlib.asynccontextmanager
 async def poster(
-    client: str, session: aiohttp.ClientSession, concurrency: int
+    client: str, session: aiohttp.ClientSession, concurrency: int, timeout: float = 60.0
 ) -> AsyncIterator[Post]:
-    """The timed phase's POST, through the chosen client (``--client``)."""
+    """The timed phase's POST, through the chosen client (``--client``); ``timeout``:
+    the lean client's deadline per request (aiohttp's is the session's)."""
     if client == "aiohttp":
 
         async def post_aiohttp(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
@@ -92,7 +93,7 @@ async def poster(
 
     async def post_lean(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         async with await lean.request(
-            "POST", url, headers.items(), body, timeout=60, connect_timeout=10
+            "POST", url, headers.items(), body, timeout=timeout, connect_timeout=10
         ) as resp:
             return resp.status, await resp.read()
 

@@ -5,7 +5,9 @@ HTTP with the store's batched statement."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.open_loop import body_of
 from bench.options import Options
 from bench.pgadmin import Database, _sa_url, pg_dsn, set_autovacuum
 from bench.processes import (
@@ -37,6 +40,7 @@ from bench.seed import (
     seed_jobs,
     seed_records,
 )
+from bench.xacts import count_transactions
 
 GATEWAY_READY = re.compile(r"fencegate listening: .*?control=([^\s\",]+).*?proxy=([^\s\",]+)")
 
@@ -68,15 +72,9 @@ def migrate(children: Children, config: Path) -> None:
         raise BenchError(f"fencegate migrate failed:\n{result.stdout}{result.stderr}")
 
 
-def run_backend(
-    children: Children,
-    opts: Options,
-    backend: str,
-    upstream_url: str,
-    upstream_pid: int,
-    rows: list[dict[str, Any]],
-    check_url: str | None = None,
-) -> None:
+def new_database(children: Children, opts: Options, backend: str) -> tuple[Path, Database]:
+    """A folder for ``backend`` and its database's handle (not created yet): a file there
+    on SQLite, a fresh database of the benchmark's own on PostgreSQL."""
     folder = children.workdir / backend
     folder.mkdir()
     if backend == "sqlite":
@@ -91,6 +89,38 @@ def run_backend(
             name=name,
         )
     print(f"{backend}: preparing the database", flush=True)
+    return folder, db
+
+
+def start_gateway(
+    children: Children, opts: Options, backend: str, config: Path
+) -> tuple[Child, str, str]:
+    """``fencegate serve`` from ``config``, as shipped; its control and proxy URLs."""
+    argv = [
+        *fencegate_command(),
+        "serve",
+        "--config",
+        str(config),
+        "--log-level",
+        opts.gateway_log_level,
+        "--log-format",
+        "json",
+    ]
+    gateway = children.start(f"fencegate-{backend}", argv)
+    match = gateway.wait_for(GATEWAY_READY)
+    return gateway, f"http://{match.group(1)}", f"http://{match.group(2)}"
+
+
+def run_backend(
+    children: Children,
+    opts: Options,
+    backend: str,
+    upstream_url: str,
+    upstream_pid: int,
+    rows: list[dict[str, Any]],
+    check_url: str | None = None,
+) -> None:
+    folder, db = new_database(children, opts, backend)
     db.create()
     gateway: Child | None = None
     restore_autovacuum = None
@@ -108,19 +138,7 @@ def run_backend(
             seed_jobs(db, opts.seed_jobs)
         db.vacuum("jobs", "leases", "idempotency_records", "audit_log")
         print(f"{backend}: seeded in {time.monotonic() - started:.1f} s", flush=True)
-        argv = [
-            *fencegate_command(),
-            "serve",
-            "--config",
-            str(config),
-            "--log-level",
-            opts.gateway_log_level,
-            "--log-format",
-            "json",
-        ]
-        gateway = children.start(f"fencegate-{backend}", argv)
-        match = gateway.wait_for(GATEWAY_READY)
-        control, proxy = f"http://{match.group(1)}", f"http://{match.group(2)}"
+        gateway, control, proxy = start_gateway(children, opts, backend, config)
         watch = Watch(
             {"server": gateway.pid, "upstream": upstream_pid, "orchestrator": os.getpid()},
             postgres_db=db.name,
@@ -334,3 +352,111 @@ def renewals_against(
         )
     finally:
         children.stop(server)
+
+
+# -- the open loop (--open-loop) ---------------------------------------------------------
+
+
+def run_open_loop(
+    children: Children,
+    opts: Options,
+    backend: str,
+    upstream: tuple[str, int],
+    bare: tuple[str, int],
+    rows: list[dict[str, Any]],
+) -> None:
+    """``fencegate serve`` on ``backend`` and the bare proxy at each rate in turn
+    (``bench.open_loop``), then, on PostgreSQL, the transactions per first write, replay
+    and refusal (``bench.xacts``), the gateway alone by then. ``upstream``, ``bare``:
+    their URL and pid; every process's CPU is sampled, so each rate also says how busy
+    the machine was with other work meanwhile."""
+    upstream_url, bare_url = upstream[0], bare[0]
+    folder, db = new_database(children, opts, backend)
+    db.create()
+    gateway: Child | None = None
+    try:
+        config = write_config(folder, db.url, upstream_url)
+        migrate(children, config)
+        seed_records(db, opts.seed_records[0])
+        db.vacuum("jobs", "leases", "idempotency_records", "audit_log")
+        gateway, control, proxy = start_gateway(children, opts, backend, config)
+        tag = f"o{secrets.token_hex(2)}"
+        out = children.workdir / f"open-loop-{backend}.json"
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.open_loop",
+            "--gateway",
+            proxy + WRITE_PATH,
+            "--bare",
+            bare_url + WRITE_PATH,
+            "--control",
+            control,
+            "--rates",
+            ",".join(f"{r:g}" for r in opts.rates),
+            "--seconds",
+            str(opts.duration),
+            "--slice",
+            str(opts.slice),
+            "--jobs",
+            str(opts.jobs),
+            "--client",
+            opts.client,
+            "--tag",
+            tag,
+            "--out",
+            str(out),
+        ]
+        print(f"  running the open loop on {backend} ...", flush=True)
+        driver = children.start(f"open-loop-{backend}", argv)
+        watch = Watch(
+            {
+                "driver": driver.pid,
+                "server": gateway.pid,
+                "bare": bare[1],
+                "upstream": upstream[1],
+                "orchestrator": os.getpid(),
+            },
+            postgres_db=db.name,
+        )
+        # Each rate: two warm-up slices and 2 x --duration counted, plus the drains.
+        deadline = time.monotonic() + len(opts.rates) * (4 * opts.duration + 120) + 120
+        try:
+            while driver.process.poll() is None:
+                watch.sample()
+                for child in children.started:
+                    if child is not driver and not child.alive():
+                        raise BenchError(f"{child.name} died during the open loop")
+                if time.monotonic() > deadline:
+                    raise BenchError(f"open loop on {backend}: the driver did not finish")
+                time.sleep(0.25)
+        finally:
+            children.stop(driver)
+        if driver.process.returncode != 0 or not out.exists():
+            raise BenchError(f"open loop on {backend}: driver failed:\n{driver.output()}")
+        result: dict[str, Any] = json.loads(out.read_text())
+        for rate in result["rates"]:
+            rate.update(watch.summary(rate["start_epoch"], rate["end_epoch"]))
+        if backend == "postgres" and opts.xact_writes:
+            print("  counting PostgreSQL's transactions per write ...", flush=True)
+            assert db.admin_dsn is not None and db.name is not None
+            result["transactions"] = asyncio.run(
+                count_transactions(
+                    db.admin_dsn,
+                    db.name,
+                    proxy + WRITE_PATH,
+                    control,
+                    body_of(1024),
+                    opts.xact_writes,
+                    f"x{secrets.token_hex(2)}",
+                )
+            )
+        result["autovacuum"] = db.setting("autovacuum")
+        rows.append({"section": "open-loop", "backend": backend, **result})
+    finally:
+        if gateway is not None:
+            children.stop(gateway)
+        try:
+            db.drop()
+        except Exception as error:
+            print(f"bench: dropping the database {db.name}: {error}", file=sys.stderr)

@@ -29,12 +29,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="smoke run (CI): a few seconds per target, small tables; checks that it "
         "works, not its speed",
     )
-    parser.add_argument("--duration", type=float, help="timed seconds per target (20; quick 1)")
+    parser.add_argument(
+        "--duration",
+        "--seconds",
+        type=float,
+        help="timed seconds per target (20; quick 1); --open-loop: per rate and target (10; "
+        "quick 1)",
+    )
     parser.add_argument("--warmup", type=float, help="warm-up seconds, not counted (3; quick 0.3)")
     parser.add_argument("--concurrency", type=int, help="concurrent loops (32; quick 8)")
-    parser.add_argument("--jobs", type=int, help="jobs holding a live lease (256; quick 16)")
     parser.add_argument(
-        "--backends", default="sqlite,postgres", help="comma list of sqlite, postgres"
+        "--jobs", type=int, help="jobs holding a live lease (256; --open-loop 64; quick 16)"
+    )
+    parser.add_argument(
+        "--backends", "--db", default="sqlite,postgres", help="comma list of sqlite, postgres"
     )
     parser.add_argument(
         "--targets",
@@ -138,6 +146,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw the soak's curve (throughput and p99 per interval, per database) "
         "as a PNG; needs matplotlib (pip install matplotlib)",
     )
+    parser.add_argument(
+        "--open-loop",
+        action="store_true",
+        help="open-loop mode: fenced writes at fixed rates (--rates), each request sent at "
+        "its scheduled time whatever the answers before it, the gateway and the bare proxy "
+        "in interleaved slices; the gateway's added p50 / p99 per rate, and on PostgreSQL "
+        "the transactions per first write, replay and refusal",
+    )
+    parser.add_argument(
+        "--rates",
+        metavar="LIST",
+        help="--open-loop: writes a second, a comma list, run in order up to the first the "
+        "gateway cannot keep up with (50,100,300,1000; quick 20,40)",
+    )
+    parser.add_argument(
+        "--slice",
+        type=float,
+        metavar="SECONDS",
+        help="--open-loop: the length of each interleaved slice of one target (1; quick 0.5)",
+    )
+    parser.add_argument(
+        "--xact-writes",
+        type=int,
+        metavar="N",
+        help="--open-loop on PostgreSQL: writes in each batch whose transactions are counted "
+        "(200; quick 20; 0: none counted)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
         "--check-targets",
@@ -181,6 +216,10 @@ class Options:
     soak_png: str | None = None
     soak_check: float = 0.0  # > 0: seconds of each soak interval spent on the bare proxy
     client: str = "lean"  # the driver's HTTP client (bench.driver.CLIENTS)
+    open_loop: bool = False  # --open-loop: fixed rates, added latency, transactions per write
+    rates: tuple[float, ...] = ()  # --open-loop: writes a second, in order
+    slice: float = 1.0  # --open-loop: seconds of each interleaved slice
+    xact_writes: int = 0  # --open-loop, PostgreSQL: writes per counted batch
 
 
 def _int_list(text: str) -> list[int]:
@@ -202,6 +241,8 @@ def options_from(args: argparse.Namespace) -> Options:
         if target not in ALL_TARGETS:
             raise SystemExit(f"--targets: unknown target {target!r}")
     seed_records = sorted(_int_list(pick(args.seed_records, "1000", "100")))
+    if args.open_loop and args.soak is not None:
+        raise SystemExit("--open-loop and --soak: one mode at a time")
     soak_interval = 0.0
     if args.soak is not None:
         if args.soak <= 0:
@@ -225,12 +266,32 @@ def options_from(args: argparse.Namespace) -> Options:
         soak_check = args.soak_check
         if not 0 < soak_check <= soak_interval / 2:
             raise SystemExit("--soak-check: above zero and at most half of --soak-interval")
+    rates: tuple[float, ...] = ()
+    if args.open_loop:
+        try:
+            rates = tuple(float(r) for r in pick(args.rates, "50,100,300,1000", "20,40").split(","))
+        except ValueError:
+            raise SystemExit("--rates: a comma list of writes a second, e.g. 50,100,300") from None
+        if not rates or min(rates) <= 0:
+            raise SystemExit("--rates: every rate must be above zero")
+        if args.slice is not None and args.slice <= 0:
+            raise SystemExit("--slice: must be above zero (seconds)")
+        if args.xact_writes is not None and args.xact_writes < 0:
+            raise SystemExit("--xact-writes: must be 0 or more")
+        targets = ["bare", "writes"]
+    else:
+        for name in ("rates", "slice", "xact_writes"):
+            if getattr(args, name) is not None:
+                raise SystemExit(f"--{name.replace('_', '-')}: only with --open-loop")
+    if args.duration is not None and args.duration <= 0:
+        raise SystemExit("--duration: must be above zero (seconds)")
+    full_duration = 10.0 if args.open_loop else 20.0
     return Options(
         quick=quick,
-        duration=args.soak if args.soak is not None else pick(args.duration, 20.0, 1.0),
+        duration=args.soak if args.soak is not None else pick(args.duration, full_duration, 1.0),
         warmup=pick(args.warmup, 3.0, 0.3),
         concurrency=pick(args.concurrency, 32, 8),
-        jobs=pick(args.jobs, 256, 16),
+        jobs=pick(args.jobs, 64 if args.open_loop else 256, 16),
         backends=backends,
         targets=targets,
         postgres_url=args.postgres_url,
@@ -250,4 +311,8 @@ def options_from(args: argparse.Namespace) -> Options:
         records_per_job=args.records_per_job,
         stats=args.stats,
         autovacuum=args.autovacuum,
+        open_loop=bool(args.open_loop),
+        rates=rates,
+        slice=pick(args.slice, 1.0, 0.5),
+        xact_writes=pick(args.xact_writes, 200, 20) if args.open_loop else 0,
     )

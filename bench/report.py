@@ -20,6 +20,7 @@ LEASE_TARGET = 0.8
 # The renewals' third comparison on PostgreSQL: HTTP and the store's batched statement
 # with nothing else (bench.lean_lease).
 LEAN_PATH = "HTTP + batched SQL"
+SATURATION_RULE = "over 1 % late by 1 s or failed, or answered at under 90 % of the rate"
 
 
 def verdict(ok: bool | None) -> str:
@@ -377,3 +378,111 @@ def files_cells(seen: dict[str, float]) -> list[str]:
     if not seen:
         return ["-"] * len(FILES_HEAD)
     return [fmt(seen["log_bytes_max"] / 2**20, 0), fmt(seen["file_bytes"] / 2**20, 0)]
+
+
+# -- the open loop -----------------------------------------------------------------------
+
+
+def open_loop_report(rows: list[dict[str, Any]], opts: Options) -> str:
+    """Per database and rate: requests sent, answered per second, p50 / p99 of the gateway
+    and of the bare proxy, the gateway's added p50 / p99, late and failed requests; then
+    PostgreSQL's transactions per first write, replay and refusal."""
+    out = [
+        f"Open loop: POST {WRITE_PATH}, fresh Idempotency-Key, 1 KB body, {opts.jobs} leased "
+        f"jobs; at each rate the gateway and the bare proxy in turns of {opts.slice:g} s, "
+        f"{opts.duration:g} s each; latency from each request's scheduled start"
+    ]
+    lines = [r for r in rows if r["section"] == "open-loop"]
+    if lines:
+        out.append(f"Load generator: {lines[0]['load_generator']}")
+    for row in lines:
+        out.append("")
+        out.append(f"{row['backend']}:")
+        body = []
+        for r in row["rates"]:
+            g, b = r["gateway"], r["bare"]
+            body.append(
+                [
+                    f"{r['rate']:g}",
+                    f"{g['sent']}/{b['sent']}",
+                    f"{g['achieved_rps']:.0f}/{b['achieved_rps']:.0f}",
+                    f"{g['p50_ms']:.2f}/{g['p99_ms']:.2f}",
+                    f"{b['p50_ms']:.2f}/{b['p99_ms']:.2f}",
+                    f"{r['added_p50_ms']:+.2f}",
+                    f"{r['added_p99_ms']:+.2f}",
+                    f"{g['late']}/{b['late']}",
+                    f"{g['errors']}/{b['errors']}",
+                    f"{max(g['client_lag_p99_ms'], b['client_lag_p99_ms']):.1f}",
+                    cpu_text(r, ("driver", "server", "bare", "upstream", "postgres", "other")),
+                    "yes" if r["saturated"] else "no",
+                ]
+            )
+        out.append(
+            table(
+                [
+                    "rate/s",
+                    "sent gw/bare",
+                    "answered/s gw/bare",
+                    "gw p50/p99 ms",
+                    "bare p50/p99 ms",
+                    "added p50",
+                    "added p99",
+                    "late gw/bare",
+                    "errors gw/bare",
+                    "send lag p99 ms",
+                    "CPU% drv/gw/bare/up/pg/other",
+                    "saturated",
+                ],
+                body,
+            )
+        )
+        saturated = row.get("saturated_at")
+        out.append(
+            f"the gateway saturates at {saturated:g}/s ({SATURATION_RULE})"
+            if saturated is not None
+            else f"the gateway kept up at every rate (saturated: {SATURATION_RULE})"
+        )
+        if row.get("error_samples"):
+            out.append(f"errors, e.g. {row['error_samples'][:2]}")
+        xacts = row.get("transactions")
+        if xacts:
+            idle = xacts["idle"]
+            per = ", ".join(
+                f"{name.replace('_', ' ')} {xacts[name]['per_write']:.2f}"
+                + (
+                    f" ({xacts[name]['unexpected_answers']} unexpected answers)"
+                    if xacts[name]["unexpected_answers"]
+                    else ""
+                )
+                for name in ("first_write", "replay", "refusal")
+            )
+            out.append(
+                f"PostgreSQL transactions per write ({xacts['first_write']['writes']} of each, "
+                f"one at a time; pg_stat_database): {per}; "
+                f"{idle['transactions']} while idle for {idle['seconds']:g} s"
+            )
+    if opts.quick:
+        out.append("\n(--quick: a smoke run; the numbers are not judged)")
+    return "\n".join(out)
+
+
+def open_loop_failures(row: dict[str, Any]) -> list[str]:
+    """What makes an open-loop run fail: a rate with no answer at all from a target, or a
+    batch of the transaction counts answered otherwise than expected."""
+    failures = []
+    for r in row["rates"]:
+        for target in ("gateway", "bare"):
+            if not r[target]["ok"]:
+                failures.append(
+                    f"open loop {row['backend']} {target} at {r['rate']:g}/s: no write went "
+                    f"through ({r[target]['errors']} error(s), e.g. {row['error_samples'][:2]})"
+                )
+    for name, counted in (row.get("transactions") or {}).items():
+        if counted.get("unexpected_answers"):
+            failures.append(
+                f"transactions per {name} on {row['backend']}: "
+                f"{counted['unexpected_answers']} unexpected answer(s)"
+            )
+    if not row["rates"]:
+        failures.append(f"open loop {row['backend']}: no rate was run")
+    return failures

@@ -40,10 +40,17 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: python bench/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.measure import run_backend
+from bench.measure import run_backend, run_open_loop
 from bench.options import Options, build_parser, options_from
 from bench.processes import BenchError, Child, Children, run_driver, start_server
-from bench.report import judge_writes, report, soak_report, write_row
+from bench.report import (
+    judge_writes,
+    open_loop_failures,
+    open_loop_report,
+    report,
+    soak_report,
+    write_row,
+)
 from bench.sampling import Watch, background_busy
 from bench.seed import WRITE_PATH
 
@@ -87,75 +94,83 @@ def run(opts: Options) -> int:
         upstream, upstream_url = start_server(
             children, "upstream", [sys.executable, "-m", "bench.upstream"]
         )
-        idle = Watch({"upstream": upstream.pid, "orchestrator": os.getpid()}, postgres_db=None)
-        if "direct" in opts.targets:
-            result = run_driver(
-                children,
-                opts,
-                "direct",
-                "writes",
-                ["--target", upstream_url + WRITE_PATH],
-                idle,
-            )
-            rows.append(write_row("upstream direct (reference)", None, None, result))
-        bare_runs: list[dict[str, Any]] = []
-        bare_proxy: Child | None = None
-        check_url: str | None = None  # the soak's checks write here (--soak-check)
-        if "bare" in opts.targets or opts.soak_check:
-            bare_proxy, bare_url = start_server(
-                children,
-                "bare-proxy",
-                [sys.executable, "-m", "bench.bare_proxy", "--upstream", upstream_url],
-            )
-            bare_watch = Watch(
-                {"server": bare_proxy.pid, "upstream": upstream.pid, "orchestrator": os.getpid()},
-                postgres_db=None,
-                rss_pid=bare_proxy.pid,
-            )
-
-            bare_target = bare_url + WRITE_PATH
-            if opts.soak_check:
-                check_url = bare_target
-
-            def measure_bare(name: str, label: str) -> None:
+        if opts.open_loop:
+            run_open(children, opts, upstream_url, upstream.pid, rows, failures)
+        else:
+            idle = Watch({"upstream": upstream.pid, "orchestrator": os.getpid()}, postgres_db=None)
+            if "direct" in opts.targets:
                 result = run_driver(
                     children,
                     opts,
-                    name,
+                    "direct",
                     "writes",
-                    ["--target", bare_target],
-                    bare_watch,
-                    profile_pid=bare_proxy.pid if bare_proxy else None,
+                    ["--target", upstream_url + WRITE_PATH],
+                    idle,
                 )
-                bare_runs.append(result)
-                rows.append(write_row(label, None, None, result))
+                rows.append(write_row("upstream direct (reference)", None, None, result))
+            bare_runs: list[dict[str, Any]] = []
+            bare_proxy: Child | None = None
+            check_url: str | None = None  # the soak's checks write here (--soak-check)
+            if "bare" in opts.targets or opts.soak_check:
+                bare_proxy, bare_url = start_server(
+                    children,
+                    "bare-proxy",
+                    [sys.executable, "-m", "bench.bare_proxy", "--upstream", upstream_url],
+                )
+                bare_watch = Watch(
+                    {
+                        "server": bare_proxy.pid,
+                        "upstream": upstream.pid,
+                        "orchestrator": os.getpid(),
+                    },
+                    postgres_db=None,
+                    rss_pid=bare_proxy.pid,
+                )
 
-            if "bare" in opts.targets:
-                measure_bare("bare", "bare aiohttp proxy (floor)")
-        if "writes" in opts.targets or "lease" in opts.targets:
-            for backend in opts.backends:
-                try:
-                    run_backend(
-                        children, opts, backend, upstream_url, upstream.pid, rows, check_url
+                bare_target = bare_url + WRITE_PATH
+                if opts.soak_check:
+                    check_url = bare_target
+
+                def measure_bare(name: str, label: str) -> None:
+                    result = run_driver(
+                        children,
+                        opts,
+                        name,
+                        "writes",
+                        ["--target", bare_target],
+                        bare_watch,
+                        profile_pid=bare_proxy.pid if bare_proxy else None,
                     )
-                except (BenchError, RuntimeError, OSError) as error:
-                    failures.append(f"{backend}: {error}")
-                    print(f"bench: {backend} failed: {error}", file=sys.stderr, flush=True)
-        if (
-            bare_proxy is not None
-            and not opts.quick
-            and not opts.soak_interval
-            and "writes" in opts.targets
-        ):
-            # Measured again at the end: the ratios use the mean of both, so a machine that
-            # got busier or quieter during the run shows (and skews nothing one-sidedly).
-            measure_bare("bare-again", "bare aiohttp proxy (again, at the end)")
-        bare = None
-        if bare_runs:
-            bare = {
-                key: sum(r[key] for r in bare_runs) / len(bare_runs) for key in ("rps", "p99_ms")
-            }
-        judge_writes(rows, bare)
+                    bare_runs.append(result)
+                    rows.append(write_row(label, None, None, result))
+
+                if "bare" in opts.targets:
+                    measure_bare("bare", "bare aiohttp proxy (floor)")
+            if "writes" in opts.targets or "lease" in opts.targets:
+                for backend in opts.backends:
+                    try:
+                        run_backend(
+                            children, opts, backend, upstream_url, upstream.pid, rows, check_url
+                        )
+                    except (BenchError, RuntimeError, OSError) as error:
+                        failures.append(f"{backend}: {error}")
+                        print(f"bench: {backend} failed: {error}", file=sys.stderr, flush=True)
+            if (
+                bare_proxy is not None
+                and not opts.quick
+                and not opts.soak_interval
+                and "writes" in opts.targets
+            ):
+                # Measured again at the end: the ratios use the mean of both, so a machine that
+                # got busier or quieter during the run shows (and skews nothing one-sidedly).
+                measure_bare("bare-again", "bare aiohttp proxy (again, at the end)")
+            bare = None
+            if bare_runs:
+                bare = {
+                    key: sum(r[key] for r in bare_runs) / len(bare_runs)
+                    for key in ("rps", "p99_ms")
+                }
+            judge_writes(rows, bare)
     except (BenchError, RuntimeError) as error:
         failures.append(str(error))
         print(f"bench: {error}", file=sys.stderr, flush=True)
@@ -165,11 +180,14 @@ def run(opts: Options) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
     print()
-    print(report(rows, opts))
+    print(open_loop_report(rows, opts) if opts.open_loop else report(rows, opts))
     if opts.soak_interval:
         print()
         print(soak_report(rows, opts, failures))
     for row in rows:
+        if row["section"] == "open-loop":
+            failures += open_loop_failures(row)
+            continue
         if row["errors"] or not row["rps"]:
             name = row.get("target") or f"{row['operation']} {row['backend']} {row['path']}"
             failures.append(f"{name}: {row['errors']} error(s), {row['rps']:.0f}/s")
@@ -195,6 +213,30 @@ def run(opts: Options) -> int:
         print(f"bench: {len(missed)} target(s) missed", file=sys.stderr)
         return 1
     return 0
+
+
+def run_open(
+    children: Children,
+    opts: Options,
+    upstream_url: str,
+    upstream_pid: int,
+    rows: list[dict[str, Any]],
+    failures: list[str],
+) -> None:
+    """--open-loop: the bare proxy beside the gateway on each database, at each rate."""
+    bare, bare_url = start_server(
+        children,
+        "bare-proxy",
+        [sys.executable, "-m", "bench.bare_proxy", "--upstream", upstream_url],
+    )
+    for backend in opts.backends:
+        try:
+            run_open_loop(
+                children, opts, backend, (upstream_url, upstream_pid), (bare_url, bare.pid), rows
+            )
+        except (BenchError, RuntimeError, OSError) as error:
+            failures.append(f"{backend}: {error}")
+            print(f"bench: {backend} failed: {error}", file=sys.stderr, flush=True)
 
 
 def _terminate(signum: int, frame: Any) -> None:
