@@ -341,10 +341,10 @@ def _replication_line(settings: Settings) -> tuple[str, str]:
         run_loop(read())
     except Exception as error:
         return f"not checked: {migrate.database_error(error, settings.database_url)}", ""
-    found = seen[0].problems()
-    if found and not settings.database.allow_async_failover:
-        return "", replication.refusal(found)
-    if found:
+    refused = seen[0].refusal(settings.database.allow_async_failover)
+    if refused is not None:
+        return "", refused
+    if seen[0].problems():
         return f"{seen[0].summary()}; can lose commits (allow_async_failover = true)", ""
     return seen[0].summary(), ""
 

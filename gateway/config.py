@@ -673,6 +673,7 @@ LeaseSourceSettings = Annotated[
 
 # target_session_attrs that connect only to the server that takes writes.
 WRITABLE_SESSIONS = ("read-write", "primary")
+_HAS_PORT = re.compile(r":\d+$")
 _SEVERAL_HOSTS = re.compile(r"^(?P<head>[a-z0-9+]+://(?:[^@/]*@)?)(?P<hosts>[^/?#]*,[^/?#]*)")
 
 
@@ -687,7 +688,7 @@ def several_hosts(url: str) -> str:
     if not all(hosts):
         raise ValueError("an empty host in the list of hosts")
     # asyncpg needs every host's port once there are several; libpq's default is 5432.
-    hosts = [h if re.search(r":\d+$", h) else f"{h}:5432" for h in hosts]
+    hosts = [h if _HAS_PORT.search(h) else f"{h}:5432" for h in hosts]
     rest = url[match.end() :]
     path, _, query = rest.partition("?")
     pairs = "&".join(f"host={h}" for h in hosts)
@@ -748,7 +749,7 @@ class Settings(BaseSettings):
         hosts = url.query.get("host", ())
         attrs = url.query.get("target_session_attrs")
         if not isinstance(hosts, str) and len(hosts) > 1:
-            portless = [h for h in hosts if not re.search(r":\d+$", h)]
+            portless = [h for h in hosts if not _HAS_PORT.search(h)]
             if portless:
                 raise ValueError(f"give every host its port: {', '.join(portless)} has none")
         if not isinstance(hosts, str) and len(hosts) > 1 and attrs not in WRITABLE_SESSIONS:

@@ -88,6 +88,12 @@ class Replication:
                 )
         return found
 
+    def refusal(self, allowed: bool) -> str | None:
+        """Why ``serve`` and ``check-config`` refuse this database, or None when they
+        may go on (nothing can be lost, or ``allowed``: database.allow_async_failover)."""
+        found = self.problems()
+        return _refusal(found) if found and not allowed else None
+
     def summary(self) -> str:
         if not self.standbys:
             return f"primary {self.server}, no standby streaming from it"
@@ -121,8 +127,7 @@ async def replication(engine: AsyncEngine) -> Replication:
     )
 
 
-def refusal(found: list[str]) -> str:
-    """``serve``'s and ``check-config``'s explanation of a refused database."""
+def _refusal(found: list[str]) -> str:
     reasons = "; ".join(found)
     return (
         f"the database can lose an acknowledged commit at a failover ({reasons}). A lost "

@@ -183,21 +183,21 @@ async def check_replication(settings: Settings, store: LeaseStore) -> None:
                 "writes: point database_url at the primary, or list every host with "
                 "target_session_attrs=read-write"
             )
-        found = seen.problems()
-        waiting = found and not settings.database.allow_async_failover
-        if not waiting or loop.time() >= deadline:
+        refused = seen.refusal(settings.database.allow_async_failover)
+        if refused is None or loop.time() >= deadline:
             break
         if not warned:
             warned = True
             log.warning(
                 "%s; checking again for up to %g s (a standby rejoining after a failover "
                 "is synchronous within seconds)",
-                "; ".join(found),
+                "; ".join(seen.problems()),
                 replication.SETTLE_SECONDS,
             )
         await asyncio.sleep(1.0)
-    if found and not settings.database.allow_async_failover:
-        raise SystemExit(f"fencegate: {replication.refusal(found)}")
+    if refused is not None:
+        raise SystemExit(f"fencegate: {refused}")
+    found = seen.problems()  # accepted: database.allow_async_failover
     if found:
         log.warning(
             "database.allow_async_failover = true: starting although a failover can lose "
