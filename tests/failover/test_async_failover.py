@@ -90,6 +90,18 @@ class Pair:
         await asyncio.to_thread(self.standby.promote)
 
 
+async def streaming(primary: PgCluster) -> None:
+    """Wait until the primary sees its standby streaming (pg_stat_replication has it)."""
+    for _ in range(300):
+        rows = await primary.execute(
+            "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
+        )
+        if rows[0][0]:
+            return
+        await asyncio.sleep(0.05)
+    raise ClusterError("the standby never started streaming")
+
+
 @pytest.fixture
 async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
     primary = PgCluster()
@@ -100,6 +112,7 @@ async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
             await primary.execute('CREATE DATABASE "fence"')
             await asyncio.to_thread(migrate, primary.url("fence"), tmp_path)
             standby = await asyncio.to_thread(primary.standby)
+            await streaming(primary)
         except (ClusterError, OSError) as error:
             message = f"cannot run a primary and a standby of our own: {error}"
             if IN_CI:
@@ -183,6 +196,26 @@ async def test_serve_and_check_config_refuse_asynchronous_standbys(
         assert "can lose an acknowledged commit at a failover" in result.stderr, result.stderr
         assert "replicates asynchronously (sync_state async)" in result.stderr
         assert "database.allow_async_failover = true" in result.stderr
+
+
+async def test_serve_waits_for_a_standby_that_becomes_synchronous(
+    pair: Pair, group: ProcessGroup, tmp_path: Path
+) -> None:
+    """A standby rejoining after a failover streams asynchronously for a moment: serve
+    looks again for a while instead of refusing at once, and starts once it is
+    synchronous."""
+    upstream = await start_upstream(group)
+    path = config(tmp_path, pair.url, upstream.url, allow=False)
+    starting = asyncio.ensure_future(start_replica(group, path, "gateway"))
+    await asyncio.sleep(3)
+    assert not starting.done()  # still looking, not refused
+    await pair.primary.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+    await pair.primary.execute("SELECT pg_reload_conf()")
+    replica = await starting
+    async with aiohttp.ClientSession() as session:
+        answer = await http(session, "GET", f"{replica.control}/readyz")
+        assert set(json.loads(answer.body)["database"]["standbys"].values()) == {"sync"}
+    assert "checking again for up to 15 s" in replica.proc.output()
 
 
 async def test_an_asynchronous_failover_moves_the_fence_back(
