@@ -9,7 +9,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
-from gateway.schema import metadata
+from gateway.records.schema import metadata
 
 config = context.config
 

@@ -40,7 +40,11 @@ def fencegate_command() -> list[str]:
     script = Path(sys.executable).with_name("fencegate")
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from gateway.service.cli import main; sys.exit(main())",
+    ]
 
 
 def _die_with_parent() -> None:

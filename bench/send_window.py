@@ -37,9 +37,9 @@ import sqlalchemy as sa
 from aiohttp import web
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway import migrate
 from gateway.config import Settings
-from gateway.proxy import Gateway, create_proxy_app
+from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.records import migrate
 from gateway.upstream import connection
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore

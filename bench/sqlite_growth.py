@@ -1,5 +1,5 @@
 """What a fenced write costs SQLite as the records table grows: the gateway's own
-``admit`` and ``settle`` (``gateway.store``, the real catalogue and backend) in process,
+``admit`` and ``settle`` (``gateway.records.store``, the real catalogue and backend) in process,
 without HTTP, on a fresh migrated database, with a fresh random key per write as the
 benchmark's writes have (or, with ``--keys ordered``, keys that sort by time, as UUIDv7
 and ULIDs do).
@@ -31,9 +31,9 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway import migrate
-from gateway.fence import RecordState
-from gateway.store import GatewayStore, WriteRequest
+from gateway.fencing.fence import RecordState
+from gateway.records import migrate
+from gateway.records.store import GatewayStore, WriteRequest
 from lease_core import tokens
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore

@@ -41,10 +41,9 @@ from pydantic_settings import (
 )
 from yarl import URL
 
+from gateway.fencing.profiles import PROFILES, Answer, Profile, answer_of, statuses
 from lease_core.config import LeaseSettings
 from lease_core.direct import IN_MEMORY, is_in_memory
-
-from .profiles import PROFILES, Answer, Profile, answer_of, statuses
 
 DEFAULT_CONFIG_FILE = "fencegate.toml"
 TOKEN_CHARS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -118,7 +117,7 @@ class AuthSettings(BaseModel):
 
 class DedupSettings(BaseModel):
     """What the upstream guarantees by itself (``[upstreams.dedup]``; a profile fills
-    the defaults, ``gateway.profiles``)."""
+    the defaults, ``gateway.fencing.profiles``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -342,7 +341,7 @@ class DatabaseSettings(BaseModel):
 
     # serve refuses a PostgreSQL primary whose standbys replicate asynchronously (or that
     # acknowledges commits locally): a failover could lose the commit that raised a fence
-    # (gateway/replication.py). True starts anyway, logged at every start and on /readyz.
+    # (gateway/records/replication.py). True starts anyway, logged at every start and on /readyz.
     allow_async_failover: bool = False
 
 
@@ -500,7 +499,7 @@ class TlsSettings(BaseModel):
 
 
 class TracingSettings(BaseModel):
-    """OpenTelemetry spans (``gateway.tracing``), exported over OTLP/HTTP; needs the
+    """OpenTelemetry spans (``gateway.observe.tracing``), exported over OTLP/HTTP; needs the
     ``otel`` extra."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -801,7 +800,7 @@ class Settings(BaseSettings):
 
     def secret_values(self) -> list[str]:
         """Every secret of this configuration: control tokens and upstream header values
-        (kept out of every log line, see ``gateway.logs.protect``)."""
+        (kept out of every log line, see ``gateway.observe.logs.protect``)."""
         auth = self.auth
         values = [
             t.get_secret_value()

@@ -1,6 +1,6 @@
 """The lease service's Prometheus metrics, every series prefixed ``fencegate_``. One
 registry per process (per store in tests), exposed at ``/metrics`` on the control
-listener; the gateway adds its own series to it (``gateway.metrics``)."""
+listener; the gateway adds its own series to it (``gateway.observe.metrics``)."""
 
 from __future__ import annotations
 

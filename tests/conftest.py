@@ -20,9 +20,9 @@ import pytest
 from aiohttp.test_utils import TestClient
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway import migrate
 from gateway.config import Settings
-from gateway.server import create_control_app
+from gateway.records import migrate
+from gateway.service.server import create_control_app
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore
 from tests.support import (
@@ -159,7 +159,7 @@ async def make_stack(
 
     Every replica's apps are closed before ``engine`` (set up first, torn down last) is
     disposed: their background upkeep may still hold a connection."""
-    from gateway.proxy import Gateway, create_proxy_app
+    from gateway.proxy.handler import Gateway, create_proxy_app
 
     stacks: list[Stack] = []
 

@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.schema import requests
+from gateway.records.schema import requests
 from tests.support import Upstream
 
 PROBLEM = "application/problem+json"

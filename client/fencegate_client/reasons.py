@@ -9,7 +9,7 @@ lease service and the gateway build on it.
 
 To add a reason: a member of ``Reason`` and its row in ``REASONS`` (status, title, the
 layers that answer it, and for the gateway its default detail). Then, for the gateway, a
-row in ``gateway.decision.ROWS``; for the lease API, its class in
+row in ``gateway.fencing.decision.ROWS``; for the lease API, its class in
 ``fencegate_client.errors`` (``reason = Reason.X``: the class takes status and title from
 the row).
 """

@@ -35,13 +35,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gateway.config import LeaseSourceSettings
-
-from .base import JOB_ID_MAX, MAX_TOKEN, ExternalLease, Source, namespaced
-from .dynamodb import DynamoDbSource
-from .etcd import EtcdSource
-from .redis_lock import RedisSource
-from .signed import JwtSource
-from .zookeeper import ZooKeeperSource
+from gateway.sources.base import JOB_ID_MAX, MAX_TOKEN, ExternalLease, Source, namespaced
+from gateway.sources.dynamodb import DynamoDbSource
+from gateway.sources.etcd import EtcdSource
+from gateway.sources.redis_lock import RedisSource
+from gateway.sources.signed import JwtSource
+from gateway.sources.zookeeper import ZooKeeperSource
 
 __all__ = [
     "JOB_ID_MAX",

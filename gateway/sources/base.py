@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.fence import Lost
+from gateway.fencing.fence import Lost
 
 log = logging.getLogger("fencegate.sources")
 

@@ -17,10 +17,9 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gateway.config import DynamoDbSourceSettings
-from gateway.fence import Lost
+from gateway.fencing.fence import Lost
+from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
-
-from .base import ExternalLease, log, namespaced
 
 FENCE = re.compile(r"[1-9][0-9]{0,18}")
 

@@ -14,10 +14,9 @@ from typing import Any
 import aiohttp
 
 from gateway.config import EtcdSourceSettings
-from gateway.fence import Lost
+from gateway.fencing.fence import Lost
+from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
-
-from .base import ExternalLease, log, namespaced
 
 
 def _b64(value: bytes) -> str:

@@ -11,10 +11,9 @@ from redis.exceptions import RedisError
 
 from fencegate_client.redis_lock import fence_of, lock_keys
 from gateway.config import RedisSourceSettings
-from gateway.fence import Lost
+from gateway.fencing.fence import Lost
+from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
-
-from .base import ExternalLease, log, namespaced
 
 BEHIND_FENCE = (
     "Redis says this lock is held with this fence, but a higher generation of this job "

@@ -11,8 +11,7 @@ import jwt
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from gateway.config import JwtSourceSettings
-
-from .base import MAX_TOKEN, ExternalLease, log, namespaced
+from gateway.sources.base import MAX_TOKEN, ExternalLease, log, namespaced
 
 _JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 

@@ -20,10 +20,9 @@ from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.retry import KazooRetry
 
 from gateway.config import ZooKeeperSourceSettings
-from gateway.fence import Lost
+from gateway.fencing.fence import Lost
+from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
-
-from .base import ExternalLease, log, namespaced
 
 # A lock node's name: kazoo's ``<32 hex>__lock__`` (``__rlock__`` for a ReadLock, which
 # the gateway does not accept) and ZooKeeper's ten-digit sequence number.

@@ -32,7 +32,7 @@ answers), ``errors`` (how an exchange failed).
 
 from __future__ import annotations
 
-from .errors import (
+from gateway.upstream.errors import (
     ConnectTimeout,
     CutShort,
     HeadTooLarge,
@@ -41,7 +41,7 @@ from .errors import (
     NotSent,
     UpstreamError,
 )
-from .pool import DEFAULT_MAX_HEAD_BYTES, UpstreamClient, UpstreamResponse
+from gateway.upstream.pool import DEFAULT_MAX_HEAD_BYTES, UpstreamClient, UpstreamResponse
 
 __all__ = [
     "DEFAULT_MAX_HEAD_BYTES",

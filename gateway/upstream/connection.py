@@ -10,14 +10,26 @@ from __future__ import annotations
 import asyncio
 import io
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import httptools
 
-from .errors import CutShort, HeadTooLarge, NoAnswer, NoAnswerInTime, NotSent, UpstreamError
+from gateway.upstream.errors import (
+    CutShort,
+    HeadTooLarge,
+    NoAnswer,
+    NoAnswerInTime,
+    NotSent,
+    UpstreamError,
+)
 
-if TYPE_CHECKING:
-    from .pool import HostPool
+
+class Owner(Protocol):
+    """What a connection tells the pool that holds it (``pool.HostPool``)."""
+
+    def lost(self, conn: Connection) -> None:
+        """The connection closed: it is no longer the pool's."""
+
 
 # A body above LARGE_BODY is written in pieces of PIECE bytes, each waiting for the
 # socket to take the ones before (the transport's flow control): no second copy of it
@@ -35,7 +47,7 @@ class Connection(asyncio.Protocol):
     the state of the one exchange it carries at a time."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, pool: HostPool, *, max_head_bytes: int
+        self, loop: asyncio.AbstractEventLoop, pool: Owner, *, max_head_bytes: int
     ) -> None:
         self._loop = loop
         self._pool = pool

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
-from .errors import NotSent
+from gateway.upstream.errors import NotSent
 
 # Methods that carry no body unless given one: aiohttp's GET_METHODS. Any other method
 # without a body is sent with ``Content-Length: 0``, as aiohttp sent it.

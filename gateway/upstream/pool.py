@@ -10,9 +10,9 @@ from collections import deque
 from collections.abc import Iterable
 from types import TracebackType
 
-from .connection import Connection
-from .errors import ConnectTimeout, CutShort, NotSent
-from .origin import Origin, request_head, split_url
+from gateway.upstream.connection import Connection
+from gateway.upstream.errors import ConnectTimeout, CutShort, NotSent
+from gateway.upstream.origin import Origin, request_head, split_url
 
 # The largest answer head read (status line and headers, with those of 1xx answers before
 # it): ``gateway.max_upstream_head_bytes``'s default. aiohttp's parser takes 8 KiB per

@@ -338,7 +338,7 @@ def test_wheel_installs_with_its_migrations(image: Image, tmp_path: Path) -> Non
     """A non-editable install (the image's) finds the alembic scripts it ships under
     <prefix>/share/fencegate/alembic, and imports the installed code, not the checkout."""
     code = (
-        "import gateway, gateway.migrate as m; "
+        "import gateway, gateway.records.migrate as m; "
         "print(gateway.__file__); print(m.script_location()); print(m.head_revision())"
     )
     result = _run(

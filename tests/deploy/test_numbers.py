@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gateway import tasks
 from gateway.config import GatewaySettings, Settings, load_settings
+from gateway.service import tasks
 from lease_core.db import create_engine
 
 from ._support import COMPOSE, CONFIG, DEPLOY, KUBERNETES, ROOT, load_yaml_documents

@@ -1,8 +1,9 @@
 """The documentation agrees with the code.
 
-- every gateway reason (``gateway.fence.GATEWAY_REASONS`` / ``REASONS``) and every lease-service
-  reason (``lease_core.exceptions``) is in docs/protocol.md's reason tables with the
-  code's status and title, and those tables name no reason the code does not give;
+- every gateway reason (``gateway.fencing.fence.GATEWAY_REASONS`` / ``REASONS``) and
+  every lease-service reason (``lease_core.exceptions``) is in docs/protocol.md's
+  reason tables with the code's status and title, and those tables name no reason the
+  code does not give;
 - every complete TOML configuration in docs/*.md (a ```toml block preceded by
   ``<!-- check-config -->``) and every examples/*.toml passes ``fencegate check-config``;
   every other ```toml block must be marked ``<!-- fragment -->`` and still parse;
@@ -41,8 +42,8 @@ import pytest
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
-from gateway import fence
 from gateway.config import Settings
+from gateway.fencing import fence
 from lease_core import exceptions as lease_exc
 from lease_core import problems
 from lease_core.metrics import Metrics

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.fence import is_anonymous
+from gateway.fencing.fence import is_anonymous
 
 from .harness import Attempt, Replica, records, unknown_outcomes
 

@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from fencegate_client import FencedResponse, Lease, LeaseClient, RemoteError, step_key
 from fencegate_client import errors as exc
-from gateway.schema import requests
+from gateway.records.schema import requests
 from lease_core.schema import jobs
 from verify.cluster import free_port
 
@@ -614,7 +614,9 @@ class Run:
                 pair = (control.name, gateway.name)
                 if pair not in clients:
                     clients[pair] = LeaseClient(
-                        control.control, gateway_url=gateway.proxy, timeout=self.write_timeout
+                        control.control,
+                        gateway_url=gateway.proxy,
+                        timeout=self.write_timeout,
                     )
                 client = clients[pair]
                 try:

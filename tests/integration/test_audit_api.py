@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from gateway import fence
-from gateway.admin import GATEWAY_STATE
-from gateway.server import SETTINGS, upkeep
+from gateway.fencing import fence
+from gateway.service.admin import GATEWAY_STATE
+from gateway.service.server import SETTINGS, upkeep
 from lease_core.api import STORE
 from tests.gateway_helpers import PROBLEM
 from tests.support import FakeClock, Upstream, upstream_config

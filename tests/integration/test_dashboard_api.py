@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway import dashboard
+from gateway.service import dashboard
 from tests.support import FakeClock, Upstream, upstream_config
 
 PROBLEM = "application/problem+json"

@@ -31,10 +31,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from gateway import fence
-from gateway.fence import RecordState
-from gateway.schema import fences, requests
-from gateway.store import Admission, GatewayStore, WriteRequest
+from gateway.fencing import fence
+from gateway.fencing.fence import RecordState
+from gateway.records.schema import fences, requests
+from gateway.records.store import Admission, GatewayStore, WriteRequest
 from lease_core import direct as direct_module
 from lease_core import exceptions as exc
 from lease_core import tokens

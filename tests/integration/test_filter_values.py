@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.audit import REASONS
+from gateway.records.audit import REASONS
 from tests.gateway_helpers import PROBLEM
 from tests.support import Upstream, upstream_config
 

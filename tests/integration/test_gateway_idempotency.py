@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.admin import GATEWAY_STATE
-from gateway.server import SETTINGS, upkeep
+from gateway.service.admin import GATEWAY_STATE
+from gateway.service.server import SETTINGS, upkeep
 from lease_core.api import STORE
 from tests.gateway_helpers import PROBLEM, ok, problem, replayed, until_in_flight
 from tests.support import FakeClock, Upstream, upstream_config

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.profiles import upstream_key
+from gateway.fencing.profiles import upstream_key
 from tests.gateway_helpers import ok, replayed
 from tests.support import Upstream, upstream_config
 

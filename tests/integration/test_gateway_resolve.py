@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.admin import GATEWAY_STATE
-from gateway.profiles import upstream_key
-from gateway.proxy import Gateway
+from gateway.fencing.profiles import upstream_key
+from gateway.proxy.handler import Gateway
+from gateway.service.admin import GATEWAY_STATE
 from tests.gateway_helpers import ok, problem
 from tests.support import FakeClock
 

@@ -22,9 +22,9 @@ from aiohttp import web
 from botocore import UNSIGNED
 from botocore.config import Config
 
-from gateway.admin import GATEWAY_STATE
-from gateway.profiles import upstream_key
-from gateway.proxy import Gateway
+from gateway.fencing.profiles import upstream_key
+from gateway.proxy.handler import Gateway
+from gateway.service.admin import GATEWAY_STATE
 from tests.gateway_helpers import problem
 from tests.support import FakeClock, free_port
 

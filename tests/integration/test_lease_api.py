@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from aiohttp.test_utils import TestClient
 
-from gateway.server import create_control_app
+from gateway.service.server import create_control_app
 from lease_core import exceptions as exc
 from lease_core import rules
 from lease_core.schema import job_tombstones, jobs, leases

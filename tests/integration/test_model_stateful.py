@@ -50,9 +50,9 @@ from hypothesis.stateful import (
 )
 
 from gateway.config import Settings
-from gateway.proxy import Gateway, create_proxy_app
-from gateway.schema import requests
-from gateway.server import create_control_app
+from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.records.schema import requests
+from gateway.service.server import create_control_app
 from lease_core import tokens
 from lease_core.db import create_engine
 from lease_core.schema import jobs, metadata

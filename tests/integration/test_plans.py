@@ -20,7 +20,7 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 import sqlalchemy as sa
 
-from gateway import migrate
+from gateway.records import migrate
 from lease_core import catalogue, tokens
 from lease_core.db import create_engine
 from lease_core.direct import Statement

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.schema import audit
+from gateway.records.schema import audit
 from tests.support import Upstream, upstream_config
 
 ADMIN = "admin-tok-secret-1111111111"

@@ -1,4 +1,4 @@
-"""TLS on the listeners, in-process: ``gateway.server.serve`` with certificates the test
+"""TLS on the listeners, in-process: ``gateway.service.server.serve`` with certificates the test
 makes (tests/certs.py). A handshake works and presents the configured certificate,
 plain HTTP gets no answer, a reload presents the new certificate to new connections,
 client certificates are required or optional as configured."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway import tls
 from gateway.config import ConfigError, Settings, load_settings
-from gateway.server import serve
+from gateway.service import tls
+from gateway.service.server import serve
 from tests.certs import Issued, Pki, peer_serial
 from tests.support import Upstream
 

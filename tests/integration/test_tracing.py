@@ -1,4 +1,4 @@
-"""OpenTelemetry spans (``gateway.tracing``), recorded with the SDK's in-memory exporter
+"""OpenTelemetry spans (``gateway.observe.tracing``), recorded with the SDK's in-memory exporter
 around a real ``serve`` in this process and a real upstream: one span per gateway
 decision (forwarded, replayed, refused) with the job, the generation, the reason and the
 upstream latency, the worker's ``traceparent`` as the parent and the gateway's carried
@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway import tracing
 from gateway.config import ConfigError
+from gateway.observe import tracing
 from tests.integration.test_tls import config, running
 from tests.support import Upstream
 

@@ -1,5 +1,5 @@
 """The alembic migrations against the models: an empty database upgraded to head has
-exactly the schema of ``gateway.schema.metadata`` (lease and gateway tables), on SQLite
+exactly the schema of ``gateway.records.schema.metadata`` (lease and gateway tables), on SQLite
 and on PostgreSQL, and every revision goes down and up again."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import command
-from gateway import migrate
-from gateway.schema import metadata
+from gateway.records import migrate
+from gateway.records.schema import metadata
 from tests.support import pg_admin, pg_url_of
 
 

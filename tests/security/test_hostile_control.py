@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import pytest
 
-from gateway import migrate
+from gateway.records import migrate
 from tests.support import pg_admin, pg_url_of, postgres_unavailable
 
 from ._support import (

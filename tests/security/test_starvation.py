@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from gateway import migrate
+from gateway.records import migrate
 from tests.support import pg_admin, pg_url_of, postgres_unavailable
 
 from ._support import (

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway.after_forward import AFTER_FORWARD, Exchange, answer_after
-from gateway.decision import (
+from gateway.fencing.after_forward import AFTER_FORWARD, Exchange, answer_after
+from gateway.fencing.decision import (
     EXPECT_UNSUPPORTED,
     FROM_FACT,
     ROWS,
@@ -25,8 +25,8 @@ from gateway.decision import (
     decide,
     http_error,
 )
-from gateway.fence import REASONS, Reason
-from gateway.profiles import Answer
+from gateway.fencing.fence import REASONS, Reason
+from gateway.fencing.profiles import Answer
 
 # Every fact known, and none of them refusing: a fenced write that goes out.
 CLEAR = Facts(

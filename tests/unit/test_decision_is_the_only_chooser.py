@@ -17,12 +17,12 @@ GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 
 # Each entry: why this module may name a reason.
 ALLOWED: dict[str, str] = {
-    "decision.py": "the decision table, and the answers outside its walk",
-    "fence.py": "the rules behind the table's facts (lease, record, source, send)",
-    "after_forward.py": "the small table of the answers after the forward",
-    "answers.py": "renders answers: the members and the connection a reason asks for",
-    "dashboard_queries.py": "groups audit rows by reason to show them; chooses nothing",
-    "demo.py": "a worker's script that checks the answers it was given",
+    "fencing/decision.py": "the decision table, and the answers outside its walk",
+    "fencing/fence.py": "the rules behind the table's facts (lease, record, source, send)",
+    "fencing/after_forward.py": "the small table of the answers after the forward",
+    "proxy/answers.py": "renders answers: the members and the connection a reason asks for",
+    "records/dashboard_queries.py": "groups audit rows by reason to show them; chooses nothing",
+    "service/demo.py": "a worker's script that checks the answers it was given",
 }
 
 MEMBERS = frozenset(Reason.__members__)

@@ -1,4 +1,4 @@
-"""``gateway.fence``, the fencing decision as pure functions: table-driven, no I/O.
+"""``gateway.fencing.fence``, the fencing decision as pure functions: table-driven, no I/O.
 
 Keys (``parse_key``, ``canonical_key``), fingerprints, the lease behind a token
 (``lease_reason``), a key's record (``effective_state``, ``record_reason``), the
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from fencegate_client.errors import LOST_BY_REASON
 from fencegate_client.reasons import AUDIT_ONLY
-from gateway import fence
-from gateway.fence import REASONS, Presented, Reason, Record, RecordState
+from gateway.fencing import fence
+from gateway.fencing.fence import REASONS, Presented, Reason, Record, RecordState
 from lease_core.rules import Job, State
 
 TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage
 
-from gateway.parse_errors import kind_of
+from gateway.service.parse_errors import kind_of
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from fencegate_client.protocol import FencedResponse, fenced_response
 from fencegate_client.waits import MAX_RETRIES, InProgressRetries, in_progress
-from gateway.duplicates import Settles, prefer_wait
+from gateway.proxy.duplicates import Settles, prefer_wait
 
 
 @pytest.mark.parametrize(

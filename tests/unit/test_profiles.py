@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gateway.config import UpstreamSettings
-from gateway.profiles import PROFILES, Answer, answer_of, is_mismatch, statuses, upstream_key
+from gateway.fencing.profiles import (
+    PROFILES,
+    Answer,
+    answer_of,
+    is_mismatch,
+    statuses,
+    upstream_key,
+)
 
 
 def up(**extra: Any) -> UpstreamSettings:

@@ -18,7 +18,7 @@ import pytest
 
 from fencegate_client import errors, reasons
 from fencegate_client.reasons import AUDIT_ONLY, GATEWAY_REASONS, REASONS, Layer, Reason
-from gateway import fence
+from gateway.fencing import fence
 from lease_core import exceptions as lease_exc
 from lease_core import rules
 

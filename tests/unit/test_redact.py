@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.logs import redact
+from gateway.observe.logs import redact
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""What makes a PostgreSQL unsafe for fences at a failover (gateway/replication.py), and
+"""What makes a PostgreSQL unsafe for fences at a failover (gateway/records/replication.py), and
 the spellings of several hosts in database_url (gateway/config.py). The refusal itself,
 on real servers: tests/failover."""
 
@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import Settings, several_hosts
-from gateway.replication import Replication, Standby
+from gateway.records.replication import Replication, Standby
 
 
 def primary(*standbys: tuple[str, str | None], commit: str = "on") -> Replication:

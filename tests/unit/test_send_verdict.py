@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.fence import Reason, send_verdict
+from gateway.fencing.fence import Reason, send_verdict
 
 
 @pytest.mark.parametrize(

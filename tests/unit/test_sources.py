@@ -18,7 +18,7 @@ from gateway.config import (
     env_references,
     resolve_secrets,
 )
-from gateway.fence import Lost, Reason, external_reason, source_of
+from gateway.fencing.fence import Lost, Reason, external_reason, source_of
 from gateway.sources import EtcdSource, JwtSource, build, namespaced, split_token
 
 

@@ -21,13 +21,12 @@ from typing import Any, NamedTuple, Protocol
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .after_forward import Ended, Exchange
-from .config import GatewaySettings, UpstreamSettings
-from .fence import RecordState
-from .intake import HOP_BY_HOP, connection_named
-from .metrics import GatewayMetrics
-from .profiles import Answer
-from .upstream import (
+from gateway.config import GatewaySettings, UpstreamSettings
+from gateway.fencing.after_forward import Ended, Exchange
+from gateway.fencing.fence import RecordState
+from gateway.fencing.profiles import Answer
+from gateway.observe.metrics import GatewayMetrics
+from gateway.upstream import (
     ConnectTimeout,
     NoAnswerInTime,
     NotSent,
@@ -35,6 +34,7 @@ from .upstream import (
     UpstreamError,
     UpstreamResponse,
 )
+from gateway.upstream.hops import HOP_BY_HOP, connection_named
 
 # The proxy listener's one logger, as docs/operations.md names it.
 log = logging.getLogger("fencegate.proxy")

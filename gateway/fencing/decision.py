@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from .fence import Reason
+from gateway.fencing.fence import Reason
 
 
 class Step(StrEnum):

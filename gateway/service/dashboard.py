@@ -21,13 +21,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.proxy.handler import Gateway
+from gateway.records import dashboard_queries as queries
+from gateway.records.audit import parse_time
 from lease_core import exceptions as exc
 from lease_core import rules
 from lease_core.api import path_id
-
-from . import dashboard_queries as queries
-from .audit import parse_time
-from .proxy import Gateway
 
 DASHBOARD_GATEWAY = web.AppKey("dashboard_gateway", Gateway)
 

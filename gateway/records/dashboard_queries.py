@@ -14,11 +14,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from gateway.fencing import fence
+from gateway.records.schema import audit, requests
 from lease_core.schema import jobs, leases
 from lease_core.store import LeaseStore, rfc3339
-
-from . import fence
-from .schema import audit, requests
 
 # The bucket sizes picked when the caller names none: the smallest that keeps the chart
 # under ``TARGET_BUCKETS`` bars.

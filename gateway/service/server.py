@@ -19,19 +19,20 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.config import ConfigError, Settings, parse_listen
+from gateway.observe import logs, tracing
+from gateway.observe.logs import request_id_middleware
+from gateway.proxy.body import body_deadline_check
+from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.records import migrate, replication
+from gateway.service import admin, dashboard, tasks, tls
+from gateway.service.auth import auth_check
+from gateway.service.parse_errors import ProblemRunner
 from lease_core import api as lease_api
 from lease_core import exceptions as exc
 from lease_core.db import Clock, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
-
-from . import admin, dashboard, logs, migrate, replication, tasks, tls, tracing
-from .auth import auth_check
-from .body import body_deadline_check
-from .config import ConfigError, Settings, parse_listen
-from .logs import request_id_middleware
-from .parse_errors import ProblemRunner
-from .proxy import Gateway, create_proxy_app
 
 log = logging.getLogger("fencegate.server")
 

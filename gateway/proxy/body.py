@@ -14,11 +14,10 @@ from typing import NamedTuple
 
 from aiohttp import web
 
+from gateway.config import GatewaySettings, UpstreamSettings
+from gateway.fencing.decision import http_error
+from gateway.fencing.fence import Hasher
 from lease_core.problems import Check, problem_response
-
-from .config import GatewaySettings, UpstreamSettings
-from .decision import http_error
-from .fence import Hasher
 
 
 class BodyTimeouts(NamedTuple):

@@ -16,13 +16,12 @@ from urllib.parse import unquote_plus
 
 import sqlalchemy as sa
 
+from gateway.config import SOURCE_NAME, GatewaySettings
+from gateway.fencing.fence import GATEWAY_REASONS, source_of
+from gateway.records.schema import audit
 from lease_core import exceptions as lease_exc
 from lease_core.backend import PURGE_BATCH
 from lease_core.store import LeaseStore, rfc3339
-
-from .config import SOURCE_NAME, GatewaySettings
-from .fence import GATEWAY_REASONS, source_of
-from .schema import audit
 
 FENCEGATE_SOURCE = "fencegate"  # the gateway's own leases (``source_of``)
 

@@ -22,7 +22,7 @@ def script_location() -> Path:
     """The ``alembic/`` folder: the source tree's (an editable install, a checkout) or
     the copy a regular install puts under ``<prefix>/share/fencegate/alembic``."""
     candidates = [
-        Path(__file__).resolve().parent.parent / "alembic",
+        Path(__file__).resolve().parents[2] / "alembic",
         Path(sys.prefix) / "share" / "fencegate" / "alembic",
     ]
     for location in candidates:

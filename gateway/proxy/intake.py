@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -19,30 +19,17 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.config import UpstreamSettings
+from gateway.fencing import fence, profiles
+from gateway.fencing.decision import Facts
+from gateway.fencing.fence import Record
+from gateway.observe import tracing
+from gateway.observe.logs import REQUEST_ID
+from gateway.records.store import Admission
+from gateway.sources import Source, split_token
+from gateway.upstream.hops import HOP_BY_HOP, connection_named
 from lease_core import tokens
 
-from . import fence, profiles, tracing
-from .config import UpstreamSettings
-from .decision import Facts
-from .fence import Record
-from .logs import REQUEST_ID
-from .sources import Source, split_token
-from .store import Admission
-
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Proxy-Connection",
-    )
-)
 # Never forwarded from the client: the credential, what we set ourselves, what aiohttp sets.
 DROP_FROM_CLIENT = HOP_BY_HOP | {
     "fencing-token",
@@ -192,15 +179,6 @@ def method_override(headers: CIMultiDictProxy[str]) -> str | None:
         if lower.startswith("x") and lower.replace("_", "-") in METHOD_OVERRIDES:
             return value.strip().upper()[:32]
     return None
-
-
-def connection_named(headers: Iterable[tuple[str, str]]) -> set[str]:
-    """The header names the ``Connection`` headers among ``headers`` (name, value pairs:
-    a request's ``.items()``, an upstream answer's list) list: hop-by-hop for this
-    message."""
-    return {
-        h.strip().lower() for k, v in headers if k.lower() == "connection" for h in v.split(",")
-    }
 
 
 def _controlled(lower: str, upstream: UpstreamSettings) -> bool:

@@ -24,16 +24,15 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict
 
-from . import s3
-from .answers import AUTO_RESOLVED
-from .audit import Audit, AuditEntry
-from .config import GatewaySettings, UpstreamSettings
-from .fence import RecordState
-from .forwarding import Forwarder, answer_headers, upstream_url, why_no_answer
-from .metrics import GatewayMetrics
-from .profiles import Answer, is_mismatch, upstream_key
-from .store import GatewayStore, KeptRequest, Resolution
-from .upstream import UpstreamError
+from gateway.config import GatewaySettings, UpstreamSettings
+from gateway.fencing.fence import RecordState
+from gateway.fencing.profiles import Answer, is_mismatch, upstream_key
+from gateway.observe.metrics import GatewayMetrics
+from gateway.proxy.answers import AUTO_RESOLVED
+from gateway.records.audit import Audit, AuditEntry
+from gateway.records.store import GatewayStore, KeptRequest, Resolution
+from gateway.upstream import UpstreamError, s3
+from gateway.upstream.forwarding import Forwarder, answer_headers, upstream_url, why_no_answer
 
 log = logging.getLogger("fencegate.resolve")
 

@@ -21,16 +21,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from lease_core import exceptions as lease_exc
-from lease_core.store import LeaseStore
-
-from . import fence, profiles, s3, sources
-from .after_forward import answer_after
-from .answers import Answers
-from .audit import Audit
-from .body import BodyTimeout, read_body, start_body_clock
-from .config import Settings
-from .decision import (
+from gateway import sources
+from gateway.config import Settings
+from gateway.fencing import fence, profiles
+from gateway.fencing.after_forward import answer_after
+from gateway.fencing.decision import (
     EXPECT_UNSUPPORTED,
     STORE_UNAVAILABLE,
     UNKNOWN,
@@ -40,15 +35,21 @@ from .decision import (
     Verdict,
     decide,
 )
-from .duplicates import POLL_MAX, DuplicateWait, Settles, prefer_wait
-from .fence import RecordState
-from .forwarding import Forwarder, upstream_url
-from .intake import Ctx, forward_headers, intake
-from .logs import request_id_middleware
-from .metrics import GatewayMetrics
-from .resolve import Resolver, kept_request
-from .sources import ExternalLease
-from .store import Admission, GatewayStore, KeptRequest, WriteRequest
+from gateway.fencing.fence import RecordState
+from gateway.observe.logs import request_id_middleware
+from gateway.observe.metrics import GatewayMetrics
+from gateway.proxy.answers import Answers
+from gateway.proxy.body import BodyTimeout, read_body, start_body_clock
+from gateway.proxy.duplicates import POLL_MAX, DuplicateWait, Settles, prefer_wait
+from gateway.proxy.intake import Ctx, forward_headers, intake
+from gateway.proxy.resolve import Resolver, kept_request
+from gateway.records.audit import Audit
+from gateway.records.store import Admission, GatewayStore, KeptRequest, WriteRequest
+from gateway.sources import ExternalLease
+from gateway.upstream import s3
+from gateway.upstream.forwarding import Forwarder, upstream_url
+from lease_core import exceptions as lease_exc
+from lease_core.store import LeaseStore
 
 log = logging.getLogger("fencegate.proxy")
 
@@ -73,7 +74,7 @@ class Gateway:
         self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
         self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
-        # Unknown outcomes of upstreams with unknown_outcome = "resolve" (gateway.resolve),
+        # Unknown outcomes of upstreams with unknown_outcome = "resolve" (gateway.proxy.resolve),
         # re-sent by a background task of ``fencegate serve`` through this session.
         self.resolver = Resolver(
             settings.gateway,

@@ -9,12 +9,11 @@ from typing import Annotated
 from aiohttp import web
 from pydantic import Field
 
+from gateway.proxy.handler import Gateway
+from gateway.records.audit import MAX_PAGE, AuditQuery, parse_time
 from lease_core import exceptions as exc
 from lease_core.api import Body, Id, query_limit, read_body
 from lease_core.store import rfc3339
-
-from .audit import MAX_PAGE, AuditQuery, parse_time
-from .proxy import Gateway
 
 GATEWAY_STATE = web.AppKey("gateway_state", Gateway)
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Final
 
-from .decision import Outcome, Verdict
-from .fence import Reason
-from .profiles import Answer
+from gateway.fencing.decision import Outcome, Verdict
+from gateway.fencing.fence import Reason
+from gateway.fencing.profiles import Answer
 
 
 class Exchange(StrEnum):

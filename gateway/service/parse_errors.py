@@ -25,9 +25,8 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
 from fencegate_client.reasons import REASONS
+from gateway.fencing.decision import http_error
 from lease_core.problems import problem_response
-
-from .decision import http_error
 
 log = logging.getLogger("fencegate.http")
 

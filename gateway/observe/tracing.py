@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
     from opentelemetry.trace import TracerProvider as ApiTracerProvider
 
-    from .config import TracingSettings
-    from .intake import Ctx
+    from gateway.config import TracingSettings
+    from gateway.fencing.fence import Presented
 
 log = logging.getLogger("fencegate.tracing")
 
@@ -152,19 +152,20 @@ def forwarding(
         state.started = time.perf_counter()
 
 
-def answered(ctx: Ctx, reason: str, *, replayed: bool) -> None:
+def answered(
+    reason: str, *, replayed: bool, presented: Presented | None, source_name: str | None
+) -> None:
     """The gateway answered the request itself (a refusal or a replay)."""
     from opentelemetry import trace
 
     span = trace.get_current_span()
     span.set_attribute("fencegate.outcome", "replayed" if replayed else "refused")
     span.set_attribute("fencegate.reason", reason)
-    presented = ctx.admission.presented if ctx.admission else None
     if presented is not None:
         span.set_attribute("fencegate.job_id", presented.job_id)
         span.set_attribute("fencegate.generation", presented.generation)
-    if ctx.source_name is not None:
-        span.set_attribute("fencegate.lease_source", ctx.source_name)
+    if source_name is not None:
+        span.set_attribute("fencegate.lease_source", source_name)
 
 
 # -- the middlewares ---------------------------------------------------------------------

@@ -8,10 +8,9 @@ import hmac
 
 from aiohttp import web
 
+from gateway.config import AuthSettings
 from lease_core import exceptions as exc
 from lease_core.problems import Check
-
-from .config import AuthSettings
 
 # Open without a token: health, and the dashboard's static files, which hold no data
 # (every call the page makes for data needs the admin token, which the user types in).

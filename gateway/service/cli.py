@@ -12,12 +12,7 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from lease_core import exceptions as lease_exc
-from lease_core.db import create_engine
-from lease_core.store import LeaseStore, rfc3339
-
-from . import migrate
-from .config import (
+from gateway.config import (
     DEFAULT_CONFIG_FILE,
     ConfigError,
     DynamoDbSourceSettings,
@@ -31,6 +26,10 @@ from .config import (
     mask_url,
     sqlite_folder_problem,
 )
+from gateway.records import migrate
+from lease_core import exceptions as lease_exc
+from lease_core.db import create_engine
+from lease_core.store import LeaseStore, rfc3339
 
 EXIT_USAGE = 2
 
@@ -168,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from gateway.service.demo import run_demo
 
         return asyncio.run(run_demo())
     handler: Callable[[argparse.Namespace, Settings], int] = COMMANDS[args.command]
@@ -203,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def open_store(settings: Settings) -> AsyncIterator[LeaseStore]:
     """The database, at the newest schema (SQLite migrates itself; PostgreSQL must have
     been migrated with `fencegate migrate`)."""
-    from .server import prepare_database
+    from gateway.service.server import prepare_database
 
     engine = create_engine(settings.database_url)
     try:
@@ -225,8 +224,8 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    from .logs import configure
-    from .server import serve
+    from gateway.observe.logs import configure
+    from gateway.service.server import serve
 
     try:
         settings = for_serving(settings)
@@ -257,7 +256,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     # What serve would run with: the ${NAME} of set_headers resolved here too (only serve
     # and this command read them), named with whether this shell has them, never shown.
-    from . import tls
+    from gateway.service import tls
 
     try:
         for_serving(settings)
@@ -324,7 +323,7 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
 def _replication_line(settings: Settings) -> tuple[str, str]:
     """(what check-config says of a PostgreSQL's replication, the refusal serve would
     give or ""). An unreachable database is said, not refused: the file is what is checked."""
-    from . import replication
+    from gateway.records import replication
 
     if settings.sqlite:
         return "", ""
@@ -416,7 +415,7 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
-    from .audit import Audit, AuditQuery, check_reason, parse_time
+    from gateway.records.audit import Audit, AuditQuery, check_reason, parse_time
 
     if not 1 <= args.limit <= 500:
         print("fencegate: --limit must be from 1 to 500", file=sys.stderr)
@@ -511,7 +510,7 @@ def cmd_upstreams(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_outcomes(args: argparse.Namespace, settings: Settings) -> int:
-    from .proxy import Gateway
+    from gateway.proxy.handler import Gateway
 
     if args.action == "resolve":
         if not (args.job_id and args.key) or not (args.applied or args.not_applied):

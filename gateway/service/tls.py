@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import ssl
 
-from .config import LISTENERS, ConfigError, ListenerTls, Settings
+from gateway.config import LISTENERS, ConfigError, ListenerTls, Settings
 
 log = logging.getLogger("fencegate.tls")
 

@@ -10,14 +10,14 @@ from typing import Any, Final
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway.fencing import fence
+from gateway.fencing.decision import Verdict
+from gateway.fencing.fence import Reason, Record
+from gateway.observe import tracing
+from gateway.observe.metrics import GatewayMetrics
+from gateway.proxy.intake import Ctx
+from gateway.records.audit import Audit, AuditEntry, audit_path
 from lease_core.problems import problem_response
-
-from . import fence, tracing
-from .audit import Audit, AuditEntry, audit_path
-from .decision import Verdict
-from .fence import Reason, Record
-from .intake import Ctx
-from .metrics import GatewayMetrics
 
 # The proxy's logger: operators filter on it for every answer the gateway gives itself.
 log = logging.getLogger("fencegate.proxy")
@@ -116,7 +116,12 @@ class Answers:
 
     def _count(self, ctx: Ctx, reason: str) -> None:
         if tracing.ENABLED:
-            tracing.answered(ctx, reason, replayed=reason == Reason.IDEMPOTENT_REPLAY.value)
+            tracing.answered(
+                reason,
+                replayed=reason == Reason.IDEMPOTENT_REPLAY.value,
+                presented=ctx.admission.presented if ctx.admission else None,
+                source_name=ctx.source_name,
+            )
         self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
         if ctx.source_name is not None:
             self.metrics.source_decisions.labels(ctx.source_name, reason).inc()

@@ -16,15 +16,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from gateway.fencing import fence
+from gateway.fencing.fence import Presented, Reason, Record, RecordState
+from gateway.records.schema import requests
+from gateway.sources import ExternalLease
 from lease_core import rules, tokens
 from lease_core.backend import PURGE_BATCH
 from lease_core.rules import State
 from lease_core.store import LeaseStore
-
-from . import fence
-from .fence import Presented, Reason, Record, RecordState
-from .schema import requests
-from .sources import ExternalLease
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +93,7 @@ class KeptRequest:
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
-    """An unknown outcome claimed for a re-send by the gateway (``gateway.resolve``)."""
+    """An unknown outcome claimed for a re-send by the gateway (``gateway.proxy.resolve``)."""
 
     job_id: str
     key: str

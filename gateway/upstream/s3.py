@@ -5,7 +5,7 @@ So the gateway drops whatever signature a worker sent and signs each request it 
 with its own credentials (``[upstreams.signing]``), with AWS Signature Version 4 through
 botocore's signer (``S3SigV4Auth``: never a hand-written one). Object writes are first
 stamped with ``x-amz-meta-fencing-job``, ``-generation`` and ``-key``, so an unknown
-outcome can be settled by reading the object's metadata back (``gateway.resolve``).
+outcome can be settled by reading the object's metadata back (``gateway.proxy.resolve``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from multidict import CIMultiDict
 
-from .config import SigningSettings
+from gateway.config import SigningSettings
 
 # A worker's own signature (or presigning) headers: never forwarded.
 WORKER_SIGNATURE: Final = frozenset(

@@ -19,9 +19,8 @@ from aiohttp import web
 
 from fencegate_client import LeaseClient
 from fencegate_client.reasons import Reason
-
-from .config import Settings
-from .server import serve
+from gateway.config import Settings
+from gateway.service.server import serve
 
 JOB = "order-42"
 TTL = 1.5

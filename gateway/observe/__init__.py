@@ -1,0 +1,2 @@
+"""What the gateway tells its operators: ``logs`` (JSON lines, secrets redacted),
+``metrics`` (Prometheus), ``tracing`` (OpenTelemetry spans, optional)."""
