@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as a file: python bench/lean_lease.py
 
 from bench.common import run, serve_app
 from lease_core import catalogue, tokens
-from lease_core.direct import MAX_BATCH, Coalescer
+from lease_core.coalesce import Coalescer
+from lease_core.statement import MAX_BATCH
 from lease_core.store import LeaseRecord
 
 RENEWALS = web.AppKey("renewals", Coalescer)

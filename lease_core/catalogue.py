@@ -23,8 +23,8 @@ from enum import StrEnum
 from functools import cache, cached_property
 from pathlib import Path
 
-from .direct import BATCH_LANES, Batched, Statement
 from .rules import RecordState, State
+from .statement import BATCH_LANES, Batched, Statement
 
 SQL_DIR = Path(__file__).parent / "sql"
 DIALECTS = ("postgresql", "sqlite")
@@ -35,7 +35,7 @@ CONSTANTS: dict[str, type[StrEnum]] = {"State": State, "RecordState": RecordStat
 _HEADER = re.compile(r"^-- name: ([a-z_]+)( \(many(, one at a time)?\))?\s*$", re.MULTILINE)
 _FRAGMENT = re.compile(r"^-- fragment: ([a-z][a-z0-9_]*)\s*$", re.MULTILINE)
 _ANY_HEADER = re.compile(r"^-- (?:name|fragment):.*$", re.MULTILINE)
-_USE = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # a fragment; "{now}" is direct.Statement's
+_USE = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # a fragment; "{now}" is statement.Statement's
 _CONSTANT = re.compile(r"\{(\w+)\.(\w+)\}")
 _PLACEHOLDER = re.compile(r"\{(?!now\})[^{}]*\}")
 _LONE_BRACE = re.compile(r"\{(?!now\})|(?<!\{now)\}")

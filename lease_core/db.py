@@ -10,7 +10,9 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from .direct import IN_MEMORY, Direct, configure_sqlite, create_direct, is_in_memory
+from .direct import IN_MEMORY, Direct, is_in_memory
+from .direct_postgres import PostgresDirect
+from .direct_sqlite import SqliteDirect, configure_sqlite
 
 Clock = Callable[[], float]
 """Seconds since the epoch. Injected in tests; None means the authoritative clock."""
@@ -18,6 +20,16 @@ Clock = Callable[[], float]
 
 def is_sqlite(url: str | sa.URL) -> bool:
     return sa.make_url(url).get_backend_name() == "sqlite"
+
+
+def create_direct(engine: sa.Engine, *, pool_size: int) -> Direct:
+    """The executor for ``engine``'s database, connecting as that engine does."""
+    if engine.dialect.name == "sqlite":
+        if is_in_memory(engine.url):
+            raise ValueError(IN_MEMORY)
+        return SqliteDirect(engine.url.database or "")
+    _args, params = engine.dialect.create_connect_args(engine.url)
+    return PostgresDirect(dict(params), pool_size=pool_size)
 
 
 class Engine(AsyncEngine):
@@ -44,10 +56,10 @@ def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
 
     SQLite: one SQLAlchemy connection, WAL, transactions begun DEFERRED: this engine
     only reads (every write is an operation of ``lease_core.backend``, on the driver's
-    own connections, ``lease_core.direct``), and a reader in WAL never holds the write
+    own connections, ``lease_core.direct_sqlite``), and a reader in WAL never holds the write
     lock, so it never makes an operation wait.
     PostgreSQL: a pool with pre-ping so a restarted server is recovered from, beside
-    the hot path's own asyncpg pool (``lease_core.direct``).
+    the hot path's own asyncpg pool (``lease_core.direct_postgres``).
     Both hide statement parameters from SQLAlchemy's logs and error messages: they
     carry request bodies, stored answers and tokens' hashes.
     """

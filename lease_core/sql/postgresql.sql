@@ -5,7 +5,7 @@
 -- statements of one operation run in order in one transaction; each one's first row is
 -- merged into the operation's answer, and its columns become parameters of the
 -- statements after it (NULL when it returned no row). "-- name: <operation> (many)" is
--- the form that concurrent callers share (lease_core.direct.Batched): each ":name" is
+-- the form that concurrent callers share (lease_core.statement.Batched): each ":name" is
 -- then the array of every caller's value, and the column "n" says which caller a row
 -- answers; "(many, one at a time)": its batches are sent one after another, never two
 -- at once (claims: they would contend for the same rows; renewals: one batch at a time

@@ -3,7 +3,7 @@
 -- those in lease_core/sql/common.sql, the same on both.
 --
 -- An operation's statements run in one IMMEDIATE transaction (a savepoint of the group
--- transaction of lease_core.direct), which keeps every other writer out until it
+-- transaction of lease_core.direct_sqlite), which keeps every other writer out until it
 -- commits: where PostgreSQL needs one statement or a row lock, SQLite runs several
 -- statements, each of them conditional, so the SQL decides and the Python only reads
 -- the answer. How many rows a statement changed: SELECT changes().

@@ -35,19 +35,14 @@ from gateway.fencing import fence
 from gateway.fencing.fence import RecordState
 from gateway.records.schema import fences, requests
 from gateway.records.store import Admission, GatewayStore, WriteRequest
-from lease_core import direct as direct_module
+from lease_core import direct_sqlite as direct_module
 from lease_core import exceptions as exc
 from lease_core import tokens
 from lease_core.catalogue import parse
 from lease_core.db import Engine, create_engine, direct_of
-from lease_core.direct import (
-    BATCH_LANES,
-    MAX_BATCH,
-    Batched,
-    PostgresDirect,
-    SqliteDirect,
-    Statement,
-)
+from lease_core.direct_postgres import PostgresDirect
+from lease_core.direct_sqlite import SqliteDirect
+from lease_core.statement import BATCH_LANES, MAX_BATCH, Batched, Statement
 from lease_core.store import LeaseStore
 from tests.support import FakeClock
 

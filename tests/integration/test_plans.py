@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from gateway.records import migrate
 from lease_core import catalogue, tokens
 from lease_core.db import create_engine
-from lease_core.direct import Statement
+from lease_core.statement import Statement
 from lease_core.store import LeaseStore
 from tests.support import pg_admin, pg_url_of, postgres_unavailable
 

@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 
 from lease_core import catalogue
-from lease_core.direct import parameter_names
+from lease_core.statement import parameter_names
 
 # What a statement names in its own FROM that is not a table (its CTEs).
 NOT_TABLES = {"clock", "one"}

@@ -10,8 +10,8 @@ import pytest
 
 from lease_core import catalogue
 from lease_core.catalogue import CatalogueError, assemble, parse
-from lease_core.direct import BATCH_LANES, parameter_names
 from lease_core.rules import RecordState, State
+from lease_core.statement import BATCH_LANES, parameter_names
 
 CATALOGUES = {dialect: catalogue.load(dialect) for dialect in catalogue.DIALECTS}
 

@@ -1,6 +1,7 @@
-"""The pure parts of ``lease_core.direct``: how a ``Statement`` becomes PostgreSQL's and
-SQLite's text, how the ``Coalescer`` groups concurrent calls into batches, and which
-driver errors count as "the database is not there"."""
+"""The pure parts of the hot path (``lease_core.statement``, ``lease_core.coalesce``,
+``lease_core.direct``): how a ``Statement`` becomes PostgreSQL's and SQLite's text, how
+the ``Coalescer`` groups concurrent calls into batches, and which driver errors count as
+"the database is not there"."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from collections.abc import Callable
 import pytest
 
 from lease_core import exceptions as exc
-from lease_core.direct import Coalescer, Statement, is_unavailable
+from lease_core.coalesce import Coalescer
+from lease_core.direct import is_unavailable
+from lease_core.statement import Statement
 
 SERVER_NOW = "CAST(extract(epoch FROM now()) AS double precision)"
 
