@@ -15,7 +15,7 @@ from gateway.fencing.decision import Verdict
 from gateway.fencing.fence import Reason, Record
 from gateway.observe import tracing
 from gateway.observe.metrics import GatewayMetrics
-from gateway.proxy.intake import Ctx
+from gateway.proxy.request import Incoming, Progress
 from gateway.records.audit import Audit, AuditEntry, audit_path
 from lease_core.problems import problem_response
 
@@ -36,19 +36,25 @@ class Answers:
 
     async def reject(
         self,
-        ctx: Ctx,
+        incoming: Incoming,
+        progress: Progress,
         reason: Reason,
         *,
         detail: str | None = None,
         headers: dict[str, str] | None = None,
+        members: dict[str, Any] | None = None,
     ) -> web.Response:
         info = fence.REASONS[reason]
         if info.retry_after:
             headers = {"Retry-After": "1", **(headers or {})}
-        extra = self._problem_extra(ctx)
-        if detail is None and ctx.admission is not None and ctx.admission.presented is not None:
-            detail = ctx.admission.presented.detail  # a lease source's own explanation
-        self._count(ctx, reason.value)
+        extra = self._problem_extra(progress)
+        if (
+            detail is None
+            and progress.admission is not None
+            and progress.admission.presented is not None
+        ):
+            detail = progress.admission.presented.detail  # a lease source's own explanation
+        self._count(incoming, progress, reason.value)
         log.info(
             "answered %s %d",
             reason.value,
@@ -57,12 +63,12 @@ class Answers:
                 "fields": {
                     "reason": reason.value,
                     "status": info.status,
-                    "upstream": ctx.upstream.name if ctx.upstream else None,
+                    "upstream": incoming.upstream.name if incoming.upstream else None,
                     **{k: v for k, v in extra.items() if v is not None},
                 }
             },
         )
-        await self._audit(ctx, reason.value, info.status, extra)
+        await self._audit(incoming, progress, reason.value, info.status, extra)
         return problem_response(
             status=info.status,
             reason=reason.value,
@@ -70,87 +76,110 @@ class Answers:
             detail=detail or info.detail,
             headers=headers,
             **extra,
-            **ctx.extra,
+            **(members or {}),
         )
 
-    async def refuse(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
+    async def refuse(
+        self, incoming: Incoming, progress: Progress, verdict: Verdict
+    ) -> web.StreamResponse:
         """A refusal the decision (or the table after the forward) gave, rendered: the
         extension members its reason shows, the connection closed where it asks."""
         reason = verdict.reason
         assert reason is not None
-        if reason is Reason.BODY_TOO_LARGE and ctx.upstream is not None:
-            ctx.extra["max_body_bytes"] = ctx.upstream.max_body_bytes
-        if reason is Reason.REPLAY_UNAVAILABLE and ctx.record is not None:
-            ctx.extra["stored_status"] = ctx.record.status
+        members: dict[str, Any] = {}
+        if reason is Reason.BODY_TOO_LARGE and incoming.upstream is not None:
+            members["max_body_bytes"] = incoming.upstream.max_body_bytes
+        if reason is Reason.REPLAY_UNAVAILABLE and progress.record is not None:
+            members["stored_status"] = progress.record.status
         if reason is Reason.BODY_TIMEOUT:
-            return await self.body_timeout(ctx)
-        response = await self.reject(ctx, reason, detail=verdict.detail)
+            return await self.body_timeout(incoming, progress)
+        response = await self.reject(
+            incoming, progress, reason, detail=verdict.detail, members=members
+        )
         if verdict.close:
             # Malformed or ambiguous framing: nothing sent after it on the connection may
             # ever be read as a request.
             response.force_close()
         return response
 
-    async def replay(self, ctx: Ctx, record: Record) -> web.Response:
+    async def replay(self, incoming: Incoming, progress: Progress, record: Record) -> web.Response:
         """The key's stored answer (the table sent one kept too large to store to
         ``replay-unavailable`` instead)."""
-        self._count(ctx, Reason.IDEMPOTENT_REPLAY.value)
+        self._count(incoming, progress, Reason.IDEMPOTENT_REPLAY.value)
         await self._audit(
-            ctx, Reason.IDEMPOTENT_REPLAY.value, record.status or 0, self._problem_extra(ctx)
+            incoming,
+            progress,
+            Reason.IDEMPOTENT_REPLAY.value,
+            record.status or 0,
+            self._problem_extra(progress),
         )
         headers = CIMultiDict(record.headers or [])
         headers["Idempotent-Replayed"] = "true"
         return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
 
-    async def body_timeout(self, ctx: Ctx) -> web.StreamResponse:
+    async def body_timeout(self, incoming: Incoming, progress: Progress) -> web.StreamResponse:
         """Nothing was claimed yet (the body is read before ``admit``). The answer is sent
         and the connection closed at once: aiohttp would otherwise keep reading the rest
         of the slow body (its lingering close) before closing."""
-        response = await self.reject(ctx, Reason.BODY_TIMEOUT)
+        response = await self.reject(incoming, progress, Reason.BODY_TIMEOUT)
         response.force_close()
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await response.prepare(ctx.request)
+            await response.prepare(incoming.request)
             await response.write_eof()
-        ctx.request.protocol.force_close()
+        incoming.request.protocol.force_close()
         return response
 
-    def _count(self, ctx: Ctx, reason: str) -> None:
+    def _count(self, incoming: Incoming, progress: Progress, reason: str) -> None:
         if tracing.ENABLED:
             tracing.answered(
                 reason,
                 replayed=reason == Reason.IDEMPOTENT_REPLAY.value,
-                presented=ctx.admission.presented if ctx.admission else None,
-                source_name=ctx.source_name,
+                presented=progress.admission.presented if progress.admission else None,
+                source_name=incoming.source_name,
             )
-        self.metrics.decisions.labels(ctx.upstream.name if ctx.upstream else "-", reason).inc()
-        if ctx.source_name is not None:
-            self.metrics.source_decisions.labels(ctx.source_name, reason).inc()
+        self.metrics.decisions.labels(
+            incoming.upstream.name if incoming.upstream else "-", reason
+        ).inc()
+        if incoming.source_name is not None:
+            self.metrics.source_decisions.labels(incoming.source_name, reason).inc()
 
     @staticmethod
-    def _problem_extra(ctx: Ctx) -> dict[str, Any]:
-        if ctx.admission is None:
+    def _problem_extra(progress: Progress) -> dict[str, Any]:
+        if progress.admission is None:
             return {}
-        return fence.problem_extra(ctx.admission.presented, ctx.admission.highest)
+        return fence.problem_extra(progress.admission.presented, progress.admission.highest)
 
-    async def _audit(self, ctx: Ctx, reason: str, status: int, extra: dict[str, Any]) -> None:
-        request = ctx.request
-        presented = ctx.admission.presented if ctx.admission else None
+    async def _audit(
+        self,
+        incoming: Incoming,
+        progress: Progress,
+        reason: str,
+        status: int,
+        extra: dict[str, Any],
+    ) -> None:
+        request = incoming.request
+        presented = progress.admission.presented if progress.admission else None
         await self.audit.record(
             AuditEntry(
                 reason=reason,
                 status=status,
                 method=request.method,
                 path=audit_path(
-                    request.raw_path, ctx.upstream.audit_query_params if ctx.upstream else ()
+                    request.raw_path,
+                    incoming.upstream.audit_query_params if incoming.upstream else (),
                 ),
                 job_id=presented.job_id if presented else None,
                 generation=presented.generation if presented else None,
                 highest_generation=extra.get("highest_generation"),
                 owner=presented.owner if presented else None,
-                upstream=ctx.upstream.name if ctx.upstream else None,
-                idempotency_key=ctx.key if ctx.key and not fence.is_anonymous(ctx.key) else None,
+                upstream=incoming.upstream.name if incoming.upstream else None,
+                idempotency_key=incoming.key
+                if incoming.key and not fence.is_anonymous(incoming.key)
+                else None,
                 client=request.remote,
-                fingerprint=ctx.fingerprint,
-                body=ctx.body.getvalue() if ctx.body is not None and self.audit_bodies else None,
+                fingerprint=progress.fingerprint,
+                body=progress.body.getvalue()
+                if progress.body is not None and self.audit_bodies
+                else None,
             )
         )

@@ -41,10 +41,12 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy.answers import Answers
 from gateway.proxy.body import BodyTimeout, read_body, start_body_clock
 from gateway.proxy.duplicates import POLL_MAX, DuplicateWait, Settles, prefer_wait
-from gateway.proxy.intake import Ctx, forward_headers, intake
-from gateway.proxy.resolve import Resolver, kept_request
+from gateway.proxy.held import HeldKey
+from gateway.proxy.intake import forward_headers, intake
+from gateway.proxy.request import Claim, Incoming, Progress
+from gateway.proxy.resolve import Resolver
 from gateway.records.audit import Audit
-from gateway.records.store import Admission, GatewayStore, KeptRequest, WriteRequest
+from gateway.records.store import Admission, GatewayStore, WriteRequest
 from gateway.sources import ExternalLease
 from gateway.upstream import s3
 from gateway.upstream.forwarding import Forwarder, upstream_url
@@ -127,26 +129,26 @@ class Gateway:
         request without a current lease is refused before its body is read and never
         holds a slot while a slow client sends it. Fenced and unfenced requests have
         separate pools, and every body must arrive in time (``body.read_body``)."""
-        ctx = Ctx(request)
+        progress = Progress()
         start_body_clock(request, self.settings.gateway)
+        incoming, facts = self._intake(request)
         try:
-            facts = self._intake(ctx)
-            self._asked_wait(ctx, facts)
+            self._asked_wait(incoming, facts)
             checked = request.get(LEASE_CHECKED)  # by ``expect``, before the body came
             if checked is not None:
-                ctx.admission = checked
+                progress.admission = checked
                 facts.lease = checked.lease
             while (verdict := decide(facts)).need is not None:
                 try:
-                    await self._find_out(ctx, facts, verdict.need)
+                    await self._find_out(incoming, progress, facts, verdict.need)
                 except lease_exc.StoreUnavailable:
-                    await self._release_unsent(ctx)
+                    await self._release_unsent(incoming, progress)
                     raise
-            return await self._carry_out(ctx, verdict)
+            return await self._carry_out(incoming, progress, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.answers.refuse(ctx, STORE_UNAVAILABLE)
+            return await self.answers.refuse(incoming, progress, STORE_UNAVAILABLE)
         finally:
-            self._free_slot(ctx)
+            self._free_slot(progress)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: every refusal that needs no body (a stale token, a
@@ -162,85 +164,86 @@ class Gateway:
         return None
 
     async def _refuse_before_body(self, request: web.Request) -> web.StreamResponse | None:
-        ctx = Ctx(request)
+        progress = Progress()
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return await self.answers.refuse(ctx, EXPECT_UNSUPPORTED)
+            return await self.answers.refuse(Incoming(request), progress, EXPECT_UNSUPPORTED)
+        incoming, facts = self._intake(request)
         try:
-            facts = self._intake(ctx)
             facts.slot_free = True  # judged as if: the handler takes its slot for the body
             while (verdict := decide(facts)).need is Step.LEASE:
-                await self._check_lease(ctx, facts)
+                await self._check_lease(incoming, progress, facts)
             if verdict.outcome is Outcome.REFUSE:
-                return await self._carry_out(ctx, verdict)
+                return await self._carry_out(incoming, progress, verdict)
         except lease_exc.StoreUnavailable:
-            return await self.answers.refuse(ctx, STORE_UNAVAILABLE)
-        if ctx.admission is not None:
-            request[LEASE_CHECKED] = ctx.admission
+            return await self.answers.refuse(incoming, progress, STORE_UNAVAILABLE)
+        if progress.admission is not None:
+            request[LEASE_CHECKED] = progress.admission
         return None
 
     # -- the facts: from the request, then from the database ----------------------------
 
-    def _intake(self, ctx: Ctx) -> Facts:
-        return intake(
-            ctx, self.upstreams, self.settings.gateway.max_idempotency_key_length, self.sources
-        )
+    def _intake(self, request: web.Request) -> tuple[Incoming, Facts]:
+        limit = self.settings.gateway.max_idempotency_key_length
+        return intake(request, self.upstreams, limit, self.sources)
 
-    def _asked_wait(self, ctx: Ctx, facts: Facts) -> None:
+    def _asked_wait(self, incoming: Incoming, facts: Facts) -> None:
         """``Prefer: wait=N`` (RFC 7240) on a fenced write: how long it may wait for its
         key's first attempt, if that is in flight (capped; a malformed one is ignored)."""
         cap = self.settings.gateway.max_prefer_wait_seconds
         if not facts.fenced or cap == 0:
             return
-        asked = prefer_wait(ctx.request.headers.getall("Prefer", []))
+        asked = prefer_wait(incoming.request.headers.getall("Prefer", []))
         if asked:
-            ctx.request[DUPLICATE_WAIT] = DuplicateWait(min(asked, cap))
+            incoming.request[DUPLICATE_WAIT] = DuplicateWait(min(asked, cap))
 
-    async def _find_out(self, ctx: Ctx, facts: Facts, step: Step) -> None:
+    async def _find_out(
+        self, incoming: Incoming, progress: Progress, facts: Facts, step: Step
+    ) -> None:
         if step is Step.LEASE:
-            if facts.over_limit is True or not ctx.request.content.is_eof():
+            if facts.over_limit is True or not incoming.request.content.is_eof():
                 # Over the limit, or its body still on the way: ask the database (a
                 # read) before a slot is taken and the body read.
-                await self._check_lease(ctx, facts)
+                await self._check_lease(incoming, progress, facts)
                 return
             # The body has all arrived, so it cannot hold a slot for long: take one,
             # read it and let the admission (the one statement that decides) tell
             # about the lease, instead of asking twice.
-            self._take_slot(ctx, facts)
+            self._take_slot(progress, facts)
             if facts.slot_free:
-                await self._read(ctx, facts)
+                await self._read(incoming, progress, facts)
             if facts.slot_free and facts.over_limit is False and facts.body_in_time:
-                await self._admit(ctx, facts)
+                await self._admit(incoming, progress, facts)
             else:
-                await self._check_lease(ctx, facts)
+                await self._check_lease(incoming, progress, facts)
         elif step is Step.SLOT:
-            self._take_slot(ctx, facts)
+            self._take_slot(progress, facts)
         elif step is Step.BODY:
-            await self._read(ctx, facts)
+            await self._read(incoming, progress, facts)
         elif step is Step.ADMISSION:
-            await self._admit(ctx, facts)
+            await self._admit(incoming, progress, facts)
         elif step is Step.WAIT:
-            await self._wait_for_first(ctx, facts)
+            await self._wait_for_first(incoming, progress, facts)
         elif step is Step.ORDER:
-            await self._wait_in_order(ctx, facts)
+            await self._wait_in_order(incoming, progress, facts)
         else:
-            await self._judge_at_send(ctx, facts)
+            await self._judge_at_send(incoming, progress, facts)
 
-    async def _judge_at_send(self, ctx: Ctx, facts: Facts) -> None:
+    async def _judge_at_send(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """A claimed write, judged once more after its admission's commit is known and
         right before its first byte goes out (nothing is awaited between this and the
         send). A replica that stalled since its admission (a paused process, a slow
         commit) must not send once a newer generation has been admitted, nor once its
         claim is so near its deadline that other replicas may stop waiting for it (by
         this process's clock or the database's)."""
-        admission, key, send_by = ctx.admission, ctx.key, ctx.send_by
+        admission, key, claimed = progress.admission, incoming.key, progress.claim
         assert admission is not None and admission.presented is not None
-        assert key is not None and send_by is not None and ctx.attempt is not None
+        assert key is not None and claimed is not None
         job_id, generation = admission.presented.job_id, admission.presented.generation
         assert generation is not None
-        claim = await self.store.claim(job_id, key, ctx.attempt)
+        claim = await self.store.claim(job_id, key, claimed.attempt)
         on_database = -1.0 if claim.deadline is None else claim.deadline - claim.now
-        ctx.send_left = min(send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
-        facts.at_send = fence.send_verdict(generation, claim.fence, ctx.send_left)
+        progress.send_left = min(claimed.send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
+        facts.at_send = fence.send_verdict(generation, claim.fence, progress.send_left)
         if facts.at_send is None and claim.older_in_flight:
             # An older write went in flight after the admission's snapshot (the
             # resolver re-claimed one): wait for it as for any older write, then judge
@@ -250,37 +253,37 @@ class Gateway:
             facts.in_order = facts.at_send = UNKNOWN
         if claim.fence is not None and claim.fence > (admission.highest or 0):
             # A newer generation was admitted meanwhile: the highest known, for the answer.
-            ctx.admission = replace(admission, highest=claim.fence)
+            progress.admission = replace(admission, highest=claim.fence)
 
-    async def _check_lease(self, ctx: Ctx, facts: Facts) -> None:
-        admission = await self._lease_now(ctx)
+    async def _check_lease(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
+        admission = await self._lease_now(incoming)
         if admission is None:
             facts.lease = fence.UNKNOWN_TOKEN
             return
-        ctx.admission = admission
+        progress.admission = admission
         facts.lease = admission.lease
 
-    async def _lease_now(self, ctx: Ctx) -> Admission | None:
+    async def _lease_now(self, incoming: Incoming) -> Admission | None:
         """Read-only: the lease behind the token as the database (and, for a lease of
         another source, that source) sees it now; None: no such token."""
-        if ctx.source is not None:
-            external = await self._external(ctx)
+        if incoming.source is not None:
+            external = await self._external(incoming)
             return None if external is None else await self.store.check_external(external)
-        if ctx.token_hash is None:
+        if incoming.token_hash is None:
             return None
-        return await self.store.check_lease(ctx.token_hash)
+        return await self.store.check_lease(incoming.token_hash)
 
-    async def _external(self, ctx: Ctx) -> ExternalLease | None:
+    async def _external(self, incoming: Incoming) -> ExternalLease | None:
         """What the token's source says of its lease now (no database write)."""
-        assert ctx.source is not None and ctx.source_token is not None
-        return await ctx.source.check(ctx.source_token)
+        assert incoming.source is not None and incoming.source_token is not None
+        return await incoming.source.check(incoming.source_token)
 
-    def _free_slot(self, ctx: Ctx) -> None:
-        if ctx.slot is not None:
-            self.slots[ctx.slot] -= 1
-            ctx.slot = None
+    def _free_slot(self, progress: Progress) -> None:
+        if progress.slot is not None:
+            self.slots[progress.slot] -= 1
+            progress.slot = None
 
-    def _take_slot(self, ctx: Ctx, facts: Facts) -> None:
+    def _take_slot(self, progress: Progress, facts: Facts) -> None:
         """One of the pool's slots (fenced writes, unfenced requests), if one is free."""
         pool = "fenced" if facts.fenced else "unfenced"
         limits = self.settings.gateway
@@ -292,41 +295,45 @@ class Gateway:
         facts.slot_free = self.slots[pool] < limit
         if facts.slot_free:
             self.slots[pool] += 1
-            ctx.slot = pool
+            progress.slot = pool
 
-    async def _read(self, ctx: Ctx, facts: Facts) -> None:
+    async def _read(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """The body, hashed into the fingerprint as it arrives (fenced writes)."""
-        upstream, request = ctx.upstream, ctx.request
+        upstream, request = incoming.upstream, incoming.request
         assert upstream is not None
         digest = None
         if facts.fenced:
-            digest = fence.fingerprint_hasher(ctx.method, upstream.name, ctx.rest, ctx.query)
+            digest = fence.fingerprint_hasher(
+                incoming.method, upstream.name, incoming.rest, incoming.query
+            )
         try:
-            ctx.body = await read_body(request, upstream, digest)
+            progress.body = await read_body(request, upstream, digest)
         except BodyTimeout:
             facts.over_limit, facts.body_in_time = False, False
             return
-        facts.over_limit, facts.body_in_time = ctx.body is None, True
-        if digest is not None and ctx.body is not None:
-            ctx.fingerprint = digest.hexdigest()
+        facts.over_limit, facts.body_in_time = progress.body is None, True
+        if digest is not None and progress.body is not None:
+            progress.fingerprint = digest.hexdigest()
 
-    async def _admit(self, ctx: Ctx, facts: Facts) -> None:
+    async def _admit(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """In one transaction: the lease, the fence, the key (claimed, taken over, or
         its record read) and whether an older generation's write is in flight."""
-        upstream, request = ctx.upstream, ctx.request
-        assert upstream is not None and ctx.key is not None and ctx.fingerprint is not None
+        upstream, request = incoming.upstream, incoming.request
+        assert (
+            upstream is not None and incoming.key is not None and progress.fingerprint is not None
+        )
         external = None
-        if ctx.source is not None:
-            external = await self._external(ctx)
+        if incoming.source is not None:
+            external = await self._external(incoming)
             if external is None:
                 facts.lease = fence.UNKNOWN_TOKEN
                 return
             if external.refused is not None:  # nothing to admit: explain it
-                ctx.admission = admission = await self.store.check_external(external)
+                progress.admission = admission = await self.store.check_external(external)
                 facts.lease = admission.lease
                 return
         else:
-            assert ctx.token_hash is not None
+            assert incoming.token_hash is not None
         deadline_in = (
             self.settings.gateway.ordering_wait_seconds
             + upstream.timeout_seconds
@@ -335,14 +342,14 @@ class Gateway:
         )
         # The claim's deadline runs from here; past it, other replicas treat the record as
         # unknown and may move on, so this replica must not forward any more.
-        ctx.send_by = time.monotonic() + deadline_in - DEADLINE_MARGIN
+        send_by = time.monotonic() + deadline_in - DEADLINE_MARGIN
         write = WriteRequest(
-            token_hash=ctx.token_hash,
-            key=ctx.key,
-            fingerprint=ctx.fingerprint,
+            token_hash=incoming.token_hash,
+            key=incoming.key,
+            fingerprint=progress.fingerprint,
             upstream=upstream.name,
             method=request.method,
-            path=ctx.rest,
+            path=incoming.rest,
             deadline_in=deadline_in,
             retry=upstream.unknown_outcome == "retry",
         )
@@ -350,47 +357,47 @@ class Gateway:
             admission = await self.store.admit_external(external, write)
         else:
             admission = await self.store.admit(write)
-        ctx.admission = admission
+        progress.admission = admission
         facts.lease = admission.lease  # judged once, when the store read the answer
         if facts.lease is not None:
             return
-        ctx.attempt, ctx.back_to = admission.attempt, admission.back_to
-        if ctx.attempt is not None:
+        if admission.attempt is not None:
+            progress.claim = Claim(admission.attempt, admission.back_to, send_by)
             facts.record = None
             facts.in_order = UNKNOWN if admission.older_in_flight else True
             return
         # The key has a record that is not ours (or it vanished between our claim and
         # our read): what it answers.
-        ctx.record = admission.record
+        progress.record = admission.record
         facts.record = fence.record_reason(
-            admission.record, ctx.fingerprint, admission.now, upstream.unknown_outcome
+            admission.record, progress.fingerprint, admission.now, upstream.unknown_outcome
         )
         if fence.in_progress(facts.record):
-            self._may_wait(ctx, facts)
+            self._may_wait(incoming, progress, facts)
 
-    def _may_wait(self, ctx: Ctx, facts: Facts) -> None:
+    def _may_wait(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """The key is in flight under another request: ``request-in-progress``, unless
         the request asked to wait (``Prefer: wait``) and its wait has time left."""
-        wait = ctx.request.get(DUPLICATE_WAIT)
+        wait = incoming.request.get(DUPLICATE_WAIT)
         if wait is None:
             return
-        assert ctx.admission is not None
-        wait.begin(ctx.admission.now)
-        if wait.left() > 0 and not _gone(ctx.request):
+        assert progress.admission is not None
+        wait.begin(progress.admission.now)
+        if wait.left() > 0 and not _gone(incoming.request):
             facts.first_settled = UNKNOWN
 
-    async def _wait_for_first(self, ctx: Ctx, facts: Facts) -> None:
+    async def _wait_for_first(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """``Prefer: wait``: wait (bounded) for the key's first attempt to settle,
         holding no slot and no database connection (each look at the record takes one
         for a moment), then ask for a slot and the admission again: the admission
         decides what the duplicate gets (the stored answer, as a replay). Ends early
         when the client goes away."""
-        wait, admission, key = ctx.request[DUPLICATE_WAIT], ctx.admission, ctx.key
+        wait, admission, key = incoming.request[DUPLICATE_WAIT], progress.admission, incoming.key
         assert key is not None
         assert admission is not None and admission.presented is not None
-        self._free_slot(ctx)
+        self._free_slot(progress)
         wait.waited = True
-        settled = await self._until_settled(ctx.request, admission.presented.job_id, key, wait)
+        settled = await self._until_settled(incoming.request, admission.presented.job_id, key, wait)
         facts.first_settled = settled
         if settled:
             facts.slot_free = facts.record = UNKNOWN
@@ -415,21 +422,21 @@ class Gateway:
                 if record.deadline <= wait.database_now():
                     return True  # its replica is gone: the admission says what it is now
 
-    async def _wait_in_order(self, ctx: Ctx, facts: Facts) -> None:
+    async def _wait_in_order(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """Wait (bounded) for older generations' writes; then judge the lease again: a
         newer generation may have been granted or admitted meanwhile."""
-        admission = ctx.admission
+        admission = progress.admission
         assert admission is not None and admission.presented is not None
         job_id, generation = admission.presented.job_id, admission.presented.generation
         assert generation is not None
         if not await self._wait_for_older(job_id, generation):
             facts.in_order = False
             return
-        now_seen = await self._lease_now(ctx)
+        now_seen = await self._lease_now(incoming)
         if now_seen is None:  # its grant was purged meanwhile
             facts.lease, facts.in_order = fence.UNKNOWN_TOKEN, True
             return
-        ctx.admission = now_seen
+        progress.admission = now_seen
         facts.lease = fence.lease_after_wait(now_seen.lease, now_seen.highest, generation)
         facts.in_order = True
 
@@ -444,79 +451,98 @@ class Gateway:
 
     # -- carrying out the verdict ---------------------------------------------------------
 
-    async def _carry_out(self, ctx: Ctx, verdict: Verdict) -> web.StreamResponse:
+    async def _carry_out(
+        self, incoming: Incoming, progress: Progress, verdict: Verdict
+    ) -> web.StreamResponse:
         if verdict.outcome in (Outcome.FORWARD, Outcome.PASS):
-            return await self._forward(ctx, fenced=verdict.outcome is Outcome.FORWARD)
+            return await self._forward(
+                incoming, progress, fenced=verdict.outcome is Outcome.FORWARD
+            )
         if verdict.outcome is Outcome.REPLAY:
-            assert ctx.record is not None
-            return await self.answers.replay(ctx, ctx.record)
-        if ctx.attempt is not None:  # our claim on the key: it was not sent, undo it
-            await self._release(ctx)
-        return await self.answers.refuse(ctx, verdict)
+            assert progress.record is not None
+            return await self.answers.replay(incoming, progress, progress.record)
+        if progress.claim is not None:  # our claim on the key: it was not sent, undo it
+            await self._release(incoming, progress)
+        return await self.answers.refuse(incoming, progress, verdict)
 
-    async def _release_unsent(self, ctx: Ctx) -> None:
+    async def _release_unsent(self, incoming: Incoming, progress: Progress) -> None:
         """The database failed while a claimed write was still being decided on (waiting
         for older writes, the last judgement): it was never sent, so its claim is undone
         if the database lets us, rather than left to count as an unknown outcome once its
         deadline passes."""
-        if ctx.attempt is None:
+        if progress.claim is None:
             return
         try:
-            await self._release(ctx)
+            await self._release(incoming, progress)
         except lease_exc.StoreUnavailable:
             log.warning("a claim not sent could not be released (database unavailable)")
 
-    async def _release(self, ctx: Ctx) -> None:
-        assert ctx.attempt is not None and ctx.key is not None
-        admission = ctx.admission
+    async def _release(self, incoming: Incoming, progress: Progress) -> None:
+        claim = progress.claim
+        assert claim is not None and incoming.key is not None
+        admission = progress.admission
         assert admission is not None and admission.presented is not None
-        await self.store.release(admission.presented.job_id, ctx.key, ctx.attempt, ctx.back_to)
-        ctx.attempt = None
-        self.settles.notify(admission.presented.job_id, ctx.key)
+        job_id = admission.presented.job_id
+        await self.store.release(job_id, incoming.key, claim.attempt, claim.back_to)
+        progress.claim = None
+        self.settles.notify(admission.presented.job_id, incoming.key)
 
-    async def _forward(self, ctx: Ctx, *, fenced: bool) -> web.StreamResponse:
+    async def _forward(
+        self, incoming: Incoming, progress: Progress, *, fenced: bool
+    ) -> web.StreamResponse:
         """Forward with the fencing headers (a fenced write) or without (a pass-through);
         a claimed key goes along, to be settled by how the exchange ends."""
-        upstream = ctx.upstream
-        assert upstream is not None and ctx.body is not None
+        upstream = incoming.upstream
+        assert upstream is not None and progress.body is not None
         if fenced:
-            presented = ctx.admission.presented if ctx.admission else None
+            presented = progress.admission.presented if progress.admission else None
             assert presented is not None
             headers = forward_headers(
-                ctx.request, upstream, presented.job_id, presented.generation, ctx.key
+                incoming.request, upstream, presented.job_id, presented.generation, incoming.key
             )
             if upstream.signing is not None:
                 s3.drop_metadata(headers)  # only the gateway writes the fencing metadata
             if (
                 upstream.signing is not None
                 and presented.generation is not None
-                and ctx.key is not None
-                and not fence.is_anonymous(ctx.key)
-                and s3.is_object_write(ctx.request.method, ctx.rest, ctx.query)
+                and incoming.key is not None
+                and not fence.is_anonymous(incoming.key)
+                and s3.is_object_write(incoming.request.method, incoming.rest, incoming.query)
             ):
-                key_upstream = profiles.upstream_key(presented.job_id, ctx.key)
+                key_upstream = profiles.upstream_key(presented.job_id, incoming.key)
                 s3.stamp(headers, presented.job_id, presented.generation, key_upstream)
         else:
-            headers = forward_headers(ctx.request, upstream, None, None, None)
-        url = upstream_url(upstream, ctx.rest, ctx.query)
+            headers = forward_headers(incoming.request, upstream, None, None, None)
+        url = upstream_url(upstream, incoming.rest, incoming.query)
         if upstream.signing is not None and not fenced:
             s3.drop_metadata(headers)
-        ctx.forwarded = headers.copy()  # as kept for a re-send: unsigned
+        progress.forwarded = headers.copy()  # as kept for a re-send: unsigned
         if upstream.signing is not None:
-            s3.sign(headers, ctx.request.method, url, ctx.body.getvalue(), upstream.signing)
-        key = None if ctx.attempt is None else _HeldKey(self, ctx)
-        if fenced and ctx.source_name is not None:
-            self.metrics.source_decisions.labels(ctx.source_name, "forwarded").inc()
+            s3.sign(
+                headers, incoming.request.method, url, progress.body.getvalue(), upstream.signing
+            )
+        key = None
+        if progress.claim is not None:
+            key = HeldKey(
+                self.store,
+                incoming,
+                progress,
+                release=lambda: self._release(incoming, progress),
+                settled=self.settles.notify,
+                max_replay_body_bytes=self.settings.gateway.max_replay_body_bytes,
+            )
+        if fenced and incoming.source_name is not None:
+            self.metrics.source_decisions.labels(incoming.source_name, "forwarded").inc()
         return await self.forwarder.forward(
-            ctx.request,
+            incoming.request,
             upstream,
             url,
             headers,
-            ctx.body,
+            progress.body,
             key=key,
-            send_left=ctx.send_left,
-            refuse=lambda ended: self.answers.refuse(ctx, answer_after(ended)),
-            decided_since=ctx.started if ctx.admission is not None else None,
+            send_left=progress.send_left,
+            refuse=lambda ended: self.answers.refuse(incoming, progress, answer_after(ended)),
+            decided_since=progress.started if progress.admission is not None else None,
         )
 
 
@@ -524,82 +550,6 @@ def _gone(request: web.Request) -> bool:
     """The client has gone away (its connection is closed)."""
     transport = request.transport
     return transport is None or transport.is_closing()
-
-
-class _HeldKey:
-    """The key a forwarded write holds (``forwarding.ClaimedKey``), bound to the store:
-    ids taken when the forward begins."""
-
-    __slots__ = ("_attempt", "_ctx", "_gateway", "_job_id", "_key")
-
-    def __init__(self, gateway: Gateway, ctx: Ctx) -> None:
-        presented = ctx.admission.presented if ctx.admission else None
-        assert ctx.attempt is not None
-        self._gateway, self._ctx = gateway, ctx
-        self._job_id = presented.job_id if presented else ""
-        self._key = ctx.key or ""
-        self._attempt = ctx.attempt
-
-    async def release(self) -> None:
-        await self._gateway._release(self._ctx)
-
-    async def settle(
-        self,
-        state: RecordState,
-        *,
-        status: int | None,
-        headers: list[tuple[str, str]] | None,
-        body: bytes | None,
-        note: str | None,
-    ) -> None:
-        kept = self._kept() if state is RecordState.UNKNOWN else None
-        if kept is not None:
-            await self._gateway.store.hold_for_resolution(
-                self._job_id,
-                self._key,
-                self._attempt,
-                status=status,
-                headers=headers,
-                body=body,
-                note=note,
-                request=kept,
-            )
-        else:
-            await self._gateway.store.settle(
-                self._job_id,
-                self._key,
-                self._attempt,
-                state=state,
-                status=status,
-                headers=headers,
-                body=body,
-                note=note,
-            )
-        self._gateway.settles.notify(self._job_id, self._key)
-
-    def _kept(self) -> KeptRequest | None:
-        """The request to keep for a re-send by the gateway: only for an upstream that
-        resolves unknown outcomes, a write with a key, and a body within
-        ``gateway.max_replay_body_bytes`` (a larger one goes to the operator)."""
-        ctx = self._ctx
-        upstream = ctx.upstream
-        if (
-            upstream is None
-            or upstream.unknown_outcome != "resolve"
-            or fence.is_anonymous(self._key)
-            or ctx.forwarded is None
-            or ctx.body is None
-        ):
-            return None
-        if upstream.signing is not None and not s3.is_object_write(
-            ctx.request.method, ctx.rest, ctx.query
-        ):
-            return None  # S3: only an object write can be checked by its metadata
-        with ctx.body.getbuffer() as view:
-            size = view.nbytes
-        if size > self._gateway.settings.gateway.max_replay_body_bytes:
-            return None
-        return kept_request(ctx.forwarded, upstream, ctx.query, ctx.body.getvalue())
 
 
 def create_proxy_app(gateway: Gateway) -> web.Application:

@@ -1,18 +1,15 @@
 """Intake: what a request's line and headers say, read once and without I/O.
 
 The target (which upstream, which path), the framing we refuse rather than guess at,
-the fencing headers and the method override become ``decision.Facts`` and a ``Ctx``;
+the fencing headers and the method override become ``decision.Facts`` and an
+``Incoming`` (``request.py``);
 ``forward_headers`` is the header hygiene on the way out: which client headers reach
 the upstream and which the gateway sets itself.
 """
 
 from __future__ import annotations
 
-import io
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import unquote
 
 import aiohttp
@@ -22,10 +19,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.config import UpstreamSettings
 from gateway.fencing import fence, profiles
 from gateway.fencing.decision import Facts
-from gateway.fencing.fence import Record
 from gateway.observe import tracing
 from gateway.observe.logs import REQUEST_ID
-from gateway.records.store import Admission
+from gateway.proxy.request import Incoming
 from gateway.sources import Source, split_token
 from gateway.upstream.hops import HOP_BY_HOP, connection_named
 from lease_core import tokens
@@ -48,59 +44,28 @@ METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-meth
 PROTECTED = frozenset({"fencing-token", "idempotency-key"})
 
 
-@dataclass(slots=True)
-class Ctx:
-    """What is known about one request so far (for the answer and its audit entry)."""
-
-    request: web.Request
-    upstream: UpstreamSettings | None = None
-    key: str | None = None
-    fingerprint: str | None = None
-    admission: Admission | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    body: io.BytesIO | None = None  # the request body, read once (the only copy)
-    send_by: float | None = None  # time.monotonic() after which a claimed write stays unsent
-    rest: str = ""  # the path after the upstream's name
-    query: str = ""
-    token_hash: str | None = None
-    record: Record | None = None  # the key's record, when it answers for the request
-    attempt: str | None = None  # the key is ours (claimed or taken over) under this attempt
-    back_to: Record | None = None  # the record before we took it over
-    send_left: float | None = None  # seconds the claim still allows, judged at the send
-    slot: str | None = None  # the pool whose slot this request holds
-    method: str = ""  # the method as the fingerprint names it (with an override, if any)
-    # The token's lease source (``gateway.sources``) and its own token; None for the
-    # gateway's own ``fgl_`` tokens. ``source_name``: the metrics' label for either.
-    source: Source | None = None
-    source_token: str | None = None
-    source_name: str | None = None
-    forwarded: CIMultiDict[str] | None = None  # the headers a fenced write went with
-
-
 def intake(
-    ctx: Ctx,
+    request: web.Request,
     upstreams: Mapping[str, UpstreamSettings],
     max_key_length: int,
     sources: Mapping[str, Source] | None = None,
-) -> Facts:
-    """The facts the request line and headers carry (no I/O). A fact left at its
-    default passes its row; the walk stops at the first refusal anyway."""
-    request = ctx.request
+) -> tuple[Incoming, Facts]:
+    """What the request line and headers say, and the facts they carry (no I/O). A fact
+    left at its default passes its row; the walk stops at the first refusal anyway."""
     facts = Facts()
     found = target(request)
     if isinstance(found, str):
         facts.bad_target = found
-        return facts
+        return Incoming(request), facts
     framing = framing_problem(request)
     if framing is not None:
         facts.bad_target = framing
-        return facts
-    name, ctx.rest, ctx.query = found
-    ctx.upstream = upstream = upstreams.get(name)
+        return Incoming(request), facts
+    name, rest, query = found
+    upstream = upstreams.get(name)
     if upstream is None:
         facts.unknown_upstream = name[:100]
-        return facts
+        return Incoming(request, rest=rest, query=query), facts
     limit = upstream.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         facts.over_limit = True  # declared: known without reading
@@ -108,21 +73,21 @@ def intake(
     if request.method not in upstream.fenced_methods:
         facts.fenced = False
         facts.override_on_unfenced = override is not None
-        return facts
-    ctx.method = request.method if override is None else f"{request.method} as {override}"
+        return Incoming(request, upstream, rest, query), facts
+    method = request.method if override is None else f"{request.method} as {override}"
 
     presented = request.headers.getall("Fencing-Token", [])
     facts.token_headers = len(presented)
     if len(presented) != 1:
-        return facts
+        return Incoming(request, upstream, rest, query, method), facts
     token = presented[0].strip()
     named = split_token(token, sources) if sources else None
-    if named is not None:
-        ctx.source, ctx.source_token = named
-        ctx.source_name = named[0].name
-        facts.token_well_formed = named[0].well_formed(named[1])
+    source, source_token = named if named is not None else (None, None)
+    if source is not None and source_token is not None:
+        source_name = source.name
+        facts.token_well_formed = source.well_formed(source_token)
     else:
-        ctx.source_name = "fencegate"
+        source_name = "fencegate"
         facts.token_well_formed = tokens.is_well_formed(token)
     facts.protected_hop_by_hop = bool(connection_named(request.headers.items()) & PROTECTED)
     key_headers = request.headers.getall("Idempotency-Key", [])
@@ -130,10 +95,22 @@ def intake(
     if len(key_headers) == 1:
         key = fence.parse_key(key_headers[0], max_key_length)
     facts.key_acceptable = key is not None or not (key_headers or upstream.require_idempotency_key)
-    ctx.key = key or fence.anonymous_key()
+    token_hash = None
     if named is None and facts.token_well_formed:
-        ctx.token_hash = tokens.hash_token(token)
-    return facts
+        token_hash = tokens.hash_token(token)
+    incoming = Incoming(
+        request,
+        upstream,
+        rest,
+        query,
+        method,
+        key=key or fence.anonymous_key(),
+        token_hash=token_hash,
+        source=source,
+        source_token=source_token,
+        source_name=source_name,
+    )
+    return incoming, facts
 
 
 def target(request: web.Request) -> tuple[str, str, str] | str:
