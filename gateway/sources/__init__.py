@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 # The adapter of each ``kind`` of ``[[lease_sources]]``: its settings in, a Source out
-# (a new kind: its settings in gateway/config.py's LeaseSourceSettings, a module here, a
+# (a new kind: its settings in gateway/config/sources.py, a module here, a
 # line below).
 KINDS: dict[str, Callable[[Any], Source]] = {
     "jwt": JwtSource,

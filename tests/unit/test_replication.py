@@ -1,6 +1,6 @@
-"""What makes a PostgreSQL unsafe for fences at a failover (gateway/records/replication.py), and
-the spellings of several hosts in database_url (gateway/config.py). The refusal itself,
-on real servers: tests/failover."""
+"""What makes a PostgreSQL unsafe for fences at a failover (gateway/records/replication.py),
+and the spellings of several hosts in database_url (gateway/config/database.py). The
+refusal itself, on real servers: tests/failover."""
 
 from __future__ import annotations
 
