@@ -1,0 +1,40 @@
+"""``fencegate serve`` (both listeners) and ``fencegate migrate`` (the schema to head)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gateway.config import ConfigError, Settings, for_serving, load_settings
+from gateway.records import migrate
+from gateway.service.cli_common import EXIT_USAGE, run_loop
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    from gateway.observe.logs import configure
+    from gateway.service.server import serve
+
+    try:
+        settings = for_serving(settings)
+    except ConfigError as error:
+        print(f"fencegate: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    configure(args.log_level, args.log_format, access_log=args.access_log)
+    run_loop(
+        serve(
+            settings,
+            reload_settings=lambda: for_serving(load_settings(args.config)),
+            freeze_gc=True,
+        )
+    )
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        migrate.upgrade(settings.database_url)
+    except OSError as error:  # the database's, not a file's: say so like the others
+        print(f"fencegate: {migrate.database_error(error, settings.database_url)}", file=sys.stderr)
+        return 1
+    print(f"database at revision {migrate.head_revision()}")
+    return 0
