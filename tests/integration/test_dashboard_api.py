@@ -10,7 +10,6 @@ import re
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -188,7 +187,7 @@ async def test_the_audit_table_shows_the_owner(
         ("idempotent-replay", "worker-b"),
         ("missing-fencing-token", None),
     }
-    ui = Path(dashboard.__file__).parent / "ui"
+    ui = dashboard.UI
     header = re.findall(r"<th>([^<]+)</th>", (ui / "index.html").read_text(encoding="utf-8"))
     script = (ui / "app.js").read_text(encoding="utf-8")
     # The refusals table: one header per cell app.js fills in, the owner among them.
