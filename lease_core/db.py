@@ -120,3 +120,12 @@ class Dialect:
     def injected_now(self) -> float | None:
         """The injected clock's reading, or None when the database's clock decides."""
         return self._clock() if self._clock is not None else None
+
+    def floor(self, value: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+        """``floor(value)`` of a positive ``value`` (an epoch time, a bucket number), on
+        every build of the database."""
+        if self.sqlite:
+            # Not every SQLite build has floor(); for a positive value truncation toward
+            # zero is the floor.
+            return sa.cast(value, sa.Integer)
+        return sa.func.floor(value)

@@ -75,9 +75,10 @@ class Direct:
             raise TypeError("this statement has no form for one caller")
         return self.fetchrow(statement.single, params)
 
-    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+    async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """SQLite only: ``work`` in a write transaction; its result once committed; its
-        writes rolled back when it raises."""
+        writes rolled back when it raises. (Not ``Backend.run``, which runs a named
+        operation of the catalogue: this runs a Python function on the connection.)"""
         raise NotImplementedError
 
     def execute(self, operation: Operation, params: Mapping[str, Any]) -> Awaitable[Row | None]:

@@ -163,8 +163,10 @@ class PostgresDirect(Direct):
                 raise exc.StoreUnavailable() from error
             raise
 
-    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        raise TypeError("run() is for SQLite; on PostgreSQL an operation is one statement")
+    async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        raise TypeError(
+            "in_write_transaction() is for SQLite; on PostgreSQL an operation is one statement"
+        )
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None

@@ -91,9 +91,9 @@ class SqliteDirect(Direct):
     async def _chain(
         self, statements: Sequence[Statement], params: Mapping[str, Any]
     ) -> Row | None:
-        return await self.run(partial(_chain_sqlite, statements, params))
+        return await self.in_write_transaction(partial(_chain_sqlite, statements, params))
 
-    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+    async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """``work`` runs at once, on this thread, under its own savepoint of the group
         transaction: every operation of this turn of the event loop shares one
         ``BEGIN IMMEDIATE ... COMMIT``. The caller gets its answer once that COMMIT is

@@ -12,20 +12,18 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import exceptions as exc
 from . import rules, tokens
 from .backend import PURGE_BATCH, Backend
 from .db import Clock
-from .direct import is_unavailable
 from .metrics import Metrics
 from .rules import State
 from .schema import jobs
@@ -132,40 +130,20 @@ class JobPage:
 _JOB_COLUMNS = [jobs.c[name] for name in JobRecord.__slots__]
 Row = Mapping[str, Any]
 
-# Errors that mean "the database is not there right now", translated in one place.
-_UNAVAILABLE = (sa.exc.DBAPIError, OSError, TimeoutError)
-
 
 class LeaseStore:
-    """Jobs and leases on one database (SQLite or PostgreSQL). Every change is an
-    operation of the catalogue (``backend.run``); listings read through SQLAlchemy."""
+    """Jobs and leases on one database (SQLite or PostgreSQL), through its handle
+    (``backend``, shared with the gateway's records): every change is an operation of
+    the catalogue (``backend.run``); listings read in ``backend.transaction()``."""
 
     def __init__(
         self, engine: AsyncEngine, *, clock: Clock | None = None, metrics: Metrics | None = None
     ) -> None:
-        self.engine = engine
         self.backend = Backend(engine, clock=clock, metrics=metrics)
-        self.dialect = self.backend.dialect
         self.metrics = self.backend.metrics
         # purge_grants: the cutoff of its last step; when it next looks at all grants.
         self._grants_cutoff: float | None = None
         self._grants_sweep_due = -math.inf
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncConnection]:
-        """One SQLAlchemy transaction, for reading; connection failures become
-        ``StoreUnavailable``."""
-        started = time.perf_counter()
-        try:
-            async with self.engine.begin() as conn:
-                yield conn
-        except _UNAVAILABLE as error:
-            if isinstance(error, sa.exc.DBAPIError) and not _is_connection_error(error):
-                raise
-            self.metrics.store_errors.inc()
-            raise exc.StoreUnavailable() from error
-        finally:
-            self.metrics.store_seconds.observe(time.perf_counter() - started)
 
     # -- jobs ---------------------------------------------------------------------
 
@@ -191,7 +169,7 @@ class LeaseStore:
 
     async def get_job(self, job_id: str) -> JobRecord:
         stmt = sa.select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id)
-        async with self.transaction() as conn:
+        async with self.backend.transaction() as conn:
             row = (await conn.execute(stmt)).mappings().first()
         if row is None:
             raise exc.JobNotFound(f"No job with id {job_id!r}.", job_id=job_id)
@@ -214,7 +192,7 @@ class LeaseStore:
         if cursor is not None:
             after_ts, after_id = decode_cursor(cursor)
             stmt = stmt.where(sa.tuple_(jobs.c.created_at, jobs.c.job_id) > (after_ts, after_id))
-        async with self.transaction() as conn:
+        async with self.backend.transaction() as conn:
             rows = (await conn.execute(stmt.limit(limit + 1))).mappings().all()
         items = [JobRecord.from_row(row) for row in rows[:limit]]
         next_cursor = None
@@ -354,9 +332,10 @@ class LeaseStore:
         every step. Such a grant becomes one to forget only when its job is granted
         again; the first step, and one every ``GRANT_SWEEP_SECONDS``, look at all old
         grants and find those. On SQLite that sweep goes in slices of ``batch`` grants,
-        each its own short transaction (as ``Backend.run_in_batches`` does); on
-        PostgreSQL, where a delete holds up no other writer, in one statement."""
-        now = self.dialect.injected_now()
+        each its own short transaction (``Backend.slice_end``, as
+        ``Backend.run_in_batches`` does); on PostgreSQL, where a delete holds up no
+        other writer, in one statement."""
+        now = self.backend.injected_now()
         now = time.time() if now is None else now  # schedules the sweep, decides nothing
         older = float(older_than_seconds)
         since = self._grants_cutoff
@@ -365,11 +344,8 @@ class LeaseStore:
         total = 0
         while True:
             until = math.inf
-            if full and self.backend.sqlite:
-                found = await self.backend.run("grant_slice_end", since=lo, batch=batch)
-                assert found is not None
-                if found["slice_end"] is not None:
-                    until = float(found["slice_end"])
+            if full:
+                until = await self.backend.slice_end("grant_slice_end", since=lo, batch=batch)
             row = await self.backend.run("purge_grants", older_than=older, since=lo, until=until)
             assert row is not None
             total += int(row["changed"])
@@ -393,15 +369,6 @@ def _job(row: Row) -> JobRecord:
     values["payload"] = _json(values["payload"])
     values["result"] = _json(values["result"])
     return JobRecord(**values)
-
-
-def _is_connection_error(error: sa.exc.DBAPIError) -> bool:
-    """A DBAPI error that means the database is unreachable, not that our SQL is wrong."""
-    if error.connection_invalidated or isinstance(
-        error, sa.exc.OperationalError | sa.exc.InterfaceError
-    ):
-        return True
-    return error.orig is not None and is_unavailable(error.orig)
 
 
 def encode_cursor(created_at: float, job_id: str) -> str:

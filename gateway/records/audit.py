@@ -77,7 +77,7 @@ class Audit:
     """
 
     def __init__(self, lease_store: LeaseStore, settings: GatewaySettings | None = None) -> None:
-        self.lease_store = lease_store
+        self.backend = lease_store.backend  # the database handle the lease store uses
         self.settings = settings or GatewaySettings()
         self._bucket: int | None = None
         self._groups: set[str] = set()  # this bucket's group keys, as many as allowed
@@ -96,7 +96,7 @@ class Audit:
             values["body"] = None
             values["group_key"] = self._group(values)
         try:
-            await self.lease_store.backend.run(operation, **values)
+            await self.backend.run(operation, **values)
         except lease_exc.StoreUnavailable:
             log.warning(
                 "audit entry lost (database unavailable): %s %s %s",
@@ -108,7 +108,7 @@ class Audit:
     def _group(self, values: dict[str, Any]) -> str:
         """The key of the row this entry is counted in (``values`` becomes that row's).
         Past this bucket's allowance of groups, the reason's overflow row."""
-        now = self.lease_store.dialect.injected_now()
+        now = self.backend.injected_now()
         bucket = int(
             (time.time() if now is None else now)
             // self.settings.audit_unauthenticated_bucket_seconds
@@ -166,7 +166,7 @@ class Audit:
             stmt = stmt.where(audit.c.at < q.until)
         if q.cursor is not None:
             stmt = stmt.where(audit.c.id < decode_cursor(q.cursor))
-        async with self.lease_store.transaction() as conn:
+        async with self.backend.transaction() as conn:
             rows = (await conn.execute(stmt)).mappings().all()
         items = [entry_json(row) for row in rows[: q.limit]]
         next_cursor = encode_cursor(rows[q.limit - 1]["id"]) if len(rows) > q.limit else None
@@ -176,7 +176,7 @@ class Audit:
         if name in configured:
             return
         stmt = sa.select(audit.c.id).where(audit.c.upstream == name).limit(1)
-        async with self.lease_store.transaction() as conn:
+        async with self.backend.transaction() as conn:
             if (await conn.execute(stmt)).first() is not None:
                 return
         raise lease_exc.InvalidRequest(
@@ -193,7 +193,7 @@ class Audit:
             return
         if re.fullmatch(SOURCE_NAME, name) is not None:
             stmt = sa.select(audit.c.id).where(source_is(name)).limit(1)
-            async with self.lease_store.transaction() as conn:
+            async with self.backend.transaction() as conn:
                 if (await conn.execute(stmt)).first() is not None:
                     return
         known = sorted({FENCEGATE_SOURCE, *(configured or ())})
@@ -217,7 +217,7 @@ class Audit:
         A call looks only at the entries that crossed those ages since the previous
         call's cutoffs (an entry's ``at`` never changes, a grouped row's ``last_at`` only
         grows): the first call of a process looks at all of them."""
-        purged, row = await self.lease_store.backend.run_in_batches(
+        purged, row = await self.backend.run_in_batches(
             "purge_audit",
             batch=batch,
             older_than=float(older_than_seconds),

@@ -16,8 +16,9 @@ import sqlalchemy as sa
 
 from gateway.fencing import fence
 from gateway.records.schema import audit, requests
+from lease_core.backend import Backend
 from lease_core.schema import jobs, leases
-from lease_core.store import LeaseStore, rfc3339
+from lease_core.store import rfc3339
 
 # The bucket sizes picked when the caller names none: the smallest that keeps the chart
 # under ``TARGET_BUCKETS`` bars.
@@ -68,30 +69,16 @@ def default_bucket(span: float) -> int:
     return min(MAX_BUCKET_SECONDS, math.ceil(span / TARGET_BUCKETS))
 
 
-async def database_now(lease_store: LeaseStore) -> float:
-    """The authoritative clock (the database's on PostgreSQL, the injected one in tests)."""
-    injected = lease_store.dialect.injected_now()
-    if injected is not None:
-        return injected
-    async with lease_store.transaction() as conn:
-        return float((await conn.execute(sa.select(lease_store.dialect.now()))).scalar_one())
-
-
-def _bucket_number(lease_store: LeaseStore, bucket_seconds: int) -> sa.ColumnElement[Any]:
+def _bucket_number(backend: Backend, bucket_seconds: int) -> sa.ColumnElement[Any]:
     # The size is a validated int written into the statement, so the expression in the
     # select list and in GROUP BY is the same text (PostgreSQL compares them textually;
     # two bind parameters would not match).
     size = sa.literal_column(str(int(bucket_seconds)), sa.Float)
-    ratio = audit.c.at / size
-    if lease_store.dialect.sqlite:
-        # Not every SQLite build has floor(); epoch times are positive, so truncation
-        # toward zero is the floor.
-        return sa.cast(ratio, sa.Integer)
-    return sa.func.floor(ratio)
+    return backend.floor(audit.c.at / size)
 
 
 async def refusals_over_time(
-    lease_store: LeaseStore,
+    backend: Backend,
     window: Window,
     *,
     upstream: str | None = None,
@@ -100,7 +87,7 @@ async def refusals_over_time(
     """Refusals audited in ``[since, until)`` per bucket and reason, every bucket present
     (empty ones with no counts) so a chart can draw them as they come; replays
     (``idempotent-replay``) are counted apart, per bucket and in all."""
-    bucket = _bucket_number(lease_store, window.bucket_seconds).label("bucket")
+    bucket = _bucket_number(backend, window.bucket_seconds).label("bucket")
     stmt = (
         # A grouped entry stands for ``count`` requests.
         sa.select(bucket, audit.c.reason, sa.func.sum(audit.c.count).label("n"))
@@ -111,7 +98,7 @@ async def refusals_over_time(
         stmt = stmt.where(audit.c.upstream == upstream)
     if job_id is not None:
         stmt = stmt.where(audit.c.job_id == job_id)
-    async with lease_store.transaction() as conn:
+    async with backend.transaction() as conn:
         rows = (await conn.execute(stmt)).all()
 
     size = window.bucket_seconds
@@ -160,7 +147,7 @@ async def refusals_over_time(
     }
 
 
-async def job_timeline(lease_store: LeaseStore, job_id: str, limit: int) -> dict[str, Any]:
+async def job_timeline(backend: Backend, job_id: str, limit: int) -> dict[str, Any]:
     """Grants, forwarded writes (with their outcome) and the gateway's own answers for one
     job, oldest first; at most the newest ``limit`` events."""
     grants_q = (
@@ -214,7 +201,7 @@ async def job_timeline(lease_store: LeaseStore, job_id: str, limit: int) -> dict
         jobs.c.attempts,
         jobs.c.max_attempts,
     ).where(jobs.c.job_id == job_id)
-    async with lease_store.transaction() as conn:
+    async with backend.transaction() as conn:
         grants = (await conn.execute(grants_q)).mappings().all()
         writes = (await conn.execute(writes_q)).mappings().all()
         answers = (await conn.execute(answers_q)).mappings().all()

@@ -111,9 +111,7 @@ class GatewayStore:
     store's backend; the listings read through SQLAlchemy."""
 
     def __init__(self, leases_store: LeaseStore) -> None:
-        self.lease_store = leases_store
         self.backend = leases_store.backend
-        self.dialect = leases_store.dialect
 
     # -- reading the lease --------------------------------------------------------
 
@@ -402,7 +400,7 @@ class GatewayStore:
         ``resolvable``: the request is kept, so the gateway may re-send it (inside the
         upstream's window, up to ``gateway.resolve_max_attempts`` times); else it waits
         for an operator."""
-        now = self.dialect.now()
+        now = self.backend.now()
         stmt = (
             sa.select(
                 requests.c.job_id,
@@ -431,7 +429,7 @@ class GatewayStore:
             .order_by(requests.c.updated_at.desc())
             .limit(limit)
         )
-        async with self.lease_store.transaction() as conn:
+        async with self.backend.transaction() as conn:
             rows = (await conn.execute(stmt)).mappings().all()
         items = []
         for row in rows:

@@ -81,7 +81,7 @@ async def refusals_over_time(request: web.Request) -> web.Response:
     &upstream=&job_id=``: refusals per bucket and reason, replays counted apart.
     ``until`` defaults to the database's now, ``since`` to ``window_seconds`` (default a
     day) before it."""
-    lease_store = request.app[DASHBOARD_GATEWAY].audit.lease_store
+    backend = request.app[DASHBOARD_GATEWAY].audit.backend
     q = request.query
     since, until = _time(q, "since"), _time(q, "until")
     seconds = _window_seconds(q, since)
@@ -92,9 +92,9 @@ async def refusals_over_time(request: web.Request) -> web.Response:
         await gateway.audit.check_upstream(upstream, gateway.upstreams)
     job_id = _optional_id(q, "job_id")
     if until is None:
-        until = await queries.database_now(lease_store)
+        until = await backend.database_now()
     window = _window(since, until, seconds, bucket)
-    doc = await queries.refusals_over_time(lease_store, window, upstream=upstream, job_id=job_id)
+    doc = await queries.refusals_over_time(backend, window, upstream=upstream, job_id=job_id)
     return web.json_response(doc)
 
 
@@ -105,8 +105,8 @@ async def job_timeline(request: web.Request) -> web.Response:
     limit = _whole(
         request.query.get("limit"), "limit", 1, queries.MAX_TIMELINE, TIMELINE_DEFAULT_LIMIT
     )
-    lease_store = request.app[DASHBOARD_GATEWAY].audit.lease_store
-    return web.json_response(await queries.job_timeline(lease_store, job_id, limit))
+    backend = request.app[DASHBOARD_GATEWAY].audit.backend
+    return web.json_response(await queries.job_timeline(backend, job_id, limit))
 
 
 # -- parsing query parameters -------------------------------------------------------------

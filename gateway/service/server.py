@@ -57,8 +57,8 @@ async def readyz(request: web.Request) -> web.Response:
     store = request.app[lease_api.STORE]
     settings = request.app[SETTINGS]
     try:
-        revision = await migrate.current_revision(store.engine)
-        seen = None if settings.sqlite else await replication.replication(store.engine)
+        revision = await migrate.current_revision(store.backend.engine)
+        seen = None if settings.sqlite else await replication.replication(store.backend.engine)
     except Exception as error:
         raise exc.StoreUnavailable(
             f"The database is not reachable ({type(error).__name__})."
@@ -149,7 +149,7 @@ async def prepare_database(settings: Settings, store: LeaseStore) -> None:
         await asyncio.to_thread(migrate.upgrade, settings.database_url)
         return
     try:
-        revision = await migrate.current_revision(store.engine)
+        revision = await migrate.current_revision(store.backend.engine)
     except Exception as error:
         message = migrate.database_error(error, settings.database_url)
         raise SystemExit(f"fencegate: {message}") from error
@@ -174,7 +174,7 @@ async def check_replication(settings: Settings, store: LeaseStore) -> None:
     warned = False
     while True:
         try:
-            seen = await replication.replication(store.engine)
+            seen = await replication.replication(store.backend.engine)
         except Exception as error:
             message = migrate.database_error(error, settings.database_url)
             raise SystemExit(f"fencegate: {message}") from error

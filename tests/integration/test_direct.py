@@ -138,7 +138,7 @@ async def lease(store: LeaseStore, job_id: str, owner: str = "worker", ttl: floa
 
 async def record_rows(store: LeaseStore, prefix: str = "") -> dict[tuple[str, str], Row]:
     stmt = sa.select(requests).where(requests.c.job_id.startswith(prefix, autoescape=True))
-    async with store.transaction() as conn:
+    async with store.backend.transaction() as conn:
         rows = (await conn.execute(stmt)).mappings().all()
     return {(row["job_id"].removeprefix(prefix), row["key"]): dict(row) for row in rows}
 
@@ -147,7 +147,7 @@ async def fence_rows(store: LeaseStore, prefix: str = "") -> dict[str, int]:
     stmt = sa.select(fences.c.job_id, fences.c.generation).where(
         fences.c.job_id.startswith(prefix, autoescape=True)
     )
-    async with store.transaction() as conn:
+    async with store.backend.transaction() as conn:
         rows = (await conn.execute(stmt)).all()
     return {row.job_id.removeprefix(prefix): row.generation for row in rows}
 
@@ -965,7 +965,7 @@ async def write_load(
 
     async def writer(n: int) -> None:
         for i in range(each):
-            await direct.run(insert(f"{prefix}-{n}-{i}", blob))
+            await direct.in_write_transaction(insert(f"{prefix}-{n}-{i}", blob))
             after()
 
     await asyncio.gather(*(writer(n) for n in range(16)))
@@ -998,7 +998,7 @@ async def test_sqlite_operations_of_one_turn_share_one_transaction(
         return run
 
     answered: list[int] = []
-    tasks = [asyncio.ensure_future(direct.run(work(i))) for i in range(10)]
+    tasks = [asyncio.ensure_future(direct.in_write_transaction(work(i))) for i in range(10)]
     for task in tasks:
         task.add_done_callback(lambda _t: answered.append(reader("%")))
     assert await asyncio.gather(*tasks) == list(range(10))
@@ -1015,7 +1015,7 @@ async def test_sqlite_the_answer_comes_after_commit(
 ) -> None:
     direct = sqlite_direct(engine)
     for i in range(5):
-        await direct.run(insert(f"row-{i}"))
+        await direct.in_write_transaction(insert(f"row-{i}"))
         assert reader("row-%") == i + 1  # committed as soon as the await returns
     row = await direct.fetchrow(
         Statement("INSERT INTO probe (who) VALUES (:who) RETURNING id, who"), {"who": "fetched"}
@@ -1029,7 +1029,7 @@ async def test_sqlite_a_failing_operation_rolls_back_alone_and_raises_at_once(
     engine: AsyncEngine, sqlite_path: Path, reader: Callable[[str], int]
 ) -> None:
     direct = sqlite_direct(engine)
-    await direct.run(insert("existing"))
+    await direct.in_write_transaction(insert("existing"))
     existing = reader("existing")
     assert existing == 1
 
@@ -1053,7 +1053,7 @@ async def test_sqlite_a_failing_operation_rolls_back_alone_and_raises_at_once(
 
     async def caller(work: Callable[[sqlite3.Connection], int]) -> tuple[str, int]:
         try:
-            return "ok", await direct.run(work)
+            return "ok", await direct.in_write_transaction(work)
         except (Boom, sqlite3.IntegrityError) as error:
             # Raised before the group's COMMIT: the other callers' rows are not in yet.
             return type(error).__name__, reader("%")
@@ -1077,7 +1077,7 @@ async def test_sqlite_the_first_operation_of_a_turn_fails_without_a_savepoint(
     transaction is rolled back (nothing else was in it), and the operations after it in
     the same turn run in a new one and commit."""
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))
+    await direct.in_write_transaction(insert("warm"))
 
     def failing_first(conn: sqlite3.Connection) -> int:
         conn.execute("INSERT INTO probe (who) VALUES ('first-doomed')")
@@ -1085,9 +1085,9 @@ async def test_sqlite_the_first_operation_of_a_turn_fails_without_a_savepoint(
         raise Boom("first")
 
     results = await asyncio.gather(
-        direct.run(failing_first),
-        direct.run(insert("second")),
-        direct.run(insert("third")),
+        direct.in_write_transaction(failing_first),
+        direct.in_write_transaction(insert("second")),
+        direct.in_write_transaction(insert("third")),
         return_exceptions=True,
     )
     assert isinstance(results[0], Boom)
@@ -1104,8 +1104,8 @@ async def test_sqlite_a_read_answers_at_once_and_sees_its_turns_writes(
     """A ``SELECT`` waits for no COMMIT: it answers before the group transaction of its
     turn commits, and sees that group's writes (a gate read can only get stricter)."""
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))
-    pending = asyncio.ensure_future(direct.run(insert("pending")))
+    await direct.in_write_transaction(insert("warm"))
+    pending = asyncio.ensure_future(direct.in_write_transaction(insert("pending")))
     await asyncio.sleep(0)  # the insert ran in this turn's group; its COMMIT is scheduled
     count = Statement("SELECT count(*) AS n FROM probe WHERE who = :who")
     row = await direct.fetchrow(count, {"who": "pending"})
@@ -1127,7 +1127,7 @@ async def test_sqlite_a_failed_single_statement_fails_alone(
     direct = sqlite_direct(engine)
     bad = Statement("INSERT INTO probe (id, who) VALUES (1, :who)")  # id 1 taken below
     results = await asyncio.gather(
-        direct.run(insert("first")),  # gets id 1
+        direct.in_write_transaction(insert("first")),  # gets id 1
         direct.fetchrow(bad, {"who": "duplicate-id"}),
         direct.fetchrow(
             Statement("INSERT INTO probe (who) VALUES (:who) RETURNING id"), {"who": "x"}
@@ -1154,13 +1154,13 @@ async def test_sqlite_an_error_that_ends_the_transaction_fails_the_whole_group(
         conn.execute("ROLLBACK")
         raise Boom("the transaction is gone")
 
-    earlier = asyncio.ensure_future(direct.run(insert("earlier")))
-    failing = asyncio.ensure_future(direct.run(ends_the_transaction))
+    earlier = asyncio.ensure_future(direct.in_write_transaction(insert("earlier")))
+    failing = asyncio.ensure_future(direct.in_write_transaction(ends_the_transaction))
     results = await asyncio.gather(earlier, failing, return_exceptions=True)
     assert isinstance(results[0], Boom) and isinstance(results[1], Boom)
     assert reader("earlier") == 0 and reader("lost-too") == 0
     # The next operation opens a new group and commits.
-    assert await direct.run(insert("after")) > 0
+    assert await direct.in_write_transaction(insert("after")) > 0
     assert reader("after") == 1
 
 
@@ -1169,17 +1169,19 @@ async def test_sqlite_hand_off_while_the_engine_holds_the_write_lock(
     engine: AsyncEngine, store: LeaseStore, sqlite_path: Path, reader: Callable[[str], int]
 ) -> None:
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))  # the inline connection is open
+    await direct.in_write_transaction(insert("warm"))  # the inline connection is open
     before = direct.handed_off
 
     def failing(conn: sqlite3.Connection) -> int:
         conn.execute("INSERT INTO probe (who) VALUES ('off-doomed')")
         raise Boom("handed off and failed")
 
-    async with store.transaction() as conn:
+    async with store.backend.transaction() as conn:
         await conn.execute(sa.text("INSERT INTO probe (who) VALUES ('engine')"))
-        tasks = [asyncio.ensure_future(direct.run(insert(f"off-{i}"))) for i in range(3)]
-        doomed = asyncio.ensure_future(direct.run(failing))
+        tasks = [
+            asyncio.ensure_future(direct.in_write_transaction(insert(f"off-{i}"))) for i in range(3)
+        ]
+        doomed = asyncio.ensure_future(direct.in_write_transaction(failing))
         await asyncio.sleep(0.3)  # the event loop is free meanwhile
         # The first waits on the thread for the lock, the others behind it, on the loop.
         assert direct.handed_off == before + 1
@@ -1196,7 +1198,7 @@ async def test_sqlite_hand_off_while_the_engine_holds_the_write_lock(
     assert all(row_id > engine_id for row_id in ids)  # they waited for the engine's COMMIT
     # The lock is free again: operations run inline, nothing more is handed off.
     handed = direct.handed_off
-    assert await direct.run(insert("inline-again")) > max(ids)
+    assert await direct.in_write_transaction(insert("inline-again")) > max(ids)
     assert direct.handed_off == handed
 
 
@@ -1208,15 +1210,18 @@ async def test_sqlite_operations_queue_behind_one_waiting_on_the_thread(
     instead of taking the freed lock inline first (which, under steady load, kept the
     waiting one waiting until its busy timeout)."""
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))
+    await direct.in_write_transaction(insert("warm"))
     with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
         other.execute("BEGIN IMMEDIATE")  # another process's writer
-        first = asyncio.ensure_future(direct.run(insert("first")))
+        first = asyncio.ensure_future(direct.in_write_transaction(insert("first")))
         await asyncio.sleep(0.05)
         assert not first.done()
         other.execute("COMMIT")
         # The lock is free now, but "first" has not been answered yet.
-        later = [asyncio.ensure_future(direct.run(insert(f"later-{i}"))) for i in range(5)]
+        later = [
+            asyncio.ensure_future(direct.in_write_transaction(insert(f"later-{i}")))
+            for i in range(5)
+        ]
         ids = await asyncio.wait_for(asyncio.gather(first, *later), 10)
     assert ids[0] < min(ids[1:])  # nothing overtook the waiting operation
     assert direct.handed_off >= 1
@@ -1231,7 +1236,7 @@ async def test_sqlite_writers_without_a_pause_go_back_inline_after_a_hand_off(
     kept one another there: every operation after a single busy moment went to the
     thread, one transaction each, for as long as the load lasted."""
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))
+    await direct.in_write_transaction(insert("warm"))
     before = direct.handed_off
 
     with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
@@ -1276,7 +1281,7 @@ async def test_sqlite_reads_never_hold_up_an_operation(
     direct = sqlite_direct(engine)
     token = await lease(store, "j")
     before = direct.handed_off
-    async with store.transaction() as conn:
+    async with store.backend.transaction() as conn:
         assert (await conn.execute(sa.select(sa.func.count()).select_from(requests))).scalar() == 0
         admitted = await asyncio.wait_for(gstore.admit(write(token, "k")), 5)
         assert admitted.claimed
@@ -1295,15 +1300,16 @@ async def test_sqlite_a_checkpoint_is_queued_every_checkpoint_every_operations(
 ) -> None:
     monkeypatch.setattr(direct_module, "CHECKPOINT_EVERY", 5)
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))  # opening switches the file to WAL (its header changes)
+    # Opening switches the file to WAL (its header changes).
+    await direct.in_write_transaction(insert("warm"))
     before = main_file(sqlite_path)
     for i in range(3):
-        await direct.run(insert(f"r{i}", b"x" * 8192))
+        await direct.in_write_transaction(insert(f"r{i}", b"x" * 8192))
     await asyncio.sleep(0.2)
     assert direct._thread is None  # four operations: no checkpoint yet
     assert main_file(sqlite_path) == before  # everything is still in the log
     for i in range(3, 12):
-        await direct.run(insert(f"r{i}", b"x" * 8192))
+        await direct.in_write_transaction(insert(f"r{i}", b"x" * 8192))
     thread = direct._thread
     assert thread is not None and thread.is_alive()
     deadline = time.monotonic() + 5
@@ -1321,10 +1327,10 @@ async def test_sqlite_no_checkpoint_before_checkpoint_every(
 ) -> None:
     monkeypatch.setattr(direct_module, "CHECKPOINT_EVERY", 10**9)
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))
+    await direct.in_write_transaction(insert("warm"))
     before = main_file(sqlite_path)
     for i in range(12):
-        await direct.run(insert(f"r{i}", b"x" * 8192))
+        await direct.in_write_transaction(insert(f"r{i}", b"x" * 8192))
     await asyncio.sleep(0.3)
     assert direct._thread is None
     assert main_file(sqlite_path) == before  # the inline connection never checkpoints
@@ -1385,7 +1391,7 @@ async def test_sqlite_every_connection_cuts_the_log_file_back_to_the_limit(
     listings) need the limit as much as ours, or the file keeps its size and looks past
     the limit until the next restart."""
     direct = sqlite_direct(engine)
-    await direct.run(insert("warm"))
+    await direct.in_write_transaction(insert("warm"))
     limit = direct_module.WAL_LIMIT_BYTES
     assert direct._connection().execute("PRAGMA journal_size_limit").fetchone()[0] == limit
     async with engine.connect() as conn:
@@ -1405,7 +1411,7 @@ async def test_sqlite_a_read_holding_the_log_delays_its_restart_never_a_write(
     direct = sqlite_direct(engine)
     wal = Path(f"{sqlite_path}-wal")
     blob = b"x" * 4000
-    await direct.run(insert("warm"))
+    await direct.in_write_transaction(insert("warm"))
     with closing(sqlite3.connect(sqlite_path, isolation_level=None)) as other:
         other.execute("BEGIN")
         assert other.execute("SELECT count(*) FROM probe").fetchone()[0] == 1  # a snapshot
@@ -1431,8 +1437,8 @@ async def test_sqlite_close_commits_an_open_group_transaction(
     engine: AsyncEngine, sqlite_path: Path, reader: Callable[[str], int]
 ) -> None:
     direct = sqlite_direct(engine)
-    await direct.run(insert("first"))
-    task = asyncio.ensure_future(direct.run(insert("pending")))
+    await direct.in_write_transaction(insert("first"))
+    task = asyncio.ensure_future(direct.in_write_transaction(insert("pending")))
     await asyncio.sleep(0)  # the operation ran; its COMMIT is scheduled, not done
     assert not task.done()
     assert reader("pending") == 0
@@ -1441,7 +1447,7 @@ async def test_sqlite_close_commits_an_open_group_transaction(
     assert isinstance(await asyncio.wait_for(task, 5), int)
     await asyncio.sleep(0)  # the COMMIT that was scheduled finds nothing to do
     # Used again after close: it opens again.
-    await direct.run(insert("reopened"))
+    await direct.in_write_transaction(insert("reopened"))
     assert reader("reopened") == 1
 
 
@@ -1451,7 +1457,7 @@ async def test_sqlite_in_memory_is_refused(path: str) -> None:
     with pytest.raises(ValueError, match="in memory is not supported"):
         await direct.fetchrow(Statement("SELECT 1"), {})
     with pytest.raises(ValueError, match="in memory is not supported"):
-        await direct.run(lambda conn: None)
+        await direct.in_write_transaction(lambda conn: None)
     await direct.close()
 
 
@@ -1576,7 +1582,7 @@ async def test_sqlite_dispose_closes_every_connection_and_the_thread(
     engine = own_engine
     direct = engine.direct
     assert isinstance(direct, SqliteDirect)
-    await direct.run(insert("x"))
+    await direct.in_write_transaction(insert("x"))
     async with engine.begin() as conn:  # the SQLAlchemy side has its connection too
         assert (await conn.execute(sa.text("SELECT count(*) FROM probe"))).scalar_one() == 1
     inline, thread = direct._inline, direct._thread
@@ -1618,7 +1624,7 @@ async def test_sqlite_a_file_that_cannot_be_opened_is_store_unavailable(
     with pytest.raises(exc.StoreUnavailable):
         await direct.fetchrow(Statement("SELECT 1 AS one"), {})
     with pytest.raises(exc.StoreUnavailable):
-        await direct.run(lambda conn: None)
+        await direct.in_write_transaction(lambda conn: None)
     store = LeaseStore(missing_dir_engine, clock=clock)
     with pytest.raises(exc.StoreUnavailable):
         await store.claim(queue="q", owner="w", ttl=10)

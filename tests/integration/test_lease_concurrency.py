@@ -264,7 +264,7 @@ async def test_expiry_on_the_authoritative_clock(
     lease = await store.claim(queue="q", owner="a", ttl=0.8)
     assert lease is not None and lease.lease_token is not None
     if backend == "postgres":
-        async with store.engine.connect() as conn:
+        async with store.backend.engine.connect() as conn:
             db_now = (await conn.execute(sa.text("SELECT extract(epoch from now())"))).scalar_one()
         assert abs(lease.expires_at - (float(db_now) + 0.8)) < 2
     else:
