@@ -65,8 +65,10 @@ class Backend:
 
     async def run(self, name: str, **params: Any) -> Row | None:
         """Operation ``name`` with ``params`` (and ``now``, the injected clock's reading,
-        or None where the database's clock decides): its answer row, or None."""
-        params["now"] = self._dialect.injected_now()
+        or None where the database's clock decides; a caller that writes down later what
+        happened earlier passes the reading it took then): its answer row, or None."""
+        if "now" not in params:
+            params["now"] = self._dialect.injected_now()
         started = time.perf_counter()
         try:
             return await self._direct.execute(self._catalogue[name], params)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import textwrap
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache, cached_property
 from pathlib import Path
@@ -156,6 +156,12 @@ def assemble(files: Mapping[str, str]) -> tuple[dict[str, Operation], dict[str, 
     operations: dict[str, Operation] = {}
     for source in files:
         own = _operations(source, [s for s in sections if s.source == source], expander)
+        for name, operation in list(own.items()):
+            earlier = operations.get(name)
+            if earlier is not None and _adds_shared_form(earlier, operation):
+                # A dialect's shared form of an operation another file writes once.
+                operations[name] = replace(earlier, many=operation.many)
+                del own[name]
         both = sorted(set(operations) & set(own))
         if both:
             first = operations[both[0]].source
@@ -166,6 +172,18 @@ def assemble(files: Mapping[str, str]) -> tuple[dict[str, Operation], dict[str, 
         names = ", ".join(f"{{{f.name}}} ({f.source})" for f in unused)
         raise CatalogueError(f"fragment never used by {' or '.join(files)}: {names}")
     return operations, fragments
+
+
+def _adds_shared_form(earlier: Operation, later: Operation) -> bool:
+    """``later`` is only the ``(many)`` form of ``earlier``, which has none: a dialect's
+    way to share an operation that ``common.sql`` writes once for every dialect."""
+    return (
+        not later.statements
+        and later.many is not None
+        and earlier.many is None
+        and len(earlier.statements) == 1
+        and not later.one_at_a_time
+    )
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ class Answers:
     ) -> None:
         request = incoming.request
         presented = progress.admission.presented if progress.admission else None
-        await self.audit.record(
+        self.audit.record(
             AuditEntry(
                 reason=reason,
                 status=status,

@@ -246,7 +246,7 @@ class Resolver:
         if not settled:
             return 0
         self.metrics.resolutions.labels(upstream.name, "resolved").inc()
-        await self.audit.record(
+        self.audit.record(
             AuditEntry(
                 reason=AUTO_RESOLVED.value,
                 status=status,

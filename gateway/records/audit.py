@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import itertools
 import logging
 import math
 import re
@@ -32,6 +34,9 @@ REASONS = tuple(sorted(r.value for r in GATEWAY_REASONS))
 MAX_PATH = 2000  # characters of an entry's path
 MAX_GROUP_PATH = 200  # characters of a grouped entry's path: the group's path prefix
 OVERFLOW = "*"  # method and path of a bucket's overflow row
+# Entries being written behind their answers at most; past it a new one is dropped (and
+# logged): a database that answers slowly must not make the gateway's memory grow.
+MAX_PENDING = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +89,55 @@ class Audit:
         # What the previous purge removed everything older than (``purge``).
         self._purged_before = -math.inf
         self._grouped_purged_before = -math.inf
+        # Entries given, not yet being written, each with the injected clock's reading
+        # when it was given (None: the database's clock, when it is written).
+        self._queue: list[tuple[AuditEntry, float | None]] = []
+        self._writer: asyncio.Future[None] | None = None
 
-    async def record(self, entry: AuditEntry) -> None:
-        """Write one entry. A database outage is logged, never raised: the client still
-        gets its answer."""
+    def record(self, entry: AuditEntry) -> None:
+        """Write one entry behind the answer: the answer does not wait for it. Entries
+        are written in the order given, those given meanwhile together (on PostgreSQL
+        one statement for a run of them: the catalogue's ``audit`` has a shared form).
+        Reads of the audit (``query``, the dashboard) and ``close`` wait for the entries
+        given so far (``flush``). A database outage loses the entry, logged, never
+        raised: the client has its answer already."""
+        if len(self._queue) >= MAX_PENDING:
+            log.warning(
+                "audit entry lost (%d entries waiting to be written): %s %s",
+                len(self._queue),
+                entry.reason,
+                entry.method,
+            )
+            return
+        self._queue.append((entry, self.backend.injected_now()))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_queued())
+
+    async def flush(self) -> None:
+        """Until every entry given so far is written (or lost)."""
+        while self._writer is not None and not self._writer.done():
+            await asyncio.shield(self._writer)
+
+    async def close(self) -> None:
+        """At shutdown: the entries still waiting, written."""
+        await self.flush()
+
+    async def _write_queued(self) -> None:
+        """The entries in the order given, until none wait: a run of entries with a lease
+        behind them at once (one statement on PostgreSQL, in order), the grouped ones
+        (upserts of their group's row) one after another."""
+        while self._queue:
+            entries, self._queue = self._queue, []
+            for grouped, run in itertools.groupby(entries, key=lambda e: e[0].job_id is None):
+                if grouped:
+                    for entry, at in run:
+                        await self._write(entry, at)
+                else:
+                    await asyncio.gather(*(self._write(entry, at) for entry, at in run))
+
+    async def _write(self, entry: AuditEntry, at: float | None) -> None:
         values = asdict(entry)
+        values["now"] = at
         values["path"] = values["path"][:MAX_PATH]
         operation = "audit"
         if entry.job_id is None:
@@ -104,11 +153,13 @@ class Audit:
                 entry.method,
                 values["path"],
             )
+        except Exception:
+            log.exception("audit entry lost: %s %s %s", entry.reason, entry.method, values["path"])
 
     def _group(self, values: dict[str, Any]) -> str:
         """The key of the row this entry is counted in (``values`` becomes that row's).
         Past this bucket's allowance of groups, the reason's overflow row."""
-        now = self.backend.injected_now()
+        now = values["now"]  # the injected clock's reading when the entry was given
         bucket = int(
             (time.time() if now is None else now)
             // self.settings.audit_unauthenticated_bucket_seconds
@@ -146,6 +197,7 @@ class Audit:
         in the audit (one removed since), a source neither ``fencegate``, nor in
         ``sources`` (the configured lease sources), nor in the audit."""
         check_reason(q.reason)
+        await self.flush()  # this process's entries given so far are in
         if q.upstream is not None and upstreams is not None:
             await self.check_upstream(q.upstream, upstreams)
         if q.source is not None:
@@ -175,6 +227,7 @@ class Audit:
     async def check_upstream(self, name: str, configured: Collection[str]) -> None:
         if name in configured:
             return
+        await self.flush()
         stmt = sa.select(audit.c.id).where(audit.c.upstream == name).limit(1)
         async with self.backend.transaction() as conn:
             if (await conn.execute(stmt)).first() is not None:
@@ -192,6 +245,7 @@ class Audit:
         ):
             return
         if re.fullmatch(SOURCE_NAME, name) is not None:
+            await self.flush()
             stmt = sa.select(audit.c.id).where(source_is(name)).limit(1)
             async with self.backend.transaction() as conn:
                 if (await conn.execute(stmt)).first() is not None:

@@ -94,6 +94,7 @@ async def refusals_over_time(request: web.Request) -> web.Response:
     if until is None:
         until = await backend.database_now()
     window = _window(since, until, seconds, bucket)
+    await request.app[DASHBOARD_GATEWAY].audit.flush()  # this replica's entries are in
     doc = await queries.refusals_over_time(backend, window, upstream=upstream, job_id=job_id)
     return web.json_response(doc)
 
@@ -105,8 +106,9 @@ async def job_timeline(request: web.Request) -> web.Response:
     limit = _whole(
         request.query.get("limit"), "limit", 1, queries.MAX_TIMELINE, TIMELINE_DEFAULT_LIMIT
     )
-    backend = request.app[DASHBOARD_GATEWAY].audit.backend
-    return web.json_response(await queries.job_timeline(backend, job_id, limit))
+    audit = request.app[DASHBOARD_GATEWAY].audit
+    await audit.flush()  # this replica's entries are in
+    return web.json_response(await queries.job_timeline(audit.backend, job_id, limit))
 
 
 # -- parsing query parameters -------------------------------------------------------------

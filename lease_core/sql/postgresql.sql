@@ -400,6 +400,23 @@ FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text
 WHERE r.job_id = v.job_id AND r.key = v.key AND r.attempt = v.attempt
 RETURNING v.n;
 
+-- name: audit (many)
+-- Concurrent entries (common.sql's "audit") in one statement: replays and refusals under
+-- load share one round trip.
+INSERT INTO audit_log (at, reason, status, job_id, generation, highest_generation, owner,
+                       upstream, method, path, idempotency_key, client, fingerprint, body)
+SELECT {now}, v.reason, v.status, v.job_id, v.generation, v.highest_generation, v.owner,
+       v.upstream, v.method, v.path, v.idempotency_key, v.client, v.fingerprint, v.body
+FROM unnest(CAST(:reason AS text[]), CAST(:status AS integer[]), CAST(:job_id AS text[]),
+            CAST(:generation AS bigint[]), CAST(:highest_generation AS bigint[]),
+            CAST(:owner AS text[]), CAST(:upstream AS text[]), CAST(:method AS text[]),
+            CAST(:path AS text[]), CAST(:idempotency_key AS text[]),
+            CAST(:client AS text[]), CAST(:fingerprint AS text[]), CAST(:body AS bytea[]))
+     WITH ORDINALITY AS v(reason, status, job_id, generation, highest_generation, owner,
+                          upstream, method, path, idempotency_key, client, fingerprint,
+                          body, n)
+ORDER BY v.n;
+
 -- name: hold_for_resolution
 -- Our attempt's outcome is unknown and the gateway may resolve it itself (the upstream's
 -- unknown_outcome is "resolve"): as settle, keeping the request as it was forwarded (its

@@ -192,6 +192,22 @@ def test_a_fragment_of_one_file_serves_the_others_loaded_with_it() -> None:
     assert fragments["leased"].doc == "The row is leased."
 
 
+def test_a_dialect_may_add_the_shared_form_of_a_common_operation() -> None:
+    common = "-- name: note\n-- Writes a note.\nINSERT INTO notes (t) VALUES (:t);\n"
+    many = "-- name: note (many)\nINSERT INTO notes (t) SELECT unnest(:t);\n"
+    operations, _ = assemble({"common.sql": common, "postgresql.sql": many})
+    note = operations["note"]
+    assert note.source == "common.sql" and note.doc == "Writes a note."
+    assert note.many is not None and note.many.text.startswith("INSERT INTO notes (t) SELECT")
+    assert note.batched is not None
+    # Only a shared form is added this way: a second one, or a one-caller form, is refused.
+    twice = common + many
+    with pytest.raises(CatalogueError, match="both define note"):
+        assemble({"common.sql": twice, "postgresql.sql": many})
+    with pytest.raises(CatalogueError, match="both define note"):
+        assemble({"common.sql": common, "postgresql.sql": common})
+
+
 USE = "-- name: a\nSELECT 1 WHERE {f};\n"
 F = "-- fragment: f\nx = 1\n"
 
