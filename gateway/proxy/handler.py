@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 
 import aiohttp
@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway import sources
-from gateway.config import Settings
+from gateway.config import Settings, UpstreamSettings
 from gateway.fencing import fence, profiles
 from gateway.fencing.after_forward import answer_after
 from gateway.fencing.decision import (
@@ -56,6 +56,13 @@ from lease_core.store import LeaseStore
 log = logging.getLogger("fencegate.proxy")
 
 DEADLINE_MARGIN = 5.0
+# An admission answered within this many seconds of being asked is itself the judgement
+# right before the send (the fence is the write's own generation, the claim just made):
+# no read follows it. A slower one (a stalled process, a commit held back) is judged
+# again by a read of the database, as a write that waited for older ones is, and so is
+# every write while an upstream resolves unknown outcomes: the resolver may claim an
+# older write of the job after the admission's snapshot (``_judge_at_send``).
+FRESH_ADMISSION = 0.25
 ORDERING_POLL = 0.02
 
 # The lease check ``expect`` made before the client sent the body.
@@ -76,6 +83,7 @@ class Gateway:
         self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
         self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
+        self.resolving = _resolving(self.upstreams)
         # Unknown outcomes of upstreams with unknown_outcome = "resolve" (gateway.proxy.resolve),
         # re-sent by a background task of ``fencegate serve`` through this session.
         self.resolver = Resolver(
@@ -108,6 +116,7 @@ class Gateway:
             if getattr(settings, key) != getattr(self.settings, key):
                 log.warning("reload: %s changed; it takes effect after a restart", key)
         self.upstreams = {u.name: u for u in settings.upstreams}
+        self.resolving = _resolving(self.upstreams)
         self.settings = self.settings.model_copy(update={"upstreams": settings.upstreams})
         log.info("reload: %d upstream(s): %s", len(self.upstreams), ", ".join(self.upstreams))
 
@@ -118,6 +127,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.forwarder.close()
+        await self.audit.close()
         for source in self.sources.values():
             await source.close()
 
@@ -231,10 +241,12 @@ class Gateway:
     async def _judge_at_send(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """A claimed write, judged once more after its admission's commit is known and
         right before its first byte goes out (nothing is awaited between this and the
-        send). A replica that stalled since its admission (a paused process, a slow
-        commit) must not send once a newer generation has been admitted, nor once its
-        claim is so near its deadline that other replicas may stop waiting for it (by
-        this process's clock or the database's)."""
+        send), by a read of the database. A replica that stalled since its admission (a
+        paused process, a slow commit) must not send once a newer generation has been
+        admitted, nor once its claim is so near its deadline that other replicas may stop
+        waiting for it (by this process's clock or the database's). An admission that
+        answered at once, with no older write in flight and no resolver running, was
+        judged by ``_admit`` itself (``FRESH_ADMISSION``)."""
         admission, key, claimed = progress.admission, incoming.key, progress.claim
         assert admission is not None and admission.presented is not None
         assert key is not None and claimed is not None
@@ -242,8 +254,8 @@ class Gateway:
         assert generation is not None
         claim = await self.store.claim(job_id, key, claimed.attempt)
         on_database = -1.0 if claim.deadline is None else claim.deadline - claim.now
-        progress.send_left = min(claimed.send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
-        facts.at_send = fence.send_verdict(generation, claim.fence, progress.send_left)
+        send_left = min(claimed.send_by - time.monotonic(), on_database - DEADLINE_MARGIN)
+        self._judge_send(progress, facts, generation, claim.fence, send_left)
         if facts.at_send is None and claim.older_in_flight:
             # An older write went in flight after the admission's snapshot (the
             # resolver re-claimed one): wait for it as for any older write, then judge
@@ -254,6 +266,13 @@ class Gateway:
         if claim.fence is not None and claim.fence > (admission.highest or 0):
             # A newer generation was admitted meanwhile: the highest known, for the answer.
             progress.admission = replace(admission, highest=claim.fence)
+
+    @staticmethod
+    def _judge_send(
+        progress: Progress, facts: Facts, generation: int, fenced: int | None, send_left: float
+    ) -> None:
+        progress.send_left = send_left
+        facts.at_send = fence.send_verdict(generation, fenced, send_left)
 
     async def _check_lease(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         admission = await self._lease_now(incoming)
@@ -342,7 +361,8 @@ class Gateway:
         )
         # The claim's deadline runs from here; past it, other replicas treat the record as
         # unknown and may move on, so this replica must not forward any more.
-        send_by = time.monotonic() + deadline_in - DEADLINE_MARGIN
+        asked = time.monotonic()
+        send_by = asked + deadline_in - DEADLINE_MARGIN
         write = WriteRequest(
             token_hash=incoming.token_hash,
             key=incoming.key,
@@ -365,6 +385,16 @@ class Gateway:
             progress.claim = Claim(admission.attempt, admission.back_to, send_by)
             facts.record = None
             facts.in_order = UNKNOWN if admission.older_in_flight else True
+            now = time.monotonic()
+            if facts.in_order is True and not self.resolving and now - asked < FRESH_ADMISSION:
+                assert admission.presented is not None and admission.presented.generation
+                self._judge_send(
+                    progress,
+                    facts,
+                    admission.presented.generation,
+                    admission.highest,
+                    send_by - now,
+                )
             return
         # The key has a record that is not ours (or it vanished between our claim and
         # our read): what it answers.
@@ -544,6 +574,11 @@ class Gateway:
             refuse=lambda ended: self.answers.refuse(incoming, progress, answer_after(ended)),
             decided_since=progress.started if progress.admission is not None else None,
         )
+
+
+def _resolving(upstreams: Mapping[str, UpstreamSettings]) -> bool:
+    """Some upstream's unknown outcomes are re-sent by the gateway's resolver."""
+    return any(u.unknown_outcome == "resolve" for u in upstreams.values())
 
 
 def _gone(request: web.Request) -> bool:
