@@ -47,6 +47,7 @@ PG_STATE = """
     SELECT extract(epoch FROM clock_timestamp())::float8 AS at,
            t.n_live_tup AS live_rows, t.n_dead_tup AS dead_rows,
            t.autovacuum_count AS autovacuums,
+           t.n_tup_upd AS updates, t.n_tup_hot_upd AS hot_updates,
            pg_total_relation_size('idempotency_records')::float8 AS records_bytes,
            EXISTS (SELECT 1 FROM pg_stat_progress_vacuum AS p
                    WHERE p.relid = 'idempotency_records'::regclass) AS vacuuming,
@@ -61,6 +62,8 @@ PG_STATE_COUNTS = (
     "live_rows",
     "dead_rows",
     "autovacuums",
+    "updates",
+    "hot_updates",
     "records_bytes",
     "buffers_checkpoint",
     "buffers_backend",

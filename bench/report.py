@@ -320,13 +320,24 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
                 f"{change['buffers_backend']:,.0f} buffers written by backends; the records "
                 f"table {after['live_rows']:,.0f} live and {after['dead_rows']:,.0f} dead rows "
                 f"(autovacuum = {row.get('autovacuum')}, {change['autovacuums']:.0f} autovacuum "
-                f"pass(es) over it), {after['records_bytes'] / 2**20:,.0f} MiB with its indexes"
+                f"pass(es) over it), {after['records_bytes'] / 2**20:,.0f} MiB with its indexes; "
+                f"{hot_share(change)}"
             )
         if not flat and not opts.quick:
             failures.append(f"soak {row['backend']}: the last interval is not within 10 %")
     if opts.soak_png and curves:
         lines.append(draw_soak(curves, opts, opts.soak_png))
     return "\n".join(lines)
+
+
+def hot_share(change: dict[str, float]) -> str:
+    """The records table's updates over the run and the share of them that were
+    heap-only (HOT: no index touched, no dead row for an index to keep)."""
+    updates = change.get("updates", 0.0)
+    if not updates:
+        return "no updates of the records table"
+    hot = change.get("hot_updates", 0.0)
+    return f"{updates:,.0f} updates of it, {100 * hot / updates:.1f} % of them HOT"
 
 
 def soak_trend(values: Sequence[float]) -> float:
