@@ -27,16 +27,6 @@ class PostgresDirect(Direct):
         connect_args.pop("prepared_statement_name_func", None)
         if cache is not None:
             connect_args["statement_cache_size"] = int(cache)
-        # Generic plans: each prepared statement planned once per connection, not again at
-        # every execution. PostgreSQL kept choosing custom plans for the hot statements
-        # (admit, claim_state, settle: custom_plans grew with every write, generic_plans
-        # stayed 0), and planning the admission took 0.6 ms against 0.3 ms to run it
-        # (docs/performance.md). Every catalogue statement reads bounded pages under a
-        # generic plan too, with no statistics (tests/integration/test_plans.py). A
-        # setting given in database_url's server_settings wins.
-        server_settings = dict(connect_args.get("server_settings") or {})
-        server_settings.setdefault("plan_cache_mode", "force_generic_plan")
-        connect_args["server_settings"] = server_settings
         self._connect_args = connect_args
         self._pool_size = pool_size
         self._pool: Any = None

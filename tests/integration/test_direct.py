@@ -252,22 +252,6 @@ async def test_postgres_server_now_and_casts(engine: AsyncEngine) -> None:
     assert injected is not None and injected["now"] == 7.25
 
 
-@ON_POSTGRES
-async def test_postgres_plans_each_statement_once_per_connection(engine: AsyncEngine) -> None:
-    """Generic plans: the hot statements are not planned again at every execution (it
-    cost more than running them); a plan_cache_mode given in the URL wins."""
-    mode = Statement("SELECT current_setting('plan_cache_mode') AS mode")
-    row = await direct_of(engine).fetchrow(mode, {"now": None})
-    assert row is not None and row["mode"] == "force_generic_plan"
-    _args, params = engine.dialect.create_connect_args(engine.url)
-    own = PostgresDirect({**params, "server_settings": {"plan_cache_mode": "auto"}}, pool_size=1)
-    try:
-        row = await own.fetchrow(mode, {"now": None})
-        assert row is not None and row["mode"] == "auto"
-    finally:
-        await own.close()
-
-
 @ON_SQLITE
 async def test_sqlite_batched_statement_runs_its_single_form(engine: AsyncEngine) -> None:
     direct = direct_of(engine)
