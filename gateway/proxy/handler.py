@@ -387,7 +387,8 @@ class Gateway:
             facts.in_order = UNKNOWN if admission.older_in_flight else True
             now = time.monotonic()
             if facts.in_order is True and not self.resolving and now - asked < FRESH_ADMISSION:
-                assert admission.presented is not None and admission.presented.generation
+                assert admission.presented is not None
+                assert admission.presented.generation is not None
                 self._judge_send(
                     progress,
                     facts,

@@ -115,6 +115,21 @@ async def test_a_lower_generation_is_refused_after_a_higher_one_wrote(
     assert f'{series}{{reason="stale-generation",source="queue"}} 2.0' in metrics
 
 
+async def test_generation_zero_is_a_generation(
+    setup: tuple[Any, Queue], upstream: Upstream
+) -> None:
+    """A token of generation 0 (the lowest a signed token may carry) writes, and is fenced
+    off by generation 1 like any other."""
+    stack, queue = setup
+    zero, one = queue.token("order-0", 0), queue.token("order-0", 1)
+    await ok(await stack.write("/pay/charges", lease(zero), key="step-1"))
+    await ok(await stack.write("/pay/charges", lease(one), key="step-2"))
+    await problem(
+        await stack.write("/pay/charges", lease(zero), key="step-3"), 409, "stale-generation"
+    )
+    assert [r["generation"] for r in upstream.received] == ["0", "1"]
+
+
 async def test_expired_tokens_by_the_database_clock(
     setup: tuple[Any, Queue], upstream: Upstream, clock: FakeClock
 ) -> None:
