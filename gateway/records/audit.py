@@ -23,6 +23,7 @@ from gateway.fencing.fence import GATEWAY_REASONS, source_of
 from gateway.records.schema import audit
 from lease_core import exceptions as lease_exc
 from lease_core.backend import PURGE_BATCH
+from lease_core.statement import MAX_BATCH
 from lease_core.store import LeaseStore, rfc3339
 
 FENCEGATE_SOURCE = "fencegate"  # the gateway's own leases (``source_of``)
@@ -133,7 +134,10 @@ class Audit:
                     for entry, at in run:
                         await self._write(entry, at)
                 else:
-                    await asyncio.gather(*(self._write(entry, at) for entry, at in run))
+                    given = list(run)
+                    for first in range(0, len(given), MAX_BATCH):  # one batch at a time
+                        batch = given[first : first + MAX_BATCH]
+                        await asyncio.gather(*(self._write(entry, at) for entry, at in batch))
 
     async def _write(self, entry: AuditEntry, at: float | None) -> None:
         values = asdict(entry)

@@ -496,3 +496,29 @@ async def test_requests_without_a_lease_are_audited_in_bounded_rows(
     assert [(e["reason"], e["job_id"]) for e in await stack.audit()] == [
         ("stale-generation", "job-1")
     ]
+
+
+async def test_entries_given_at_once_are_written_in_order(engine: Any) -> None:
+    """Entries written behind their answers keep the order they were given in, across
+    runs of real leases' and grouped entries and past one batch (64) of them."""
+    from gateway.records.audit import Audit, AuditEntry, AuditQuery
+    from lease_core.store import LeaseStore
+
+    audit = Audit(LeaseStore(engine))
+    given = []
+    for i in range(150):
+        job = None if i % 50 == 49 else f"job-{i % 7}"  # a grouped one now and then
+        entry = AuditEntry(
+            reason="stale-generation",
+            status=409,
+            method="POST",
+            path=f"/pay/{i}",
+            job_id=job,
+            generation=1 if job else None,
+        )
+        audit.record(entry)
+        given.append(entry.path)
+    items, cursor = await audit.query(AuditQuery(limit=500))
+    assert cursor is None
+    assert [item["path"] for item in items][::-1] == given
+    await audit.close()
