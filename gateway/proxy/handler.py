@@ -10,8 +10,6 @@ forwarded (``forwarding``) or answered by the gateway itself (``answers``).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -35,16 +33,16 @@ from gateway.fencing.decision import (
     Verdict,
     decide,
 )
-from gateway.fencing.fence import RecordState
 from gateway.observe.logs import request_id_middleware
 from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy.answers import Answers
 from gateway.proxy.body import BodyTimeout, read_body, start_body_clock
-from gateway.proxy.duplicates import POLL_MAX, DuplicateWait, Settles, prefer_wait
+from gateway.proxy.duplicates import DuplicateWait, Settles, prefer_wait
 from gateway.proxy.held import HeldKey
 from gateway.proxy.intake import forward_headers, intake
 from gateway.proxy.request import Claim, Incoming, Progress
 from gateway.proxy.resolve import Resolver
+from gateway.proxy.waits import gone, until_older_settled, until_settled
 from gateway.records.audit import Audit
 from gateway.records.store import Admission, GatewayStore, WriteRequest
 from gateway.sources import ExternalLease
@@ -63,7 +61,6 @@ DEADLINE_MARGIN = 5.0
 # every write while an upstream resolves unknown outcomes: the resolver may claim an
 # older write of the job after the admission's snapshot (``_judge_at_send``).
 FRESH_ADMISSION = 0.25
-ORDERING_POLL = 0.02
 
 # The lease check ``expect`` made before the client sent the body.
 LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
@@ -414,7 +411,7 @@ class Gateway:
             return
         assert progress.admission is not None
         wait.begin(progress.admission.now)
-        if wait.left() > 0 and not _gone(incoming.request):
+        if wait.left() > 0 and not gone(incoming.request):
             facts.first_settled = UNKNOWN
 
     async def _wait_for_first(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
@@ -428,30 +425,12 @@ class Gateway:
         assert admission is not None and admission.presented is not None
         self._free_slot(progress)
         wait.waited = True
-        settled = await self._until_settled(incoming.request, admission.presented.job_id, key, wait)
+        settled = await until_settled(
+            self.store, self.settles, incoming.request, admission.presented.job_id, key, wait
+        )
         facts.first_settled = settled
         if settled:
             facts.slot_free = facts.record = UNKNOWN
-
-    async def _until_settled(
-        self, request: web.Request, job_id: str, key: str, wait: DuplicateWait
-    ) -> bool:
-        """Until the key's record is no longer in flight (settled, released, or past its
-        deadline), this replica's settle of the key wakes us, or the wait ends (False)."""
-        with self.settles.watch(job_id, key) as watch:
-            while True:
-                settled = watch.current()
-                left = wait.left()
-                if left <= 0 or _gone(request):
-                    return False
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(settled.wait(), min(wait.poll, left))
-                wait.poll = min(wait.poll * 2, POLL_MAX)
-                record = await self.store.record(job_id, key)
-                if record is None or record.state is not RecordState.IN_FLIGHT:
-                    return True
-                if record.deadline <= wait.database_now():
-                    return True  # its replica is gone: the admission says what it is now
 
     async def _wait_in_order(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
         """Wait (bounded) for older generations' writes; then judge the lease again: a
@@ -460,7 +439,8 @@ class Gateway:
         assert admission is not None and admission.presented is not None
         job_id, generation = admission.presented.job_id, admission.presented.generation
         assert generation is not None
-        if not await self._wait_for_older(job_id, generation):
+        seconds = self.settings.gateway.ordering_wait_seconds
+        if not await until_older_settled(self.store, job_id, generation, seconds):
             facts.in_order = False
             return
         now_seen = await self._lease_now(incoming)
@@ -470,15 +450,6 @@ class Gateway:
         progress.admission = now_seen
         facts.lease = fence.lease_after_wait(now_seen.lease, now_seen.highest, generation)
         facts.in_order = True
-
-    async def _wait_for_older(self, job_id: str, generation: int) -> bool:
-        """Wait (bounded) until no older generation's write to this job is in flight."""
-        deadline = time.monotonic() + self.settings.gateway.ordering_wait_seconds
-        while time.monotonic() < deadline:
-            await asyncio.sleep(ORDERING_POLL)
-            if not await self.store.older_in_flight(job_id, generation):
-                return True
-        return False
 
     # -- carrying out the verdict ---------------------------------------------------------
 
@@ -580,12 +551,6 @@ class Gateway:
 def _resolving(upstreams: Mapping[str, UpstreamSettings]) -> bool:
     """Some upstream's unknown outcomes are re-sent by the gateway's resolver."""
     return any(u.unknown_outcome == "resolve" for u in upstreams.values())
-
-
-def _gone(request: web.Request) -> bool:
-    """The client has gone away (its connection is closed)."""
-    transport = request.transport
-    return transport is None or transport.is_closing()
 
 
 def create_proxy_app(gateway: Gateway) -> web.Application:
