@@ -275,6 +275,7 @@ class Audit:
         A call looks only at the entries that crossed those ages since the previous
         call's cutoffs (an entry's ``at`` never changes, a grouped row's ``last_at`` only
         grows): the first call of a process looks at all of them."""
+        await self.flush()  # this process's entries given so far are in, to be judged too
         purged, row = await self.backend.run_in_batches(
             "purge_audit",
             batch=batch,
