@@ -32,6 +32,15 @@ async def transactions(stack: Any) -> int:
     return int(float(found.group(1)))
 
 
+async def first_write_cost(stack: Any) -> int:
+    """The transactions of one first write, after a warm-up write of the same lease."""
+    lease = await stack.lease("job-1")
+    await ok(await stack.write("/pay/charges", lease, key="warm-up"))
+    before = await transactions(stack)
+    await ok(await stack.write("/pay/charges", lease, key="charge-1"))
+    return await transactions(stack) - before
+
+
 async def test_reading_the_count_costs_nothing(make_stack: Any, upstream: Upstream) -> None:
     stack = await make_stack(upstreams=[upstream_config(upstream)])
     first = await transactions(stack)
@@ -40,11 +49,7 @@ async def test_reading_the_count_costs_nothing(make_stack: Any, upstream: Upstre
 
 async def test_a_first_write_is_admitted_and_settled(make_stack: Any, upstream: Upstream) -> None:
     stack = await make_stack(upstreams=[upstream_config(upstream)])
-    lease = await stack.lease("job-1")
-    await ok(await stack.write("/pay/charges", lease, key="warm-up"))
-    before = await transactions(stack)
-    await ok(await stack.write("/pay/charges", lease, key="charge-1"))
-    assert await transactions(stack) - before == 2  # admit, settle
+    assert await first_write_cost(stack) == 2  # admit, settle
 
 
 async def test_a_slow_admission_is_read_again_before_the_send(
@@ -53,11 +58,7 @@ async def test_a_slow_admission_is_read_again_before_the_send(
     """No admission is fresh enough: the read right before the send comes back."""
     monkeypatch.setattr(handler, "FRESH_ADMISSION", -1.0)
     stack = await make_stack(upstreams=[upstream_config(upstream)])
-    lease = await stack.lease("job-1")
-    await ok(await stack.write("/pay/charges", lease, key="warm-up"))
-    before = await transactions(stack)
-    await ok(await stack.write("/pay/charges", lease, key="charge-1"))
-    assert await transactions(stack) - before == 3  # admit, the read, settle
+    assert await first_write_cost(stack) == 3  # admit, the read, settle
 
 
 async def test_with_a_resolver_every_write_is_read_again(
@@ -71,11 +72,7 @@ async def test_with_a_resolver_every_write_is_read_again(
             upstream_config(upstream, name="mail", profile="stripe", unknown_outcome="resolve"),
         ]
     )
-    lease = await stack.lease("job-1")
-    await ok(await stack.write("/pay/charges", lease, key="warm-up"))
-    before = await transactions(stack)
-    await ok(await stack.write("/pay/charges", lease, key="charge-1"))
-    assert await transactions(stack) - before == 3  # admit, the read, settle
+    assert await first_write_cost(stack) == 3  # admit, the read, settle
 
 
 async def test_a_replay_and_a_stale_write_are_one_each_and_their_audit(
