@@ -154,6 +154,9 @@ def cases(token_hash: str) -> dict[str, tuple[Statement | None, dict[str, Any], 
             **{name: [value] * n for name, value in write.items()},
         }
 
+    def admit_one(key: str, retry: bool) -> dict[str, Any]:
+        return {name: values[0] for name, values in admit([key], retry).items()}
+
     settle = {
         "job_id": ["hot"] * 4,
         "key": ["k1", "k2", "k3", "k4"],
@@ -167,6 +170,8 @@ def cases(token_hash: str) -> dict[str, tuple[Statement | None, dict[str, Any], 
     return {
         "admit a new key": (SQL["admit"].many, admit(["new"], False), 1),
         "admit a known key": (SQL["admit"].many, admit(["k5"], True), 1),
+        "admit a new key, one caller": (SQL["admit"].statements[0], admit_one("new", False), 1),
+        "admit a known key, one caller": (SQL["admit"].statements[0], admit_one("k5", True), 1),
         "admit 8 keys of one job": (SQL["admit"].many, admit([f"n{i}" for i in range(8)], True), 8),
         "settle 4": (SQL["settle"].many, settle, 4),
         "send-time read": (
