@@ -38,6 +38,11 @@ OVERFLOW = "*"  # method and path of a bucket's overflow row
 # Entries being written behind their answers at most; past it a new one is dropped (and
 # logged): a database that answers slowly must not make the gateway's memory grow.
 MAX_PENDING = 10_000
+# How long the writer waits for more entries before it writes what it has (unless a whole
+# batch is waiting): entries given within it share one statement, so a replay's or a
+# refusal's entry costs a share of a round trip, not one of its own, even when they come
+# one at a time. The entry's time is the database's clock when it is written.
+GATHER_SECONDS = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +102,9 @@ class Audit:
 
     def record(self, entry: AuditEntry) -> None:
         """Write one entry behind the answer: the answer does not wait for it. Entries
-        are written in the order given, those given meanwhile together (on PostgreSQL
-        one statement for a run of them: the catalogue's ``audit`` has a shared form).
+        are written in the order given, those given within ``GATHER_SECONDS`` of each
+        other together (on PostgreSQL one statement for a run of them: the catalogue's
+        ``audit`` has a shared form).
         Reads of the audit (``query``, the dashboard) and ``close`` wait for the entries
         given so far (``flush``). A database outage loses the entry, logged, never
         raised: the client has its answer already."""
@@ -128,6 +134,8 @@ class Audit:
         behind them at once (one statement on PostgreSQL, in order), the grouped ones
         (upserts of their group's row) one after another."""
         while self._queue:
+            if len(self._queue) < MAX_BATCH:
+                await asyncio.sleep(GATHER_SECONDS)
             entries, self._queue = self._queue, []
             for grouped, run in itertools.groupby(entries, key=lambda e: e[0].job_id is None):
                 if grouped:

@@ -522,3 +522,44 @@ async def test_entries_given_at_once_are_written_in_order(engine: Any) -> None:
     assert cursor is None
     assert [item["path"] for item in items][::-1] == given
     await audit.close()
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_entries_given_one_at_a_time_share_statements(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replays and refusals that come one after another, a millisecond apart, do not
+    cost a round trip each for their audit: the writer gathers them (``GATHER_SECONDS``)
+    into one statement of the shared form."""
+    from gateway.records.audit import Audit, AuditEntry, AuditQuery
+    from lease_core.db import direct_of
+    from lease_core.store import LeaseStore
+
+    direct = direct_of(engine)
+    sent: list[int] = []  # each statement that wrote entries: how many
+    shared, alone = direct._fetch_all, direct.fetchrow  # type: ignore[attr-defined]
+
+    async def counting_shared(statement: Any, params: Any) -> Any:
+        sent.append(len(params["reason"]))
+        return await shared(statement, params)
+
+    async def counting_alone(statement: Any, params: Any) -> Any:
+        sent.append(1)
+        return await alone(statement, params)
+
+    monkeypatch.setattr(direct, "_fetch_all", counting_shared)
+    monkeypatch.setattr(direct, "fetchrow", counting_alone)
+    audit = Audit(LeaseStore(engine))
+    for i in range(20):
+        audit.record(
+            AuditEntry(
+                reason="idempotent-replay", status=200, method="POST", path=f"/{i}", job_id="j"
+            )
+        )
+        await asyncio.sleep(0.001)
+    items, _ = await audit.query(AuditQuery(limit=100))
+    assert [item["path"] for item in items][::-1] == [f"/{i}" for i in range(20)]
+    assert sum(sent) == 20 and len(sent) <= 5, sent
+    await audit.close()
