@@ -30,8 +30,9 @@ async def problem(resp: Any, status: int, reason: str) -> dict[str, Any]:
 
 
 async def ok(resp: Any, status: int = 201) -> bytes:
-    """The body of a forwarded answer, read to the end: the gateway settles the key's
-    record before it ends the body, so a duplicate sent after this sees the record."""
+    """The body of a forwarded answer, read to the end. Its record may still be being
+    stored (behind the answer): a duplicate sent after this to the same replica waits
+    for it and gets the replay."""
     body: bytes = await resp.read()
     assert resp.status == status, body
     assert "Idempotent-Replayed" not in resp.headers

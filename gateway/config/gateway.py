@@ -55,3 +55,8 @@ class GatewaySettings(BaseModel):
     # ``Prefer: wait=N`` on a fenced write whose key is in flight: the longest wait for
     # the first attempt to settle before ``request-in-progress`` (0: never wait).
     max_prefer_wait_seconds: int = Field(10, ge=0, le=300)
+    # A final answer's record is settled behind the answer (False, the default: the
+    # client does not wait for the database, and a duplicate that this replica admits
+    # meanwhile waits for the settle), or before its last byte goes out (True: a
+    # duplicate sent to any replica after the answer finds it stored).
+    settle_before_answer: bool = False

@@ -51,7 +51,9 @@ POLL_MAX = 0.25
 
 @dataclass(slots=True)
 class DuplicateWait:
-    """A request's ``Prefer: wait``, capped by ``gateway.max_prefer_wait_seconds``."""
+    """A request's ``Prefer: wait``, capped by ``gateway.max_prefer_wait_seconds``; or
+    the wait the gateway grants a duplicate whose answer this replica is settling
+    (``asked`` False: no ``Preference-Applied``)."""
 
     seconds: int  # the wait granted (above zero)
     until: float | None = None  # time.monotonic() at which it ends, once it has begun
@@ -59,6 +61,7 @@ class DuplicateWait:
     poll: float = POLL_FIRST  # the next look at the record, after this long
     _db_now: float = 0.0  # the database's clock at the last admission ...
     _seen_at: float = 0.0  # ... and time.monotonic() then
+    asked: bool = True  # by the client's ``Prefer: wait``
 
     @property
     def applied(self) -> str:

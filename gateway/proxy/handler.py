@@ -38,7 +38,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy.answers import Answers
 from gateway.proxy.body import BodyTimeout, read_body, start_body_clock
 from gateway.proxy.duplicates import DuplicateWait, Settles, prefer_wait
-from gateway.proxy.held import HeldKey
+from gateway.proxy.held import BEHIND_WAIT_SECONDS, Behind, HeldKey
 from gateway.proxy.intake import forward_headers, intake
 from gateway.proxy.request import Claim, Incoming, Progress
 from gateway.proxy.resolve import Resolver
@@ -98,6 +98,8 @@ class Gateway:
         self.slots = {"fenced": 0, "unfenced": 0}
         # Duplicates waiting (``Prefer: wait``) for a key this replica may settle.
         self.settles = Settles()
+        # Final answers given, their records still being settled.
+        self.behind = Behind()
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""
@@ -124,6 +126,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.forwarder.close()
+        await self.behind.flush()
         await self.audit.close()
         for source in self.sources.values():
             await source.close()
@@ -370,6 +373,10 @@ class Gateway:
             deadline_in=deadline_in,
             retry=upstream.unknown_outcome == "retry",
         )
+        # A settle of this key going on here (its answer given): a duplicate found in
+        # flight waits for it (``_may_wait``). Asked before the admission: once it is
+        # written, the admission finds the answer stored.
+        behind = self.behind.has_key(incoming.key)
         if external is not None:
             admission = await self.store.admit_external(external, write)
         else:
@@ -401,12 +408,19 @@ class Gateway:
             admission.record, progress.fingerprint, admission.now, upstream.unknown_outcome
         )
         if fence.in_progress(facts.record):
-            self._may_wait(incoming, progress, facts)
+            self._may_wait(incoming, progress, facts, behind=behind)
 
-    def _may_wait(self, incoming: Incoming, progress: Progress, facts: Facts) -> None:
+    def _may_wait(
+        self, incoming: Incoming, progress: Progress, facts: Facts, *, behind: bool
+    ) -> None:
         """The key is in flight under another request: ``request-in-progress``, unless
-        the request asked to wait (``Prefer: wait``) and its wait has time left."""
+        the request asked to wait (``Prefer: wait``) and its wait has time left, or its
+        answer has gone out from this replica and its record is being settled here
+        (``behind``): then it waits for that, as if it had asked."""
         wait = incoming.request.get(DUPLICATE_WAIT)
+        if wait is None and behind:
+            wait = DuplicateWait(BEHIND_WAIT_SECONDS, asked=False)
+            incoming.request[DUPLICATE_WAIT] = wait
         if wait is None:
             return
         assert progress.admission is not None
@@ -531,6 +545,7 @@ class Gateway:
                 progress,
                 release=lambda: self._release(incoming, progress),
                 settled=self.settles.notify,
+                behind=self.behind,
                 max_replay_body_bytes=self.settings.gateway.max_replay_body_bytes,
             )
         if fenced and incoming.source_name is not None:
@@ -570,7 +585,7 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
         # RFC 7240: say that the request waited as ``Prefer: wait`` asked, whatever the
         # answer after the wait (a replay, a forward, ``request-in-progress``).
         wait = request.get(DUPLICATE_WAIT)
-        if wait is not None and wait.waited:
+        if wait is not None and wait.waited and wait.asked:
             response.headers["Preference-Applied"] = wait.applied
 
     app.on_response_prepare.append(preference_applied)

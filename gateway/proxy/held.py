@@ -1,11 +1,15 @@
 """The idempotency key a forwarded write holds (``forwarding.ClaimedKey``): how the
 exchange ended becomes the key's record in the store (settled, released, or held as an
 unknown outcome with the request kept for the resolver's re-send), and duplicates that
-wait on this replica are woken."""
+wait on this replica are woken. ``Behind``: the settles of answers already given."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from gateway.fencing import fence
 from gateway.fencing.fence import RecordState
@@ -14,6 +18,61 @@ from gateway.proxy.resolve import kept_request
 from gateway.records.store import GatewayStore, KeptRequest
 from gateway.upstream import s3
 
+log = logging.getLogger("fencegate.gateway")
+
+# How long a duplicate waits for a settle of its key that this replica is writing behind
+# an answer already given (``Behind``): a settle takes milliseconds; past this, the
+# database is in trouble and the duplicate is told ``request-in-progress``.
+BEHIND_WAIT_SECONDS = 1
+
+
+class Behind:
+    """The settles of this replica whose answers have gone out (or are going): a final
+    answer is stored behind it, so the client does not wait for the database. A
+    duplicate of such a key that this replica admits meanwhile finds it in flight, and
+    waits for its settle instead of being told ``request-in-progress``
+    (``Gateway._may_wait``). Shutdown waits for every one (``flush``)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._keys: Counter[str] = Counter()  # by key alone: asked before the job is known
+
+    def start(self, job_id: str, key: str, settling: Coroutine[Any, Any, None]) -> None:
+        ident = (job_id, key)
+        task = asyncio.ensure_future(_quietly(settling))
+        self._tasks[ident] = task
+        self._keys[key] += 1
+
+        def done(_: asyncio.Future[None]) -> None:
+            if self._tasks.get(ident) is task:
+                del self._tasks[ident]
+            self._keys[key] -= 1
+            if self._keys[key] <= 0:
+                del self._keys[key]
+
+        task.add_done_callback(done)
+
+    def has_key(self, key: str) -> bool:
+        """A settle of ``key`` (of any job) is still being written here."""
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def flush(self) -> None:
+        """Until every settle begun is written (or has failed, logged)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks.values())
+
+
+async def _quietly(settling: Coroutine[Any, Any, None]) -> None:
+    """A settle behind an answer already given: a failure (the database went away) is
+    logged; the record then stays in flight and turns unknown at its deadline."""
+    try:
+        await settling
+    except Exception:
+        log.exception("could not store the answer; its key turns unknown at its deadline")
+
 
 class HeldKey:
     """The key a forwarded write holds (``forwarding.ClaimedKey``), bound to the store:
@@ -21,6 +80,7 @@ class HeldKey:
 
     __slots__ = (
         "_attempt",
+        "_behind",
         "_incoming",
         "_job_id",
         "_key",
@@ -39,12 +99,13 @@ class HeldKey:
         *,
         release: Callable[[], Awaitable[None]],
         settled: Callable[[str, str], None],
+        behind: Behind,
         max_replay_body_bytes: int,
     ) -> None:
         presented = progress.admission.presented if progress.admission else None
         assert progress.claim is not None
         self._store, self._incoming, self._progress = store, incoming, progress
-        self._release, self._settled = release, settled
+        self._release, self._settled, self._behind = release, settled, behind
         self._max_replay_body_bytes = max_replay_body_bytes
         self._job_id = presented.job_id if presented else ""
         self._key = incoming.key or ""
@@ -86,6 +147,14 @@ class HeldKey:
                 note=note,
             )
         self._settled(self._job_id, self._key)
+
+    def settle_behind(
+        self, *, status: int, headers: list[tuple[str, str]], body: bytes | None
+    ) -> None:
+        settling = self.settle(
+            RecordState.COMPLETED, status=status, headers=headers, body=body, note=None
+        )
+        self._behind.start(self._job_id, self._key, settling)
 
     def _kept(self) -> KeptRequest | None:
         """The request to keep for a re-send by the gateway: only for an upstream that

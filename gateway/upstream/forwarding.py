@@ -70,6 +70,13 @@ class ClaimedKey(Protocol):
     ) -> None:
         """The upstream's answer (or that the outcome is unknown) kept for the key."""
 
+    def settle_behind(
+        self, *, status: int, headers: list[tuple[str, str]], body: bytes | None
+    ) -> None:
+        """The upstream's final answer, kept for the key behind the answer: the client's
+        answer does not wait for the database. Called before the answer's last byte goes
+        out, so a duplicate that comes after it knows to wait for the record."""
+
 
 Refuse = Callable[[Ended], Awaitable[web.StreamResponse]]
 
@@ -215,8 +222,9 @@ class Forwarder:
         upstream_response: UpstreamResponse,
         key: ClaimedKey | None,
     ) -> web.StreamResponse:
-        """Stream the answer back, keeping what a replay needs; settle the key's record
-        before the last chunk goes out."""
+        """Stream the answer back, keeping what a replay needs. A final answer's record
+        is settled behind it (``ClaimedKey.settle_behind``), started before its last
+        chunk goes out; any other end is kept for the key before the client learns it."""
         async with upstream_response:
             response_headers = answer_headers(upstream_response.headers)
             out = web.StreamResponse(
@@ -228,8 +236,8 @@ class Forwarder:
             replay_limit = self.limits.max_replay_body_bytes
             client_gone = False
             complete = False
-            # The last chunk is held back until the record is settled: a client that has
-            # the whole answer and retries at once must find the answer stored.
+            # The last chunk is held back until the upstream's answer has ended and its
+            # record's settle has begun: a cut answer must not reach the client whole.
             held = b""
 
             async def send(chunk: bytes) -> None:
@@ -263,21 +271,32 @@ class Forwarder:
                     # "Not processed, try later": not the key's answer. The key is free
                     # again (or back to its earlier unknown outcome), as if not sent.
                     await _settle_quietly(key.release())
+                elif (
+                    key is not None
+                    and answer is Answer.FINAL
+                    and not self.limits.settle_before_answer
+                ):
+                    key.settle_behind(
+                        status=status,
+                        headers=response_headers,
+                        body=bytes(stored) if stored is not None else None,
+                    )
                 elif key is not None:
+                    # Stored before the client learns of it: every answer with
+                    # ``settle_before_answer``; else an answer that is not the key's
+                    # final one (the resolver and the operator work from it).
                     known = answer is Answer.FINAL
                     await _settle_quietly(
                         key.settle(
                             RecordState.COMPLETED if known else RecordState.UNKNOWN,
-                            status=upstream_response.status,
+                            status=status,
                             headers=response_headers,
                             body=bytes(stored) if stored is not None else None,
                             note=None
                             if known
-                            else (
-                                f"upstream answered {upstream_response.status}"
-                                if complete
-                                else "the upstream's answer was cut short"
-                            ),
+                            else f"upstream answered {status}"
+                            if complete
+                            else "the upstream's answer was cut short",
                         )
                     )
             if not client_gone:

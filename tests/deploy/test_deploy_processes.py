@@ -520,9 +520,17 @@ def _deploy_and_exercise(
     assert replay.status == 201, replay.body
     assert replay.headers.get("Idempotent-Replayed") == "true"
     assert len(upstream.received) == 1  # neither reached the upstream
-    audit = http("GET", f"{one.control}/admin/rejections?job_id={job}", token=ADMIN_TOKEN)
-    assert audit.status == 200
-    assert {e["reason"] for e in audit.body["items"]} == {"stale-generation", "idempotent-replay"}
+    # Each replica writes its audit entries behind its answers (within milliseconds):
+    # replica one's read waits for its own, and sees replica two's once written.
+    deadline = time.monotonic() + 5
+    while True:
+        audit = http("GET", f"{one.control}/admin/rejections?job_id={job}", token=ADMIN_TOKEN)
+        assert audit.status == 200
+        reasons = {e["reason"] for e in audit.body["items"]}
+        if len(reasons) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert reasons == {"stale-generation", "idempotent-replay"}
 
     # The image's HEALTHCHECK, word for word from the Dockerfile, against replica 1 (its
     # address override pointing at this replica's control port), then at a closed port.

@@ -24,7 +24,9 @@ COUNT = re.compile(r"^fencegate_store_transaction_seconds_count (\S+)$", re.MULT
 
 
 async def transactions(stack: Any) -> int:
-    """The database transactions the replica made so far, its audit entries written."""
+    """The database transactions the replica made so far, its settles and audit entries
+    written."""
+    await stack.control.app[GATEWAY_STATE].behind.flush()
     await stack.control.app[GATEWAY_STATE].audit.flush()
     text = await (await stack.control.get("/metrics")).text()
     found = COUNT.search(text)

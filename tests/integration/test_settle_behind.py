@@ -1,0 +1,110 @@
+"""A forwarded write's final answer is stored behind the answer
+(``gateway.settle_before_answer = false``, the default): the client does not wait for
+the database, and a duplicate that the same replica admits before the record is written
+waits for it and gets the replay. With ``settle_before_answer = true`` the answer's last
+byte waits for the record.
+
+The record's write is held back for real: while the upstream answers, another
+connection locks the key's row (PostgreSQL) or the database (SQLite), and lets go when
+the test says so."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import Any
+
+import asyncpg
+import pytest
+from aiohttp import web
+
+from tests.gateway_helpers import ok, replayed
+from tests.support import Upstream, upstream_config
+
+
+class Locker:
+    """Holds the key's record (or the whole SQLite database) from another connection,
+    taken while the upstream answers."""
+
+    def __init__(self, database_url: str) -> None:
+        self.url = database_url
+        self.pg: Any = None
+        self.sqlite: sqlite3.Connection | None = None
+
+    async def take(self, key: str) -> None:
+        if self.url.startswith("sqlite"):
+            self.sqlite = sqlite3.connect(self.url.split("///", 1)[1], isolation_level=None)
+            self.sqlite.execute("BEGIN IMMEDIATE")
+            return
+        self.pg = await asyncpg.connect(self.url.replace("postgresql+asyncpg", "postgresql"))
+        await self.pg.execute("BEGIN")
+        await self.pg.execute("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE", key)
+
+    async def let_go(self) -> None:
+        if self.sqlite is not None:
+            self.sqlite.execute("ROLLBACK")
+            self.sqlite.close()
+            self.sqlite = None
+        if self.pg is not None:
+            await self.pg.execute("ROLLBACK")
+            await self.pg.close()
+            self.pg = None
+
+
+@pytest.fixture
+async def locking(aiohttp_server: Any, database_url: str) -> Any:
+    """An upstream that, before it answers, has the key's record locked."""
+    up = Upstream()
+    locker = Locker(database_url)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await locker.take(request.headers["Idempotency-Key"])
+        return await up.handler(request)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    server = await aiohttp_server(app)
+    up.url = str(server.make_url("")).rstrip("/")
+    yield up, locker
+    await locker.let_go()
+
+
+async def test_the_answer_does_not_wait_for_its_record(make_stack: Any, locking: Any) -> None:
+    upstream, locker = locking
+    stack = await make_stack(upstreams=[upstream_config(upstream)], use_clock=False)
+    lease = await stack.lease("job-1")
+    # The record cannot be written, yet the client has the whole answer.
+    first = await asyncio.wait_for(stack.write("/pay/charges", lease, key="charge-1"), 10)
+    body = await asyncio.wait_for(ok(first), 2)
+    # A duplicate on this replica waits for the record instead of request-in-progress ...
+    duplicate = asyncio.ensure_future(stack.write("/pay/charges", lease, key="charge-1"))
+    await asyncio.sleep(0.3)
+    assert not duplicate.done()
+    await locker.let_go()
+    # ... and gets the stored answer once it is written.
+    again = await asyncio.wait_for(duplicate, 10)
+    assert await replayed(again) == body
+    assert "Preference-Applied" not in again.headers  # it did not ask to wait
+    assert len(upstream.received) == 1
+
+
+async def test_settle_before_answer_holds_the_answer_for_its_record(
+    make_stack: Any, locking: Any
+) -> None:
+    upstream, locker = locking
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)],
+        use_clock=False,
+        gateway={"settle_before_answer": True},
+    )
+    lease = await stack.lease("job-1")
+    # The head goes out; the body's last byte waits for the record.
+    first = await asyncio.wait_for(stack.write("/pay/charges", lease, key="charge-1"), 10)
+    reading = asyncio.ensure_future(first.read())
+    await asyncio.sleep(0.3)
+    assert not reading.done()
+    await locker.let_go()
+    body = await asyncio.wait_for(reading, 10)
+    assert first.status == 201 and body
+    await replayed(await stack.write("/pay/charges", lease, key="charge-1"))
+    assert len(upstream.received) == 1
