@@ -34,18 +34,16 @@ class Behind:
     (``Gateway._may_wait``). Shutdown waits for every one (``flush``)."""
 
     def __init__(self) -> None:
-        self._tasks: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self._keys: Counter[str] = Counter()  # by key alone: asked before the job is known
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._keys: Counter[str] = Counter()  # asked by key alone: before the job is known
 
-    def start(self, job_id: str, key: str, settling: Coroutine[Any, Any, None]) -> None:
-        ident = (job_id, key)
+    def start(self, key: str, settling: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(_quietly(settling))
-        self._tasks[ident] = task
+        self._tasks.add(task)
         self._keys[key] += 1
 
         def done(_: asyncio.Future[None]) -> None:
-            if self._tasks.get(ident) is task:
-                del self._tasks[ident]
+            self._tasks.discard(task)
             self._keys[key] -= 1
             if self._keys[key] <= 0:
                 del self._keys[key]
@@ -53,16 +51,14 @@ class Behind:
         task.add_done_callback(done)
 
     def has_key(self, key: str) -> bool:
-        """A settle of ``key`` (of any job) is still being written here."""
+        """A settle of ``key`` (of any job: a key's job is known only once admitted) is
+        still being written here."""
         return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._tasks)
 
     async def flush(self) -> None:
         """Until every settle begun is written (or has failed, logged)."""
         while self._tasks:
-            await asyncio.gather(*self._tasks.values())
+            await asyncio.gather(*self._tasks)
 
 
 async def _quietly(settling: Coroutine[Any, Any, None]) -> None:
@@ -154,7 +150,7 @@ class HeldKey:
         settling = self.settle(
             RecordState.COMPLETED, status=status, headers=headers, body=body, note=None
         )
-        self._behind.start(self._job_id, self._key, settling)
+        self._behind.start(self._key, settling)
 
     def _kept(self) -> KeptRequest | None:
         """The request to keep for a re-send by the gateway: only for an upstream that
