@@ -17,6 +17,11 @@ from bench.seed import WRITE_PATH
 WRITE_RPS_TARGET = {"sqlite": 0.6, "postgres": 0.6}
 P99_TARGET = 1.5
 LEASE_TARGET = 0.8
+# Open loop (issue 32): at this rate, the gateway adds at most this much to the bare
+# proxy's p50 and p99, in ms.
+ADDED_RATE = 300.0
+ADDED_P50_TARGET = 1.0
+ADDED_P99_TARGET = 3.0
 # The renewals' third comparison on PostgreSQL: HTTP and the store's batched statement
 # with nothing else (bench.lean_lease).
 LEAN_PATH = "HTTP + batched SQL"
@@ -52,6 +57,17 @@ def judge_writes(rows: list[dict[str, Any]], bare: dict[str, Any] | None) -> Non
         row["rps_target"] = WRITE_RPS_TARGET[row["backend"]]
         row["rps_ok"] = row["rps_ratio"] >= row["rps_target"]
         row["p99_ok"] = row["p99_ratio"] is not None and row["p99_ratio"] <= P99_TARGET
+
+
+def judge_open_loop(row: dict[str, Any]) -> None:
+    """``latency_ok`` of an open-loop row: its added p50 and p99 at ``ADDED_RATE`` within
+    the targets; None when that rate was not run (or not kept up with)."""
+    at = [r for r in row["rates"] if r["rate"] == ADDED_RATE and not r["saturated"]]
+    row["latency_ok"] = (
+        None
+        if not at
+        else at[0]["added_p50_ms"] <= ADDED_P50_TARGET and at[0]["added_p99_ms"] <= ADDED_P99_TARGET
+    )
 
 
 def fmt_int(value: float | None) -> str:
@@ -455,6 +471,12 @@ def open_loop_report(rows: list[dict[str, Any]], opts: Options) -> str:
         )
         if row.get("error_samples"):
             out.append(f"errors, e.g. {row['error_samples'][:2]}")
+        judge_open_loop(row)
+        if row["latency_ok"] is not None:
+            out.append(
+                f"target at {ADDED_RATE:g}/s, added p50 <= +{ADDED_P50_TARGET:g} ms and p99 <= "
+                f"+{ADDED_P99_TARGET:g} ms: {'met' if row['latency_ok'] else 'MISSED'}"
+            )
         xacts = row.get("transactions")
         if xacts:
             idle = xacts["idle"]

@@ -194,7 +194,10 @@ def run(opts: Options) -> int:
     missed = [
         r
         for r in rows
-        if r.get("rps_ok") is False or r.get("p99_ok") is False or r.get("ratio_ok") is False
+        if r.get("rps_ok") is False
+        or r.get("p99_ok") is False
+        or r.get("ratio_ok") is False
+        or r.get("latency_ok") is False
     ]
     if opts.json:
         doc = {

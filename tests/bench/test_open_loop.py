@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,26 @@ def test_open_loop_options() -> None:
     ):
         with pytest.raises(SystemExit, match=message):
             parse(*argv)
+
+
+def test_the_added_latency_is_judged_at_300_writes_a_second() -> None:
+    from bench.report import judge_open_loop
+
+    def row(*rates: tuple[float, float, float, bool]) -> dict[str, Any]:
+        return {
+            "rates": [
+                {"rate": r, "added_p50_ms": p50, "added_p99_ms": p99, "saturated": sat}
+                for r, p50, p99, sat in rates
+            ]
+        }
+
+    cases = [
+        (row((50, 5.0, 9.0, False), (300, 0.9, 2.9, False)), True),
+        (row((300, 1.1, 2.0, False)), False),
+        (row((300, 0.5, 3.5, False)), False),
+        (row((300, 0.5, 1.0, True)), None),  # not kept up with: the saturation says it
+        (row((50, 0.1, 0.1, False)), None),  # 300/s not run
+    ]
+    for given, verdict in cases:
+        judge_open_loop(given)
+        assert given["latency_ok"] is verdict, given
