@@ -563,3 +563,33 @@ async def test_entries_given_one_at_a_time_share_statements(
     assert [item["path"] for item in items][::-1] == [f"/{i}" for i in range(20)]
     assert sum(sent) == 20 and len(sent) <= 5, sent
     await audit.close()
+
+
+async def test_entries_past_the_pending_bound_are_dropped_and_logged(
+    engine: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A database that cannot keep up must not make the gateway's memory grow: past
+    ``MAX_PENDING`` entries waiting, a new one is dropped, with a warning."""
+    from gateway.records import audit as audit_module
+    from gateway.records.audit import Audit, AuditEntry, AuditQuery
+    from lease_core.store import LeaseStore
+
+    monkeypatch.setattr(audit_module, "MAX_PENDING", 30)
+    audit = Audit(LeaseStore(engine))
+    with caplog.at_level("WARNING", logger="fencegate.audit"):
+        for i in range(35):  # given at once: none is written before the 31st
+            audit.record(
+                AuditEntry(
+                    reason="stale-generation",
+                    status=409,
+                    method="POST",
+                    path=f"/{i}",
+                    job_id="j",
+                    generation=1,
+                )
+            )
+    items, _ = await audit.query(AuditQuery(limit=100))
+    assert sorted(item["path"] for item in items) == sorted(f"/{i}" for i in range(30))
+    lost = [r for r in caplog.records if "audit entry lost" in r.getMessage()]
+    assert len(lost) == 5
+    await audit.close()
