@@ -333,6 +333,16 @@ class Stack:
             h["Idempotency-Key"] = key
         return await self.proxy.request(method, path, json=body or {"amount": 1}, headers=h)
 
+    async def written(self) -> None:
+        """Until what this replica writes behind its answers (the records of its final
+        answers, its audit entries) is in the database: another replica's read finds it
+        only then."""
+        from gateway.service.admin import GATEWAY_STATE
+
+        gateway = self.control.app[GATEWAY_STATE]
+        await gateway.behind.flush()
+        await gateway.audit.flush()
+
     async def audit(self, **query: str) -> list[dict[str, Any]]:
         resp = await self.control.get("/admin/rejections", params=query)
         assert resp.status == 200, await resp.text()

@@ -91,7 +91,9 @@ async def test_100_duplicates_split_across_replicas_reach_the_upstream_once(
         assert resp.headers["Idempotent-Replayed"] == "true"
         assert await resp.read() == b'{"id": "ch_once"}'
     assert len(upstream.received) == 1
-    # Both replicas read the same audit.
+    # Both replicas read the same audit, once each has written its entries.
+    await a.written()
+    await b.written()
     assert await a.audit() == await b.audit()
 
 
@@ -112,6 +114,7 @@ async def test_a_reclaim_on_one_replica_fences_the_other(
     await ok(await b.write("/pay/c", second, key="step-2"))
     doc = await problem(await a.write("/pay/c", first, key="step-3"), 409, "stale-generation")
     assert [r["generation"] for r in upstream.received] == ["1", "2"]
+    await a.written()  # its audit entry, written behind its answer
     [stale_b, stale_a] = await b.audit(reason="stale-generation")
     assert stale_a["idempotency_key"] == "step-2" and stale_b["idempotency_key"] == "step-3"
 

@@ -271,4 +271,5 @@ async def test_the_first_attempt_on_one_replica_the_waiting_retry_on_another(
     await ok(await first)
     assert len(upstream.received) == 2
     assert len(b_gateway.settles) == 0
+    await b.written()  # b's entries, written behind its answers
     assert [e["reason"] for e in await a.audit()] == ["request-in-progress", "idempotent-replay"]

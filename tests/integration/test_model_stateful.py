@@ -196,7 +196,7 @@ class LeaseAndGatewayModel(RuleBasedStateMachine):
             upstreams=[{"name": "pay", "url": str(upstream.make_url("")).rstrip("/")}],
             gateway={"ordering_wait_seconds": 0.2},
         )
-        gateway = Gateway(config, store)
+        gateway = self.gateway = Gateway(config, store)
         self.control = TestClient(TestServer(create_control_app(config, store, gateway)))
         self.proxy = TestClient(TestServer(create_proxy_app(gateway)))
         for client in (self.control, self.proxy):
@@ -395,6 +395,9 @@ class LeaseAndGatewayModel(RuleBasedStateMachine):
             json={"amount": amount},
             headers={"Fencing-Token": held.token, "Idempotency-Key": key},
         )
+        # A final answer's record is written behind the answer: the invariants read
+        # the database once it is.
+        self.run(self.gateway.behind.flush())
         forwarded = self.upstream.received[before:]
         if not self.is_current(held):
             self.refused(status, doc, refusal(self.jobs[held.job], held.generation, self.now))
