@@ -31,9 +31,12 @@ class Behind:
     answer is stored behind it, so the client does not wait for the database. A
     duplicate of such a key that this replica admits meanwhile finds it in flight, and
     waits for its settle instead of being told ``request-in-progress``
-    (``Gateway._may_wait``). Shutdown waits for every one (``flush``)."""
+    (``Gateway._may_wait``). Shutdown waits for every one (``flush``). At most ``limit``
+    at once: past it the database is not keeping up, and an answer waits for its own
+    record again, so the settles waiting cannot grow without bound."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self._tasks: set[asyncio.Future[None]] = set()
         self._keys: Counter[str] = Counter()  # asked by key alone: before the job is known
 
@@ -49,6 +52,9 @@ class Behind:
                 del self._keys[key]
 
         task.add_done_callback(done)
+
+    def full(self) -> bool:
+        return len(self._tasks) >= self.limit
 
     def has_key(self, key: str) -> bool:
         """A settle of ``key`` (of any job: a key's job is known only once admitted) is
@@ -144,13 +150,16 @@ class HeldKey:
             )
         self._settled(self._job_id, self._key)
 
-    def settle_behind(
+    async def settle_behind(
         self, *, status: int, headers: list[tuple[str, str]], body: bytes | None
     ) -> None:
         settling = self.settle(
             RecordState.COMPLETED, status=status, headers=headers, body=body, note=None
         )
-        self._behind.start(self._key, settling)
+        if self._behind.full():
+            await settling  # the database is behind: this answer waits for its record
+        else:
+            self._behind.start(self._key, settling)
 
     def _kept(self) -> KeptRequest | None:
         """The request to keep for a re-send by the gateway: only for an upstream that

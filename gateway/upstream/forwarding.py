@@ -70,12 +70,13 @@ class ClaimedKey(Protocol):
     ) -> None:
         """The upstream's answer (or that the outcome is unknown) kept for the key."""
 
-    def settle_behind(
+    async def settle_behind(
         self, *, status: int, headers: list[tuple[str, str]], body: bytes | None
     ) -> None:
         """The upstream's final answer, kept for the key behind the answer: the client's
-        answer does not wait for the database. Called before the answer's last byte goes
-        out, so a duplicate that comes after it knows to wait for the record."""
+        answer does not wait for the database (unless too many records are still being
+        written: then it does). Called before the answer's last byte goes out, so a
+        duplicate that comes after it knows to wait for the record."""
 
 
 Refuse = Callable[[Ended], Awaitable[web.StreamResponse]]
@@ -276,10 +277,12 @@ class Forwarder:
                     and answer is Answer.FINAL
                     and not self.limits.settle_before_answer
                 ):
-                    key.settle_behind(
-                        status=status,
-                        headers=response_headers,
-                        body=bytes(stored) if stored is not None else None,
+                    await _settle_quietly(
+                        key.settle_behind(
+                            status=status,
+                            headers=response_headers,
+                            body=bytes(stored) if stored is not None else None,
+                        )
                     )
                 elif key is not None:
                     # Stored before the client learns of it: every answer with

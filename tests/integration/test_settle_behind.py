@@ -28,7 +28,7 @@ class Locker:
 
     def __init__(self, database_url: str) -> None:
         self.url = database_url
-        self.pg: Any = None
+        self.pg: list[Any] = []  # a connection holding each key's row
         self.sqlite: sqlite3.Connection | None = None
 
     async def take(self, key: str) -> None:
@@ -36,19 +36,20 @@ class Locker:
             self.sqlite = sqlite3.connect(self.url.split("///", 1)[1], isolation_level=None)
             self.sqlite.execute("BEGIN IMMEDIATE")
             return
-        self.pg = await asyncpg.connect(self.url.replace("postgresql+asyncpg", "postgresql"))
-        await self.pg.execute("BEGIN")
-        await self.pg.execute("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE", key)
+        conn = await asyncpg.connect(self.url.replace("postgresql+asyncpg", "postgresql"))
+        self.pg.append(conn)
+        await conn.execute("BEGIN")
+        await conn.execute("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE", key)
 
     async def let_go(self) -> None:
         if self.sqlite is not None:
             self.sqlite.execute("ROLLBACK")
             self.sqlite.close()
             self.sqlite = None
-        if self.pg is not None:
-            await self.pg.execute("ROLLBACK")
-            await self.pg.close()
-            self.pg = None
+        while self.pg:
+            conn = self.pg.pop()
+            await conn.execute("ROLLBACK")
+            await conn.close()
 
 
 @pytest.fixture
@@ -108,3 +109,30 @@ async def test_settle_before_answer_holds_the_answer_for_its_record(
     assert first.status == 201 and body
     await replayed(await stack.write("/pay/charges", lease, key="charge-1"))
     assert len(upstream.received) == 1
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_past_its_limit_an_answer_waits_for_its_record(make_stack: Any, locking: Any) -> None:
+    """At most ``max_concurrent_requests`` records are written behind their answers:
+    past that the database is not keeping up, and an answer waits for its own record,
+    so the writes waiting cannot grow without bound. (PostgreSQL: each key's row is
+    locked alone, so the second write gets as far as its answer.)"""
+    upstream, locker = locking
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)],
+        use_clock=False,
+        gateway={"max_concurrent_requests": 1},
+    )
+    lease = await stack.lease("job-1")
+    first = await asyncio.wait_for(stack.write("/pay/charges", lease, key="charge-1"), 10)
+    await asyncio.wait_for(ok(first), 2)  # its record behind it: the one allowed
+    second = await asyncio.wait_for(stack.write("/pay/charges", lease, key="charge-2"), 10)
+    reading = asyncio.ensure_future(second.read())
+    await asyncio.sleep(0.3)
+    assert not reading.done()  # this one waits for its record
+    await locker.let_go()
+    assert await asyncio.wait_for(reading, 10)
+    assert second.status == 201
+    await replayed(await stack.write("/pay/charges", lease, key="charge-2"))
