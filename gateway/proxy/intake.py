@@ -81,23 +81,23 @@ def intake(
     if len(presented) != 1:
         return Incoming(request, upstream, rest, query, method), facts
     token = presented[0].strip()
+    source, source_token, token_hash = None, None, None
     named = split_token(token, sources) if sources else None
-    source, source_token = named if named is not None else (None, None)
-    if source is not None and source_token is not None:
+    if named is not None:  # a lease of another source
+        source, source_token = named
         source_name = source.name
         facts.token_well_formed = source.well_formed(source_token)
     else:
         source_name = "fencegate"
         facts.token_well_formed = tokens.is_well_formed(token)
+        if facts.token_well_formed:
+            token_hash = tokens.hash_token(token)
     facts.protected_hop_by_hop = bool(connection_named(request.headers.items()) & PROTECTED)
     key_headers = request.headers.getall("Idempotency-Key", [])
     key = None
     if len(key_headers) == 1:
         key = fence.parse_key(key_headers[0], max_key_length)
     facts.key_acceptable = key is not None or not (key_headers or upstream.require_idempotency_key)
-    token_hash = None
-    if named is None and facts.token_well_formed:
-        token_hash = tokens.hash_token(token)
     incoming = Incoming(
         request,
         upstream,
