@@ -99,7 +99,7 @@ class Gateway:
         # Duplicates waiting (``Prefer: wait``) for a key this replica may settle.
         self.settles = Settles()
         # Final answers given, their records still being settled.
-        self.behind = Behind(settings.gateway.max_concurrent_requests)
+        self.behind = Behind.of(settings.gateway)
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""

@@ -6,19 +6,18 @@ wait on this replica are woken. ``Behind``: the settles of answers already given
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from gateway.config import GatewaySettings
 from gateway.fencing import fence
 from gateway.fencing.fence import RecordState
 from gateway.proxy.request import Incoming, Progress
 from gateway.proxy.resolve import kept_request
 from gateway.records.store import GatewayStore, KeptRequest
 from gateway.upstream import s3
-
-log = logging.getLogger("fencegate.gateway")
+from gateway.upstream.forwarding import settle_quietly
 
 # How long a duplicate waits for a settle of its key that this replica is writing behind
 # an answer already given (``Behind``): a settle takes milliseconds; past this, the
@@ -33,7 +32,8 @@ class Behind:
     waits for its settle instead of being told ``request-in-progress``
     (``Gateway._may_wait``). Shutdown waits for every one (``flush``). At most ``limit``
     at once: past it the database is not keeping up, and an answer waits for its own
-    record again, so the settles waiting cannot grow without bound."""
+    record again, so the settles waiting cannot grow without bound. A limit of 0 is
+    ``gateway.settle_before_answer``: every answer waits for its record."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -41,7 +41,7 @@ class Behind:
         self._keys: Counter[str] = Counter()  # asked by key alone: before the job is known
 
     def start(self, key: str, settling: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(_quietly(settling))
+        task = asyncio.ensure_future(settle_quietly(settling))
         self._tasks.add(task)
         self._keys[key] += 1
 
@@ -52,6 +52,11 @@ class Behind:
                 del self._keys[key]
 
         task.add_done_callback(done)
+
+    @classmethod
+    def of(cls, limits: GatewaySettings) -> Behind:
+        """None behind with ``settle_before_answer``; else ``max_concurrent_requests``."""
+        return cls(0 if limits.settle_before_answer else limits.max_concurrent_requests)
 
     def full(self) -> bool:
         return len(self._tasks) >= self.limit
@@ -65,15 +70,6 @@ class Behind:
         """Until every settle begun is written (or has failed, logged)."""
         while self._tasks:
             await asyncio.gather(*self._tasks)
-
-
-async def _quietly(settling: Coroutine[Any, Any, None]) -> None:
-    """A settle behind an answer already given: a failure (the database went away) is
-    logged; the record then stays in flight and turns unknown at its deadline."""
-    try:
-        await settling
-    except Exception:
-        log.exception("could not store the answer; its key turns unknown at its deadline")
 
 
 class HeldKey:
@@ -157,7 +153,7 @@ class HeldKey:
             RecordState.COMPLETED, status=status, headers=headers, body=body, note=None
         )
         if self._behind.full():
-            await settling  # the database is behind: this answer waits for its record
+            await settling  # before the answer: as configured, or the database is behind
         else:
             self._behind.start(self._key, settling)
 

@@ -73,10 +73,11 @@ class ClaimedKey(Protocol):
     async def settle_behind(
         self, *, status: int, headers: list[tuple[str, str]], body: bytes | None
     ) -> None:
-        """The upstream's final answer, kept for the key behind the answer: the client's
-        answer does not wait for the database (unless too many records are still being
-        written: then it does). Called before the answer's last byte goes out, so a
-        duplicate that comes after it knows to wait for the record."""
+        """The upstream's final answer, kept for the key: behind the answer, which then
+        does not wait for the database, or before its last byte (with
+        ``settle_before_answer``, or while too many records are still being written).
+        Called before the answer's last byte goes out, so a duplicate that comes after it
+        knows to wait for the record."""
 
 
 Refuse = Callable[[Ended], Awaitable[web.StreamResponse]]
@@ -271,13 +272,9 @@ class Forwarder:
                 if key is not None and answer is Answer.NOT_PROCESSED:
                     # "Not processed, try later": not the key's answer. The key is free
                     # again (or back to its earlier unknown outcome), as if not sent.
-                    await _settle_quietly(key.release())
-                elif (
-                    key is not None
-                    and answer is Answer.FINAL
-                    and not self.limits.settle_before_answer
-                ):
-                    await _settle_quietly(
+                    await settle_quietly(key.release())
+                elif key is not None and answer is Answer.FINAL:
+                    await settle_quietly(
                         key.settle_behind(
                             status=status,
                             headers=response_headers,
@@ -285,19 +282,15 @@ class Forwarder:
                         )
                     )
                 elif key is not None:
-                    # Stored before the client learns of it: every answer with
-                    # ``settle_before_answer``; else an answer that is not the key's
-                    # final one (the resolver and the operator work from it).
-                    known = answer is Answer.FINAL
-                    await _settle_quietly(
+                    # Not the key's answer yet (the resolver and the operator work from
+                    # it): kept before the client learns of it.
+                    await settle_quietly(
                         key.settle(
-                            RecordState.COMPLETED if known else RecordState.UNKNOWN,
+                            RecordState.UNKNOWN,
                             status=status,
                             headers=response_headers,
                             body=bytes(stored) if stored is not None else None,
-                            note=None
-                            if known
-                            else f"upstream answered {status}"
+                            note=f"upstream answered {status}"
                             if complete
                             else "the upstream's answer was cut short",
                         )
@@ -347,7 +340,7 @@ def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
     return f"{url}?{query}" if query else url
 
 
-async def _settle_quietly(settling: Coroutine[Any, Any, None]) -> None:
+async def settle_quietly(settling: Coroutine[Any, Any, None]) -> None:
     """Store an answer whose response has already started: a failure here (the
     database went away) must not turn into a second response on the same connection.
     The record then stays in flight and turns unknown at its deadline."""

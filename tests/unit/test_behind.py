@@ -37,7 +37,7 @@ async def test_a_settle_that_fails_is_logged_not_raised(caplog: pytest.LogCaptur
     async def fails() -> None:
         raise ConnectionError("the database went away")
 
-    with caplog.at_level("ERROR", logger="fencegate.gateway"):
+    with caplog.at_level("ERROR", logger="fencegate.proxy"):
         behind.start("k", fails())
         await behind.flush()
     assert not behind.has_key("k")
