@@ -16,7 +16,6 @@ import re
 from typing import Any
 
 from gateway.proxy import handler
-from gateway.service.admin import GATEWAY_STATE
 from tests.gateway_helpers import ok, problem, replayed
 from tests.support import Upstream, upstream_config
 
@@ -26,8 +25,7 @@ COUNT = re.compile(r"^fencegate_store_transaction_seconds_count (\S+)$", re.MULT
 async def transactions(stack: Any) -> int:
     """The database transactions the replica made so far, its settles and audit entries
     written."""
-    await stack.control.app[GATEWAY_STATE].behind.flush()
-    await stack.control.app[GATEWAY_STATE].audit.flush()
+    await stack.written()
     text = await (await stack.control.get("/metrics")).text()
     found = COUNT.search(text)
     assert found is not None, text
