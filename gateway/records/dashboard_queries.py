@@ -168,6 +168,7 @@ async def job_timeline(backend: Backend, job_id: str, limit: int) -> dict[str, A
             requests.c.note,
             requests.c.created_at,
             requests.c.updated_at,
+            requests.c.settled_at,
         )
         .where(requests.c.job_id == job_id)
         .order_by(requests.c.created_at.desc())
@@ -233,7 +234,9 @@ async def job_timeline(backend: Backend, job_id: str, limit: int) -> dict[str, A
                 state=w["state"],
                 status=w["status"],
                 note=w["note"],
-                settled_at=rfc3339(w["updated_at"]) if w["state"] != "in_flight" else None,
+                settled_at=rfc3339(w["settled_at"] or w["updated_at"])
+                if w["state"] != "in_flight"
+                else None,
             )
         )
     for a in answers:

@@ -20,6 +20,11 @@ fences = sa.Table(
 # synthetic key (never replayed) so that in-flight tracking and ordering see them too.
 #   state: in_flight -> completed | unknown ; unknown -> in_flight (retry policy or
 #   operator "not applied") | completed (operator "applied")
+# The settle of an answer (in_flight -> completed, the write path's second statement)
+# changes no column that an index names, its key, columns or predicate, so PostgreSQL
+# keeps it heap-only (HOT): no index entry and no dead row that only a vacuum removes.
+# What the ordering needs of writes in flight is in writes_in_flight, and the unknown
+# outcomes are found by unknown_at, NULL for every other record.
 requests = sa.Table(
     "idempotency_records",
     metadata,
@@ -44,31 +49,39 @@ requests = sa.Table(
     sa.Column("request_body", sa.LargeBinary),
     sa.Column("resolve_attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
     sa.Column("created_at", sa.Float, nullable=False),
+    # When the record last changed hands: admitted, taken over, held for resolution or
+    # resolved. The settle of an answer leaves it (retention counts from the admission,
+    # at most the write's deadline before its answer); settled_at says when it settled.
     sa.Column("updated_at", sa.Float, nullable=False),
-    # The writes in flight, by job: the ordering barrier's "an older generation is still
-    # writing" and the purge's "a write is in flight". Partial, so it can never serve a
-    # lookup by key: whatever the statistics say, that goes to the primary key.
-    sa.Index(
-        "ix_idempotency_records_writing",
-        "job_id",
-        "generation",
-        postgresql_where=sa.text("state = 'in_flight'"),
-        sqlite_where=sa.text("state = 'in_flight'"),
-    ),
-    # Retention and the operators' list: completed records by age, unknown ones by age.
-    # Partial, so no plan can take either for a lookup of writes in flight.
-    sa.Index(
-        "ix_idempotency_records_completed",
-        "updated_at",
-        postgresql_where=sa.text("state = 'completed'"),
-        sqlite_where=sa.text("state = 'completed'"),
-    ),
+    sa.Column("settled_at", sa.Float),
+    # Since when the outcome is unknown; NULL while in flight or completed.
+    sa.Column("unknown_at", sa.Float),
+    # Retention: records by when they last changed hands (the purge keeps all but the
+    # completed ones).
+    sa.Index("ix_idempotency_records_updated_at", "updated_at"),
+    # The operators' list and the resolver: unknown outcomes by age.
     sa.Index(
         "ix_idempotency_records_unknown",
-        "updated_at",
-        postgresql_where=sa.text("state = 'unknown'"),
-        sqlite_where=sa.text("state = 'unknown'"),
+        "unknown_at",
+        postgresql_where=sa.text("unknown_at IS NOT NULL"),
+        sqlite_where=sa.text("unknown_at IS NOT NULL"),
     ),
+)
+
+# The writes in flight: one row for each record in flight (state in_flight), written by
+# the statement that puts the record in flight and deleted by the one that takes it out,
+# with the record's generation, attempt and deadline. The ordering barrier's "an older
+# generation is still writing", the purge's "a write is in flight" and the resolver's
+# "in flight past its deadline" read it; it holds as many rows as writes are in flight.
+writing = sa.Table(
+    "writes_in_flight",
+    metadata,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("attempt", sa.String(32), nullable=False),
+    sa.Column("deadline", sa.Float, nullable=False),
+    sa.Index("ix_writes_in_flight_deadline", "deadline"),
 )
 
 # Every request the gateway answered itself (rejections and replays).
@@ -114,4 +127,4 @@ audit = sa.Table(
     ),
 )
 
-__all__ = ["audit", "fences", "metadata", "requests"]
+__all__ = ["audit", "fences", "metadata", "requests", "writing"]

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from gateway.fencing import fence
 from gateway.fencing.fence import Presented, Reason, Record, RecordState
-from gateway.records.schema import requests
+from gateway.records.schema import requests, writing
 from gateway.sources import ExternalLease
 from lease_core import rules, tokens
 from lease_core.backend import PURGE_BATCH
@@ -401,6 +401,15 @@ class GatewayStore:
         upstream's window, up to ``gateway.resolve_max_attempts`` times); else it waits
         for an operator."""
         now = self.backend.now()
+        # The keys come from the unknown records' index and writes_in_flight (in flight
+        # past the deadline, or re-sent by the gateway): never a read of every record.
+        candidates = sa.union_all(
+            sa.select(requests.c.job_id, requests.c.key).where(requests.c.unknown_at.is_not(None)),
+            sa.select(writing.c.job_id, writing.c.key)
+            .join(requests, sa.and_(requests.c.job_id == writing.c.job_id,
+                                    requests.c.key == writing.c.key))
+            .where(sa.or_(writing.c.deadline <= now, requests.c.resolve_attempts > 0)),
+        ).subquery("candidate")  # fmt: skip
         stmt = (
             sa.select(
                 requests.c.job_id,
@@ -417,14 +426,11 @@ class GatewayStore:
                 (requests.c.deadline > now).label("running"),
                 requests.c.updated_at,
             )
-            .where(
-                sa.or_(
-                    requests.c.state == RecordState.UNKNOWN.value,
-                    sa.and_(
-                        requests.c.state == RecordState.IN_FLIGHT.value,
-                        sa.or_(requests.c.deadline <= now, requests.c.resolve_attempts > 0),
-                    ),
-                )
+            .join(
+                candidates,
+                sa.and_(
+                    requests.c.job_id == candidates.c.job_id, requests.c.key == candidates.c.key
+                ),
             )
             .order_by(requests.c.updated_at.desc())
             .limit(limit)

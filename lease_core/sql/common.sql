@@ -35,19 +35,18 @@ state = {State.LEASED} AND lease_expires_at <= {now}
 
 -- fragment: lease_older_in_flight
 -- A write of a generation older than the lease l's to its job is still in flight at
--- clock.now.
+-- clock.now (writes_in_flight: a row per record in flight).
 EXISTS (
-    SELECT 1 FROM idempotency_records AS o
-    WHERE o.job_id = l.job_id AND o.state = {RecordState.IN_FLIGHT}
-      AND o.generation < l.generation AND o.deadline > clock.now
+    SELECT 1 FROM writes_in_flight AS o
+    WHERE o.job_id = l.job_id AND o.generation < l.generation AND o.deadline > clock.now
 )
 
 -- fragment: external_older_in_flight
 -- A write of a generation older than :generation to the job :job_id (of another lease
 -- source) is still in flight at {now}.
 EXISTS (
-    SELECT 1 FROM idempotency_records AS o
-    WHERE o.job_id = CAST(:job_id AS text) AND o.state = {RecordState.IN_FLIGHT}
+    SELECT 1 FROM writes_in_flight AS o
+    WHERE o.job_id = CAST(:job_id AS text)
       AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
 )
 
@@ -57,6 +56,21 @@ EXISTS (
 ON CONFLICT (job_id) DO UPDATE
     SET generation = excluded.generation, updated_at = excluded.updated_at
     WHERE fences.generation < excluded.generation
+
+-- fragment: mark_in_flight
+-- The upsert into writes_in_flight (INSERT INTO writes_in_flight ... SELECT the record's
+-- job_id, key, generation, attempt, deadline) that marks a record just put in flight,
+-- claimed or taken over: a marker left by an earlier attempt of it (in flight past its
+-- deadline) becomes this attempt's.
+ON CONFLICT (job_id, key) DO UPDATE
+    SET generation = excluded.generation, attempt = excluded.attempt,
+        deadline = excluded.deadline
+
+-- fragment: unknown_since
+-- The unknown_at of a record that settles in the state :state at {now}: since now when
+-- its outcome is unknown, NULL otherwise (a record settled in flight was NULL, so a
+-- settle with an answer leaves the indexed column as it was).
+CASE WHEN CAST(:state AS varchar(16)) = {RecordState.UNKNOWN} THEN {now} END
 
 
 -- ---------------------------------------------------------------------------------------
@@ -151,12 +165,18 @@ RETURNING 1 AS claimed;
 UPDATE idempotency_records
 SET state = {RecordState.IN_FLIGHT}, generation = CAST(:generation AS bigint),
     attempt = CAST(:attempt AS text),
-    deadline = {now} + CAST(:deadline_in AS double precision), updated_at = {now}
+    deadline = {now} + CAST(:deadline_in AS double precision), updated_at = {now},
+    unknown_at = NULL
 WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
   AND CAST(:admitted AS bigint) IS NOT NULL AND CAST(:retry AS boolean)
   AND fingerprint = CAST(:fingerprint AS text)
   AND {unknown_or_overdue}
 RETURNING 1 AS taken;
+INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
+SELECT job_id, key, generation, attempt, deadline FROM idempotency_records
+WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
+  AND attempt = CAST(:attempt AS text)
+{mark_in_flight};
 
 -- name: record
 -- Read only: a key's record (an admission that found it claimed by a concurrent one
@@ -167,34 +187,34 @@ FROM idempotency_records WHERE job_id = :job_id AND key = :key;
 -- name: older_in_flight
 -- Read only: whether a write of an older generation of the job is still in flight.
 SELECT EXISTS (
-    SELECT 1 FROM idempotency_records
-    WHERE job_id = :job_id AND state = {RecordState.IN_FLIGHT}
-      AND generation < :generation AND deadline > {now}
+    SELECT 1 FROM writes_in_flight
+    WHERE job_id = :job_id AND generation < :generation AND deadline > {now}
 ) AS older_in_flight;
-
--- name: forget
--- A write without a key completed: its record (kept only for ordering) goes.
-DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: release_claim
 -- Our attempt never reached the upstream: undo its claim.
 DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: return_claim
 -- Our attempt at a record taken over never reached the upstream: the record goes back
 -- to unknown, as the attempt it was taken from.
 UPDATE idempotency_records
 SET state = {RecordState.UNKNOWN}, attempt = :back_attempt, generation = :back_generation,
-    updated_at = {now}
+    updated_at = {now}, unknown_at = {now}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: resolve_not_applied
--- An operator says an unknown outcome was not applied: the record goes, and the next
--- request with this key is forwarded. No row: not (or no longer) unknown.
+-- An operator says an unknown outcome was not applied: the record goes (with its
+-- marker, in flight past its deadline), and the next request with this key is
+-- forwarded. No row: not (or no longer) unknown.
 DELETE FROM idempotency_records
 WHERE job_id = :job_id AND key = :key
   AND {unknown_or_overdue}
 RETURNING 1 AS changed;
+DELETE FROM writes_in_flight
+WHERE job_id = :job_id AND key = :key AND CAST(:changed AS integer) IS NOT NULL;
 
 -- name: audit
 -- One entry of a request with a lease behind it.

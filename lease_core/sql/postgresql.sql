@@ -192,14 +192,15 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 -- such job; purged_generation NULL: refused (writing says whether a write is in flight).
 SELECT job_id AS found FROM jobs WHERE job_id = :job_id FOR UPDATE;
 SELECT EXISTS (
-    SELECT 1 FROM idempotency_records
-    WHERE job_id = :job_id AND state = {RecordState.IN_FLIGHT} AND deadline > {now}
+    SELECT 1 FROM writes_in_flight WHERE job_id = :job_id AND deadline > {now}
 ) AS writing;
 DELETE FROM jobs
 WHERE job_id = :job_id AND NOT CAST(:writing AS boolean)
   AND NOT ({lease_current})
 RETURNING generation AS purged_generation;
 DELETE FROM idempotency_records
+WHERE job_id = :job_id AND CAST(:purged_generation AS bigint) IS NOT NULL;
+DELETE FROM writes_in_flight
 WHERE job_id = :job_id AND CAST(:purged_generation AS bigint) IS NOT NULL;
 INSERT INTO job_tombstones (job_id, generation, purged_at)
 SELECT CAST(:job_id AS text), CAST(:purged_generation AS bigint), {now}
@@ -250,10 +251,11 @@ SELECT count(*) AS changed, {now} - :older_than AS cutoff FROM purged;
 -- reclaim slips in), the job's fence is raised to this generation, the key is claimed
 -- for this attempt, or its record is read; a record of the same request whose outcome is
 -- unknown (or in flight past its deadline) is taken over when the upstream's policy is
--- retry (:retry); and whether an older generation's write is still in flight. The
--- outer SELECT reads the snapshot from before the CTEs ran: a key claimed here shows as
--- claimed with r.* NULL, a record taken over as it was before. Two writes of one job in
--- one batch hold the same lease, so the fence is raised once per job (DISTINCT ON);
+-- retry (:retry), and either marked in writes_in_flight; and whether an older
+-- generation's write is still in flight. The outer SELECT reads the snapshot from
+-- before the CTEs ran: a key claimed here shows as claimed with r.* NULL, a record taken
+-- over as it was before. Two writes of one job in one batch hold the same lease, so the
+-- fence is raised once per job (DISTINCT ON);
 -- rows are locked in job_id (and key) order, so two batches cannot deadlock on them.
 -- A key's record is looked up by (job_id, key) in a LATERAL subquery that the planner
 -- cannot merge into the join: both columns are then the primary key's index condition,
@@ -293,7 +295,7 @@ claim AS (
     FROM current_lease AS c JOIN input AS i ON i.n = c.n CROSS JOIN clock
     ORDER BY c.job_id, i.key
     ON CONFLICT (job_id, key) DO NOTHING
-    RETURNING attempt
+    RETURNING job_id, key, generation, attempt, deadline
 ),
 held AS (
     SELECT r.job_id, r.key, r.attempt AS taken_from, i.attempt, c.generation, i.deadline_in
@@ -313,10 +315,17 @@ held AS (
 taken AS (
     UPDATE idempotency_records AS r
     SET state = {RecordState.IN_FLIGHT}, generation = h.generation, attempt = h.attempt,
-        deadline = clock.now + h.deadline_in, updated_at = clock.now
+        deadline = clock.now + h.deadline_in, updated_at = clock.now, unknown_at = NULL
     FROM held AS h CROSS JOIN clock
     WHERE r.job_id = h.job_id AND r.key = h.key AND r.attempt = h.taken_from
-    RETURNING r.attempt
+    RETURNING r.job_id, r.key, r.generation, r.attempt, r.deadline
+),
+marked AS (
+    INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
+    SELECT job_id, key, generation, attempt, deadline FROM claim
+    UNION ALL
+    SELECT job_id, key, generation, attempt, deadline FROM taken
+    {mark_in_flight}
 )
 SELECT i.n, clock.now,
        lease.job_id, lease.generation AS lease_generation, lease.owner AS lease_owner,
@@ -324,9 +333,9 @@ SELECT i.n, clock.now,
        job.max_attempts,
        (SELECT f.generation FROM fences AS f WHERE f.job_id = lease.job_id) AS fence_generation,
        EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = lease.job_id AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < lease.generation AND o.deadline > clock.now
+           SELECT 1 FROM writes_in_flight AS o
+           WHERE o.job_id = lease.job_id AND o.generation < lease.generation
+             AND o.deadline > clock.now
        ) AS older_in_flight,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body,
@@ -378,9 +387,9 @@ input AS (
 -- gateway's resolver may have claimed an older record since); always one row.
 SELECT clock.now, f.generation AS fence_generation, r.deadline,
        EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = :job_id AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < r.generation AND o.deadline > clock.now
+           SELECT 1 FROM writes_in_flight AS o
+           WHERE o.job_id = :job_id AND o.generation < r.generation
+             AND o.deadline > clock.now
        ) AS older_in_flight
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN fences AS f ON f.job_id = :job_id
@@ -391,9 +400,9 @@ LEFT JOIN idempotency_records AS r
 -- name: claim_state (many)
 SELECT i.n, clock.now, f.generation AS fence_generation, r.deadline,
        EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = i.job_id AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < r.generation AND o.deadline > clock.now
+           SELECT 1 FROM writes_in_flight AS o
+           WHERE o.job_id = i.job_id AND o.generation < r.generation
+             AND o.deadline > clock.now
        ) AS older_in_flight
 FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]))
      WITH ORDINALITY AS i(job_id, key, attempt, n)
@@ -404,23 +413,40 @@ LEFT JOIN idempotency_records AS r
    AND r.state = {RecordState.IN_FLIGHT};
 
 -- name: settle
--- Store the answer of our attempt (completed, or unknown outcome); a record another
--- attempt has taken over meanwhile is left alone.
-UPDATE idempotency_records
-SET state = :state, status = :status, headers = CAST(:headers AS json), body = :body,
-    note = :note, updated_at = {now}
-WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+-- Store the answer of our attempt (completed, or unknown outcome) and take the record
+-- out of writes_in_flight; a record another attempt has taken over meanwhile is left
+-- alone, and so is its marker. No column that an index of the records names changes
+-- (unknown_at stays NULL for an answer): PostgreSQL keeps the update heap-only.
+WITH settled AS (
+    UPDATE idempotency_records
+    SET state = :state, status = :status, headers = CAST(:headers AS json), body = :body,
+        note = :note, settled_at = {now}, unknown_at = {unknown_since}
+    WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+)
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: settle (many)
-UPDATE idempotency_records AS r
-SET state = v.state, status = v.status, headers = CAST(v.headers AS json), body = v.body,
-    note = v.note, updated_at = {now}
-FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]),
-            CAST(:state AS text[]), CAST(:status AS integer[]), CAST(:headers AS text[]),
-            CAST(:body AS bytea[]), CAST(:note AS text[]))
-     WITH ORDINALITY AS v(job_id, key, attempt, state, status, headers, body, note, n)
-WHERE r.job_id = v.job_id AND r.key = v.key AND r.attempt = v.attempt
-RETURNING v.n;
+WITH v AS (
+    SELECT * FROM unnest(
+        CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]),
+        CAST(:state AS text[]), CAST(:status AS integer[]), CAST(:headers AS text[]),
+        CAST(:body AS bytea[]), CAST(:note AS text[])
+    ) WITH ORDINALITY AS v(job_id, key, attempt, state, status, headers, body, note, n)
+),
+settled AS (
+    UPDATE idempotency_records AS r
+    SET state = v.state, status = v.status, headers = CAST(v.headers AS json),
+        body = v.body, note = v.note, settled_at = {now},
+        unknown_at = CASE WHEN v.state = {RecordState.UNKNOWN} THEN {now} END
+    FROM v
+    WHERE r.job_id = v.job_id AND r.key = v.key AND r.attempt = v.attempt
+    RETURNING v.n
+),
+unmarked AS (
+    DELETE FROM writes_in_flight AS w USING v
+    WHERE w.job_id = v.job_id AND w.key = v.key AND w.attempt = v.attempt
+)
+SELECT n FROM settled;
 
 -- name: audit (many)
 -- Concurrent entries (common.sql's "audit") in one statement: replays and refusals under
@@ -443,11 +469,14 @@ ORDER BY v.n;
 -- Our attempt's outcome is unknown and the gateway may resolve it itself (the upstream's
 -- unknown_outcome is "resolve"): as settle, keeping the request as it was forwarded (its
 -- query and headers without the configured secrets, its body) for the re-send.
-UPDATE idempotency_records
-SET state = {RecordState.UNKNOWN}, status = :status, headers = CAST(:headers AS json),
-    body = :body, note = :note, request_head = CAST(:request_head AS json),
-    request_body = :request_body, updated_at = {now}
-WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+WITH held AS (
+    UPDATE idempotency_records
+    SET state = {RecordState.UNKNOWN}, status = :status, headers = CAST(:headers AS json),
+        body = :body, note = :note, request_head = CAST(:request_head AS json),
+        request_body = :request_body, updated_at = {now}, unknown_at = {now}
+    WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+)
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: claim_resolution
 -- Claim one unknown outcome of :upstream for a re-send by the gateway (gateway.resolve):
@@ -457,11 +486,29 @@ WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 -- :attempt until :deadline_in from now, so a newer generation's write waits for it and a
 -- worker's retry is told it is in progress; its re-sends are counted. Replicas never
 -- claim one record twice: the record and the job's fence row are locked, and what
--- another transaction holds is skipped. No row: nothing to resolve now.
+-- another transaction holds is skipped. No row: nothing to resolve now. The candidates
+-- come from the unknown records' index and writes_in_flight's deadlines, each looked
+-- up by its primary key (a LATERAL subquery, as in admission_of_input): never a read of
+-- every record, every resolve round. An outcome unknown since before the window was
+-- sent before it too; bounded on both sides, the range is a small part of the index to
+-- a planner with no statistics.
 WITH clock AS (SELECT {now} AS now),
+candidate AS (
+    SELECT r.job_id, r.key FROM idempotency_records AS r CROSS JOIN clock
+    WHERE r.unknown_at > clock.now - CAST(:window AS double precision)
+      AND r.unknown_at <= clock.now
+    UNION ALL
+    SELECT w.job_id, w.key FROM writes_in_flight AS w CROSS JOIN clock
+    WHERE w.deadline <= clock.now
+),
 found AS (
     SELECT r.job_id, r.key
-    FROM idempotency_records AS r
+    FROM candidate AS c
+    CROSS JOIN LATERAL (
+        SELECT * FROM idempotency_records AS x
+        WHERE x.job_id = c.job_id AND x.key = c.key
+        OFFSET 0
+    ) AS r
     JOIN fences AS f ON f.job_id = r.job_id AND f.generation <= r.generation
     CROSS JOIN clock
     WHERE r.upstream = CAST(:upstream AS text)
@@ -473,49 +520,89 @@ found AS (
     ORDER BY r.updated_at
     LIMIT 1
     FOR UPDATE OF r, f SKIP LOCKED
+),
+claimed AS (
+    UPDATE idempotency_records AS r
+    SET state = {RecordState.IN_FLIGHT}, attempt = CAST(:attempt AS text),
+        deadline = clock.now + CAST(:deadline_in AS double precision),
+        resolve_attempts = r.resolve_attempts + 1, updated_at = clock.now, unknown_at = NULL
+    FROM found CROSS JOIN clock
+    WHERE r.job_id = found.job_id AND r.key = found.key
+    RETURNING r.job_id, r.key, r.generation, r.attempt, r.deadline, r.fingerprint, r.method,
+              r.path, CAST(r.request_head AS text) AS request_head, r.request_body,
+              r.resolve_attempts
+),
+marked AS (
+    INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
+    SELECT job_id, key, generation, attempt, deadline FROM claimed
+    {mark_in_flight}
 )
-UPDATE idempotency_records AS r
-SET state = {RecordState.IN_FLIGHT}, attempt = CAST(:attempt AS text),
-    deadline = clock.now + CAST(:deadline_in AS double precision),
-    resolve_attempts = r.resolve_attempts + 1, updated_at = clock.now
-FROM found CROSS JOIN clock
-WHERE r.job_id = found.job_id AND r.key = found.key
-RETURNING r.job_id, r.key, r.generation, r.fingerprint, r.method, r.path,
-          CAST(r.request_head AS text) AS request_head, r.request_body, r.resolve_attempts;
+SELECT job_id, key, generation, fingerprint, method, path, request_head, request_body,
+       resolve_attempts
+FROM claimed;
 
 -- name: settle_resolution
 -- The end of a re-send by the gateway, while the record is still our attempt: its
 -- answer (completed), or unknown again; the kept request stays only for another
 -- re-send (:keep_request), else it goes. No row: the record is no longer ours.
-UPDATE idempotency_records
-SET state = :state, status = :status, headers = CAST(:headers AS json), body = :body,
-    note = :note,
-    request_head = CASE WHEN CAST(:keep_request AS boolean) THEN request_head END,
-    request_body = CASE WHEN CAST(:keep_request AS boolean) THEN request_body END,
-    updated_at = {now}
-WHERE job_id = :job_id AND key = :key AND attempt = :attempt
-RETURNING 1 AS changed;
+WITH settled AS (
+    UPDATE idempotency_records
+    SET state = :state, status = :status, headers = CAST(:headers AS json), body = :body,
+        note = :note,
+        request_head = CASE WHEN CAST(:keep_request AS boolean) THEN request_head END,
+        request_body = CASE WHEN CAST(:keep_request AS boolean) THEN request_body END,
+        updated_at = {now}, settled_at = {now}, unknown_at = {unknown_since}
+    WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+    RETURNING 1 AS changed
+),
+unmarked AS (
+    DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+)
+SELECT changed FROM settled;
 
 -- name: resolve_applied
 -- An operator says an unknown outcome was applied: later duplicates replay this answer.
--- No row: the key's outcome is not (or no longer) unknown.
-UPDATE idempotency_records
-SET state = {RecordState.COMPLETED}, status = :status, headers = CAST(:headers AS json),
-    body = :body, note = 'resolved by an operator: applied', updated_at = {now}
-WHERE job_id = :job_id AND key = :key
-  AND {unknown_or_overdue}
-RETURNING 1 AS changed;
+-- No row: the key's outcome is not (or no longer) unknown. Its marker goes with it (in
+-- flight past its deadline).
+WITH applied AS (
+    UPDATE idempotency_records
+    SET state = {RecordState.COMPLETED}, status = :status, headers = CAST(:headers AS json),
+        body = :body, note = 'resolved by an operator: applied', updated_at = {now},
+        settled_at = {now}, unknown_at = NULL
+    WHERE job_id = :job_id AND key = :key
+      AND {unknown_or_overdue}
+    RETURNING 1 AS changed
+),
+unmarked AS (
+    DELETE FROM writes_in_flight
+    WHERE job_id = :job_id AND key = :key AND EXISTS (SELECT 1 FROM applied)
+)
+SELECT changed FROM applied;
+
+-- name: forget
+-- A write without a key completed: its record (kept only for ordering) and its marker
+-- go.
+WITH record AS (
+    DELETE FROM idempotency_records
+    WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+)
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: purge_records
--- Completed records past retention, the oldest :limit of them (NULL: all; those another
+-- Completed records past retention (counted from when they last changed hands: their
+-- admission, or their resolution), the oldest :limit of them (NULL: all; those another
 -- replica's upkeep holds are skipped); never an unknown or in-flight one. How many.
 -- The rows are found once and deleted by their row ids (a TID scan with no statistics
--- and with stale ones).
+-- and with stale ones), through the index of updated_at: bounded on both sides (from
+-- -Infinity), the range is a small part of it to a planner with no statistics, where
+-- "older than" alone is a third of the table.
 WITH purged AS (
     DELETE FROM idempotency_records
     WHERE ctid = ANY (ARRAY(
         SELECT ctid FROM idempotency_records
-        WHERE state = {RecordState.COMPLETED} AND updated_at < {now} - :older_than
+        WHERE state = {RecordState.COMPLETED}
+          AND updated_at >= CAST('-Infinity' AS double precision)
+          AND updated_at < {now} - :older_than
         ORDER BY updated_at
         LIMIT :limit
         FOR UPDATE SKIP LOCKED

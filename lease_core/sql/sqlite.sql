@@ -116,14 +116,15 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 -- whether a write is in flight).
 SELECT job_id AS found FROM jobs WHERE job_id = :job_id;
 SELECT EXISTS (
-    SELECT 1 FROM idempotency_records
-    WHERE job_id = :job_id AND state = {RecordState.IN_FLIGHT} AND deadline > {now}
+    SELECT 1 FROM writes_in_flight WHERE job_id = :job_id AND deadline > {now}
 ) AS writing;
 DELETE FROM jobs
 WHERE job_id = :job_id AND NOT :writing
   AND NOT ({lease_current})
 RETURNING generation AS purged_generation;
 DELETE FROM idempotency_records
+WHERE job_id = :job_id AND :purged_generation IS NOT NULL;
+DELETE FROM writes_in_flight
 WHERE job_id = :job_id AND :purged_generation IS NOT NULL;
 INSERT INTO job_tombstones (job_id, generation, purged_at)
 SELECT :job_id, :purged_generation, {now}
@@ -163,9 +164,10 @@ SELECT changes() AS changed, {now} - :older_than AS cutoff;
 -- A fenced write is admitted: the lease is current, the job's fence is raised to this
 -- generation, the key is claimed for this attempt, or its record is read; a record of
 -- the same request whose outcome is unknown (or in flight past its deadline) is taken
--- over when the upstream's policy is retry (:retry). The first statement reads the
--- lease, the fence, the older generations' writes and the key's record as they were
--- before; each later one is conditional on the lease being current.
+-- over when the upstream's policy is retry (:retry), and either marked in
+-- writes_in_flight. The first statement reads the lease, the fence, the older
+-- generations' writes and the key's record as they were before; each later one is
+-- conditional on the lease being current.
 SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
        j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
        f.generation AS fence_generation,
@@ -191,7 +193,7 @@ ON CONFLICT (job_id, key) DO NOTHING
 RETURNING 1 AS claimed;
 UPDATE idempotency_records
 SET state = {RecordState.IN_FLIGHT}, generation = j.generation, attempt = :attempt,
-    deadline = {now} + :deadline_in, updated_at = {now}
+    deadline = {now} + :deadline_in, updated_at = {now}, unknown_at = NULL
 FROM (
     SELECT job_id, generation FROM jobs
     WHERE {token_lease_current}
@@ -202,6 +204,11 @@ WHERE idempotency_records.job_id = j.job_id AND idempotency_records.key = :key
        OR (idempotency_records.state = {RecordState.IN_FLIGHT}
            AND idempotency_records.deadline <= {now}))
 RETURNING 1 AS taken;
+INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
+SELECT r.job_id, r.key, r.generation, r.attempt, r.deadline
+FROM leases AS l JOIN idempotency_records AS r ON r.job_id = l.job_id
+WHERE l.token_hash = :token_hash AND r.key = :key AND r.attempt = :attempt
+{mark_in_flight};
 
 -- name: claim_state
 -- Read only, right before a claimed write is sent: the job's fence; while the record is
@@ -210,9 +217,9 @@ RETURNING 1 AS taken;
 -- gateway's resolver may have claimed an older record since); always one row.
 SELECT clock.now, f.generation AS fence_generation, r.deadline,
        EXISTS (
-           SELECT 1 FROM idempotency_records AS o
-           WHERE o.job_id = :job_id AND o.state = {RecordState.IN_FLIGHT}
-             AND o.generation < r.generation AND o.deadline > clock.now
+           SELECT 1 FROM writes_in_flight AS o
+           WHERE o.job_id = :job_id AND o.generation < r.generation
+             AND o.deadline > clock.now
        ) AS older_in_flight
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN fences AS f ON f.job_id = :job_id
@@ -221,12 +228,14 @@ LEFT JOIN idempotency_records AS r
    AND r.state = {RecordState.IN_FLIGHT};
 
 -- name: settle
--- Store the answer of our attempt (completed, or unknown outcome); a record another
--- attempt has taken over meanwhile is left alone.
+-- Store the answer of our attempt (completed, or unknown outcome) and take the record
+-- out of writes_in_flight; a record another attempt has taken over meanwhile is left
+-- alone, and so is its marker.
 UPDATE idempotency_records
 SET state = :state, status = :status, headers = :headers, body = :body, note = :note,
-    updated_at = {now}
+    settled_at = {now}, unknown_at = {unknown_since}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: hold_for_resolution
 -- Our attempt's outcome is unknown and the gateway may resolve it itself (the upstream's
@@ -235,8 +244,9 @@ WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 UPDATE idempotency_records
 SET state = {RecordState.UNKNOWN}, status = :status, headers = :headers, body = :body,
     note = :note, request_head = :request_head, request_body = :request_body,
-    updated_at = {now}
+    updated_at = {now}, unknown_at = {now}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: claim_resolution
 -- Claim one unknown outcome of :upstream for a re-send by the gateway (gateway.resolve):
@@ -246,22 +256,24 @@ WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 -- :attempt until :deadline_in from now, so a newer generation's write waits for it and a
 -- worker's retry is told it is in progress; its re-sends are counted. The IMMEDIATE
 -- transaction keeps every other writer out, so no two claims take one record. No row:
--- nothing to resolve now. The candidates come from the two partial indexes (unknown
--- records, records in flight): never a scan of every record, which would hold the write
--- lock for as long as the table is large, every resolve round.
+-- nothing to resolve now. The candidates come from the unknown records' index and
+-- writes_in_flight's deadlines: never a scan of every record, which would hold the
+-- write lock for as long as the table is large, every resolve round.
 UPDATE idempotency_records
 SET state = {RecordState.IN_FLIGHT}, attempt = :attempt, deadline = {now} + :deadline_in,
-    resolve_attempts = resolve_attempts + 1, updated_at = {now}
+    resolve_attempts = resolve_attempts + 1, updated_at = {now}, unknown_at = NULL
 WHERE (job_id, key) = (
     SELECT r.job_id, r.key
     FROM idempotency_records AS r
     JOIN fences AS f ON f.job_id = r.job_id AND f.generation <= r.generation
     WHERE r.rowid IN (
-        SELECT rowid FROM idempotency_records WHERE state = {RecordState.UNKNOWN}
+        SELECT rowid FROM idempotency_records WHERE unknown_at IS NOT NULL
         UNION ALL
-        SELECT rowid FROM idempotency_records
-        WHERE state = {RecordState.IN_FLIGHT} AND deadline <= {now}
+        SELECT x.rowid FROM writes_in_flight AS w
+        JOIN idempotency_records AS x ON x.job_id = w.job_id AND x.key = w.key
+        WHERE w.deadline <= {now}
     )
+      AND {unknown_or_overdue}
       AND r.upstream = :upstream
       AND r.request_body IS NOT NULL
       AND r.created_at > {now} - :window
@@ -272,6 +284,10 @@ WHERE (job_id, key) = (
 )
 RETURNING job_id, key, generation, fingerprint, method, path, request_head, request_body,
           resolve_attempts;
+INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
+SELECT job_id, key, generation, attempt, deadline FROM idempotency_records
+WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+{mark_in_flight};
 
 -- name: settle_resolution
 -- The end of a re-send by the gateway, while the record is still our attempt: its
@@ -281,22 +297,32 @@ UPDATE idempotency_records
 SET state = :state, status = :status, headers = :headers, body = :body, note = :note,
     request_head = CASE WHEN :keep_request THEN request_head END,
     request_body = CASE WHEN :keep_request THEN request_body END,
-    updated_at = {now}
+    updated_at = {now}, settled_at = {now}, unknown_at = {unknown_since}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt
 RETURNING 1 AS changed;
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: resolve_applied
 -- An operator says an unknown outcome was applied: later duplicates replay this answer.
 -- No row: the key's outcome is not (or no longer) unknown.
 UPDATE idempotency_records
 SET state = {RecordState.COMPLETED}, status = :status, headers = :headers,
-    body = :body, note = 'resolved by an operator: applied', updated_at = {now}
+    body = :body, note = 'resolved by an operator: applied', updated_at = {now},
+    settled_at = {now}, unknown_at = NULL
 WHERE job_id = :job_id AND key = :key
   AND {unknown_or_overdue}
 RETURNING 1 AS changed;
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND :changed IS NOT NULL;
+
+-- name: forget
+-- A write without a key completed: its record (kept only for ordering) and its marker
+-- go.
+DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 
 -- name: purge_records
--- Completed records past retention, the oldest :limit of them; never an unknown or
+-- Completed records past retention (counted from when they last changed hands: their
+-- admission, or their resolution), the oldest :limit of them; never an unknown or
 -- in-flight one. How many.
 DELETE FROM idempotency_records
 WHERE rowid IN (

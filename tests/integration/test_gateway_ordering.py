@@ -313,9 +313,9 @@ async def test_a_write_the_database_failed_before_it_was_sent_frees_its_key(
     new_write = asyncio.ensure_future(stack.write("/pay/w", new, key="new"))
     await until_admitted(engine, "job-1", "new")
     async with engine.connect() as locker:
-        # The waiting write polls for older writes in flight: hold it inside a poll,
-        # then cut that poll's connection, as a database restart would.
-        await locker.execute(sa.text("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE"))
+        # The waiting write polls for older writes in flight (writes_in_flight): hold
+        # it inside a poll, then cut that poll's connection, as a database restart would.
+        await locker.execute(sa.text("LOCK TABLE writes_in_flight IN ACCESS EXCLUSIVE MODE"))
         deadline = time.monotonic() + 5
         while True:
             waiting = (

@@ -51,7 +51,7 @@ from hypothesis.stateful import (
 
 from gateway.config import Settings
 from gateway.proxy.handler import Gateway, create_proxy_app
-from gateway.records.schema import requests
+from gateway.records.schema import requests, writing
 from gateway.service.server import create_control_app
 from lease_core import tokens
 from lease_core.db import create_engine
@@ -456,13 +456,24 @@ class LeaseAndGatewayModel(RuleBasedStateMachine):
 
     @invariant()
     def database_equals_model(self) -> None:
-        async def read() -> tuple[list[Any], list[Any]]:
+        async def read() -> tuple[list[Any], list[Any], list[Any]]:
             async with self.engine.connect() as conn:
                 job_rows = (await conn.execute(sa.select(jobs))).mappings().all()
                 record_rows = (await conn.execute(sa.select(requests))).mappings().all()
-            return list(job_rows), list(record_rows)
+                marker_rows = (await conn.execute(sa.select(writing))).mappings().all()
+            return list(job_rows), list(record_rows), list(marker_rows)
 
-        job_rows, record_rows = self.run(read())
+        job_rows, record_rows, marker_rows = self.run(read())
+        # writes_in_flight holds each record in flight, as it is, and nothing else.
+        assert {
+            (m["job_id"], m["key"], m["generation"], m["attempt"], m["deadline"])
+            for m in marker_rows
+        } == {
+            (r["job_id"], r["key"], r["generation"], r["attempt"], r["deadline"])
+            for r in record_rows
+            if r["state"] == "in_flight"
+        }
+        assert all((r["unknown_at"] is not None) == (r["state"] == "unknown") for r in record_rows)
         assert {r["job_id"] for r in job_rows} == set(self.jobs)
         for row in job_rows:
             job = self.jobs[row["job_id"]]

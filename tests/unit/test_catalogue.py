@@ -16,9 +16,22 @@ from lease_core.statement import BATCH_LANES, parameter_names
 CATALOGUES = {dialect: catalogue.load(dialect) for dialect in catalogue.DIALECTS}
 
 
+_RETURNING = re.compile(r"\bRETURNING\b(.*)", re.S)
+_COLUMN = re.compile(r"(?:^|,)\s*(?:\w+\.)?(\w+)\s*(?=,|$)|\bAS\s+(\w+)")
+
+
 def parameters(operation: catalogue.Operation) -> set[str]:
+    """What a caller passes: the names the statements read, less those an earlier
+    statement of the operation returns (a chain reads them from its answer)."""
     statements = [*operation.statements, *([operation.many] if operation.many else [])]
-    return {name for s in statements for name in parameter_names(s.text)} - {"now"}
+    names: set[str] = set()
+    returned: set[str] = set()
+    for statement in statements:
+        names |= set(parameter_names(statement.text)) - returned
+        found = _RETURNING.search(statement.text)
+        if found:
+            returned |= {a or b for a, b in _COLUMN.findall(" ".join(found.group(1).split()))}
+    return names - {"now"}
 
 
 def test_every_dialect_defines_the_same_operations() -> None:
