@@ -39,7 +39,8 @@ async def pg_execute(dsn: str, *statements: str) -> None:
 
 # What a long run may change under the hot statements, read from PostgreSQL's own
 # statistics: the records table's live and dead rows, autovacuum passes over it, its size
-# (indexes included), whether a vacuum of it is running now; buffers the checkpointer and
+# (indexes included), writes_in_flight's size and dead rows (a row inserted and deleted
+# per write), whether a vacuum of it is running now; buffers the checkpointer and
 # the backends wrote (the latter when the background writer fell behind), checkpoints
 # and WAL. ``Database.server_state`` reads it before and after a run, ``Maintenance``
 # once a second during a soak.
@@ -49,6 +50,9 @@ PG_STATE = """
            t.autovacuum_count AS autovacuums,
            t.n_tup_upd AS updates, t.n_tup_hot_upd AS hot_updates,
            pg_total_relation_size('idempotency_records')::float8 AS records_bytes,
+           pg_total_relation_size('writes_in_flight')::float8 AS in_flight_bytes,
+           (SELECT w.n_dead_tup FROM pg_stat_user_tables AS w
+            WHERE w.relname = 'writes_in_flight') AS in_flight_dead_rows,
            EXISTS (SELECT 1 FROM pg_stat_progress_vacuum AS p
                    WHERE p.relid = 'idempotency_records'::regclass) AS vacuuming,
            b.buffers_checkpoint, b.buffers_backend,
@@ -65,6 +69,8 @@ PG_STATE_COUNTS = (
     "updates",
     "hot_updates",
     "records_bytes",
+    "in_flight_bytes",
+    "in_flight_dead_rows",
     "buffers_checkpoint",
     "buffers_backend",
     "checkpoints",

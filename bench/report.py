@@ -337,7 +337,9 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
                 f"table {after['live_rows']:,.0f} live and {after['dead_rows']:,.0f} dead rows "
                 f"(autovacuum = {row.get('autovacuum')}, {change['autovacuums']:.0f} autovacuum "
                 f"pass(es) over it), {after['records_bytes'] / 2**20:,.0f} MiB with its indexes; "
-                f"{hot_share(change)}"
+                f"{hot_share(change)}; writes_in_flight "
+                f"{after.get('in_flight_bytes', 0.0) / 2**20:,.1f} MiB, "
+                f"{after.get('in_flight_dead_rows', 0.0):,.0f} dead rows"
             )
         if not flat and not opts.quick:
             failures.append(f"soak {row['backend']}: the last interval is not within 10 %")
