@@ -81,6 +81,10 @@ writing = sa.Table(
     sa.Column("generation", sa.BigInteger, nullable=False),
     sa.Column("attempt", sa.String(32), nullable=False),
     sa.Column("deadline", sa.Float, nullable=False),
+    # The ordering barrier's probe, "job_id = J AND generation < g": the range skips the
+    # current generation's rows, live or deleted and not yet vacuumed.
+    sa.Index("ix_writes_in_flight_generation", "job_id", "generation"),
+    # The resolver's "in flight past the deadline".
     sa.Index("ix_writes_in_flight_deadline", "deadline"),
 )
 
