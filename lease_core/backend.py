@@ -118,16 +118,34 @@ class Backend:
         assert row is not None
         return int(row["changed"])
 
+    async def vacuum(self, table: str) -> None:
+        """PostgreSQL: ``VACUUM (SKIP_LOCKED)`` of ``table``, a small table that a row
+        inserted and deleted per write would otherwise grow until autovacuum comes (and
+        forever where it is off): its dead rows and their index entries go, and the
+        freed pages are reused. SQLite reuses a deleted row's space by itself: nothing.
+        A user that does not own the table gets PostgreSQL's warning and no vacuum."""
+        if self._sqlite:
+            return
+        async with self._measured(), self.engine.connect() as conn:
+            auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            await auto.execute(sa.text(f'VACUUM (SKIP_LOCKED) "{table}"'))
+
     # -- reads ----------------------------------------------------------------------
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
         """One SQLAlchemy transaction, for reading (the listings, the audit, the
         dashboard); connection failures become ``StoreUnavailable``."""
+        async with self._measured(), self.engine.begin() as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def _measured(self) -> AsyncIterator[None]:
+        """Work on an engine connection, timed; its connection failures become
+        ``StoreUnavailable`` (and are counted), other database errors pass."""
         started = time.perf_counter()
         try:
-            async with self.engine.begin() as conn:
-                yield conn
+            yield
         except _UNAVAILABLE as error:
             if isinstance(error, sa.exc.DBAPIError) and not _is_connection_error(error):
                 raise

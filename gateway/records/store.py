@@ -475,6 +475,12 @@ class GatewayStore:
 
     # -- retention ---------------------------------------------------------------------
 
+    async def vacuum_writing(self) -> None:
+        """Vacuum writes_in_flight (PostgreSQL; ``Backend.vacuum``): a row inserted and
+        deleted per write, its dead rows slow the ordering's probes and grow the table
+        until a vacuum runs."""
+        await self.backend.vacuum(writing.name)
+
     async def purge_records(self, older_than_seconds: float, *, batch: int = PURGE_BATCH) -> int:
         """Drop settled records past retention, ``batch`` per transaction; never an
         unknown one. How many."""

@@ -38,6 +38,9 @@ log = logging.getLogger("fencegate.server")
 
 SETTINGS = web.AppKey("settings", Settings)
 CONTROL_MAX_BODY = 1024 * 1024
+# How often the gateway vacuums writes_in_flight (PostgreSQL): at 3,000 writes a second,
+# 30,000 dead rows at most, a few milliseconds of vacuum.
+VACUUM_INTERVAL_SECONDS = 10.0
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -108,6 +111,10 @@ def create_control_app(
         settings.gateway.purge_interval_seconds,
         lambda: upkeep(settings, store, gateway),
     )
+    # writes_in_flight has a row inserted and deleted per write: on PostgreSQL the
+    # gateway vacuums it itself, so it stays as small as the writes in flight whether
+    # autovacuum runs or not (a no-op on SQLite).
+    tasks.every(app, "vacuum", VACUUM_INTERVAL_SECONDS, gateway.store.vacuum_writing)
     # Unknown outcomes the gateway resolves itself (unknown_outcome = "resolve"); a round
     # with no such upstream does nothing.
     tasks.every(
