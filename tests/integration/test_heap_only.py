@@ -53,15 +53,20 @@ async def settle_counted(conn: Any, params: dict[str, Any]) -> tuple[int, int]:
     return after["updated"] - before["updated"], after["hot"] - before["hot"]
 
 
-async def test_a_settle_with_an_answer_is_heap_only(pg_database_url: str) -> None:
-    await truncate_all(pg_database_url)
-    engine = create_engine(pg_database_url)
+async def leased(url: str, job_id: str) -> str:
+    """An empty database, and the hash of a lease's token of ``job_id``."""
+    await truncate_all(url)
+    engine = create_engine(url)
     try:
-        lease = await LeaseStore(engine).acquire(job_id="hot", owner="w", ttl=600, queue="q")
+        lease = await LeaseStore(engine).acquire(job_id=job_id, owner="w", ttl=600, queue="q")
     finally:
         await engine.dispose()
     assert lease.lease_token is not None
-    token_hash = tokens.hash_token(lease.lease_token)
+    return tokens.hash_token(lease.lease_token)
+
+
+async def test_a_settle_with_an_answer_is_heap_only(pg_database_url: str) -> None:
+    token_hash = await leased(pg_database_url, "hot")
     conn = await asyncpg.connect(driver_url(pg_database_url))
     try:
         updated = hot = 0
@@ -118,15 +123,8 @@ async def test_a_settle_with_an_answer_is_heap_only(pg_database_url: str) -> Non
 async def test_an_unknown_outcome_leaves_writes_in_flight_and_is_indexed(
     pg_database_url: str,
 ) -> None:
-    await truncate_all(pg_database_url)
-    engine = create_engine(pg_database_url)
-    try:
-        lease = await LeaseStore(engine).acquire(job_id="j", owner="w", ttl=600, queue="q")
-    finally:
-        await engine.dispose()
-    assert lease.lease_token is not None
     write = {
-        "token_hash": tokens.hash_token(lease.lease_token),
+        "token_hash": await leased(pg_database_url, "j"),
         "key": "k",
         "fingerprint": "f" * 64,
         "upstream": "pay",
