@@ -51,8 +51,6 @@ def upgrade() -> None:
         sa.Column("deadline", sa.Float(), nullable=False),
         sa.PrimaryKeyConstraint("job_id", "key"),
     )
-    op.create_index("ix_writes_in_flight_generation", "writes_in_flight", ["job_id", "generation"])
-    op.create_index("ix_writes_in_flight_deadline", "writes_in_flight", ["deadline"])
     with op.batch_alter_table(TABLE) as batch:
         batch.add_column(sa.Column("settled_at", sa.Float(), nullable=True))
         batch.add_column(sa.Column("unknown_at", sa.Float(), nullable=True))
@@ -96,6 +94,4 @@ def downgrade() -> None:
     with op.batch_alter_table(TABLE) as batch:
         batch.drop_column("unknown_at")
         batch.drop_column("settled_at")
-    op.drop_index("ix_writes_in_flight_deadline", table_name="writes_in_flight")
-    op.drop_index("ix_writes_in_flight_generation", table_name="writes_in_flight")
     op.drop_table("writes_in_flight")

@@ -269,9 +269,10 @@ WHERE (job_id, key) = (
     WHERE r.rowid IN (
         SELECT rowid FROM idempotency_records WHERE unknown_at IS NOT NULL
         UNION ALL
-        SELECT x.rowid FROM writes_in_flight AS w
-        JOIN idempotency_records AS x ON x.job_id = w.job_id AND x.key = w.key
-        WHERE w.deadline <= {now}
+        SELECT x.rowid FROM writes_in_flight
+        JOIN idempotency_records AS x
+            ON x.job_id = writes_in_flight.job_id AND x.key = writes_in_flight.key
+        WHERE writes_in_flight.deadline <= {now}
     )
       AND {unknown_or_overdue}
       AND r.upstream = :upstream
