@@ -66,6 +66,11 @@ ON CONFLICT (job_id, key) DO UPDATE
     SET generation = excluded.generation, attempt = excluded.attempt,
         deadline = excluded.deadline
 
+-- fragment: unmark_attempt
+-- Take the record :key of :job_id out of writes_in_flight, while the marker is our
+-- attempt's (:attempt): one that another attempt has taken over since is left alone.
+DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+
 -- fragment: unknown_since
 -- The unknown_at of a record that settles in the state :state at {now}: since now when
 -- its outcome is unknown, NULL otherwise (a record settled in flight was NULL, so a
@@ -194,7 +199,7 @@ SELECT EXISTS (
 -- name: release_claim
 -- Our attempt never reached the upstream: undo its claim.
 DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: return_claim
 -- Our attempt at a record taken over never reached the upstream: the record goes back
@@ -203,7 +208,7 @@ UPDATE idempotency_records
 SET state = {RecordState.UNKNOWN}, attempt = :back_attempt, generation = :back_generation,
     updated_at = {now}, unknown_at = {now}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: resolve_not_applied
 -- An operator says an unknown outcome was not applied: the record goes (with its

@@ -423,7 +423,7 @@ WITH settled AS (
         note = :note, settled_at = {now}, unknown_at = {unknown_since}
     WHERE job_id = :job_id AND key = :key AND attempt = :attempt
 )
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: settle (many)
 WITH v AS (
@@ -476,7 +476,7 @@ WITH held AS (
         request_body = :request_body, updated_at = {now}, unknown_at = {now}
     WHERE job_id = :job_id AND key = :key AND attempt = :attempt
 )
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: claim_resolution
 -- Claim one unknown outcome of :upstream for a re-send by the gateway (gateway.resolve):
@@ -556,7 +556,7 @@ WITH settled AS (
     RETURNING 1 AS changed
 ),
 unmarked AS (
-    DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+    {unmark_attempt}
 )
 SELECT changed FROM settled;
 
@@ -586,7 +586,7 @@ WITH record AS (
     DELETE FROM idempotency_records
     WHERE job_id = :job_id AND key = :key AND attempt = :attempt
 )
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: purge_records
 -- Completed records past retention (counted from when they last changed hands: their

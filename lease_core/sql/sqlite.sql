@@ -235,7 +235,7 @@ UPDATE idempotency_records
 SET state = :state, status = :status, headers = :headers, body = :body, note = :note,
     settled_at = {now}, unknown_at = {unknown_since}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: hold_for_resolution
 -- Our attempt's outcome is unknown and the gateway may resolve it itself (the upstream's
@@ -246,7 +246,7 @@ SET state = {RecordState.UNKNOWN}, status = :status, headers = :headers, body = 
     note = :note, request_head = :request_head, request_body = :request_body,
     updated_at = {now}, unknown_at = {now}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: claim_resolution
 -- Claim one unknown outcome of :upstream for a re-send by the gateway (gateway.resolve):
@@ -301,7 +301,7 @@ SET state = :state, status = :status, headers = :headers, body = :body, note = :
     updated_at = {now}, settled_at = {now}, unknown_at = {unknown_since}
 WHERE job_id = :job_id AND key = :key AND attempt = :attempt
 RETURNING 1 AS changed;
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: resolve_applied
 -- An operator says an unknown outcome was applied: later duplicates replay this answer.
@@ -319,7 +319,7 @@ DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND :changed 
 -- A write without a key completed: its record (kept only for ordering) and its marker
 -- go.
 DELETE FROM idempotency_records WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
-DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
+{unmark_attempt};
 
 -- name: purge_records
 -- Completed records past retention (counted from when they last changed hands: their
