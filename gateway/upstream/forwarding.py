@@ -229,31 +229,36 @@ class Forwarder:
         chunk goes out; any other end is kept for the key before the client learns it."""
         async with upstream_response:
             response_headers = answer_headers(upstream_response.headers)
-            out = web.StreamResponse(
-                status=upstream_response.status, reason=upstream_response.reason
-            )
-            for k, v in response_headers:
-                out.headers.add(k, v)
+            status, reason = upstream_response.status, upstream_response.reason
+            out: web.StreamResponse | None = None  # started once a second piece arrives
             stored: bytearray | None = bytearray()
             replay_limit = self.limits.max_replay_body_bytes
             client_gone = False
             complete = False
-            # The last chunk is held back until the upstream's answer has ended and its
+            # The last piece is held back until the upstream's answer has ended and its
             # record's settle has begun: a cut answer must not reach the client whole.
             held = b""
+
+            async def started() -> web.StreamResponse:
+                nonlocal out, client_gone
+                if out is None:
+                    out = web.StreamResponse(status=status, reason=reason)
+                    for k, v in response_headers:
+                        out.headers.add(k, v)
+                    try:
+                        await out.prepare(request)
+                    except (ConnectionError, RuntimeError):
+                        client_gone = True
+                return out
 
             async def send(chunk: bytes) -> None:
                 nonlocal client_gone
                 if chunk and not client_gone:
                     try:
-                        await out.write(chunk)
+                        await (await started()).write(chunk)
                     except (ConnectionError, RuntimeError):
                         client_gone = True
 
-            try:
-                await out.prepare(request)
-            except (ConnectionError, RuntimeError):
-                client_gone = True
             try:
                 async for chunk in upstream_response:
                     if stored is not None:
@@ -267,7 +272,6 @@ class Forwarder:
             except UpstreamError as error:
                 log.warning("upstream %s cut its answer short: %s", upstream.name, error)
             finally:
-                status = upstream_response.status
                 answer = upstream.answer_of(status, whole=complete)
                 if key is not None and answer is Answer.NOT_PROCESSED:
                     # "Not processed, try later": not the key's answer. The key is free
@@ -295,6 +299,13 @@ class Forwarder:
                             else "the upstream's answer was cut short",
                         )
                     )
+            if complete and out is None and held:
+                # The whole body came in one piece: aiohttp sends it with its head in one
+                # write, framed by its length (a streamed answer takes three).
+                return web.Response(
+                    status=status, reason=reason, body=held, headers=CIMultiDict(response_headers)
+                )
+            out = await started()
             if not client_gone:
                 if complete:
                     await send(held)

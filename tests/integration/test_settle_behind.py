@@ -99,13 +99,14 @@ async def test_settle_before_answer_holds_the_answer_for_its_record(
         gateway={"settle_before_answer": True},
     )
     lease = await stack.lease("job-1")
-    # The head goes out; the body's last byte waits for the record.
-    first = await asyncio.wait_for(stack.write("/pay/charges", lease, key="charge-1"), 10)
-    reading = asyncio.ensure_future(first.read())
+    # Nothing of the answer goes out before its record (a one-piece answer leaves
+    # whole, head and body in one write; a streamed one holds back its last piece).
+    writing = asyncio.ensure_future(stack.write("/pay/charges", lease, key="charge-1"))
     await asyncio.sleep(0.3)
-    assert not reading.done()
+    assert not writing.done()
     await locker.let_go()
-    body = await asyncio.wait_for(reading, 10)
+    first = await asyncio.wait_for(writing, 10)
+    body = await asyncio.wait_for(first.read(), 10)
     assert first.status == 201 and body
     await replayed(await stack.write("/pay/charges", lease, key="charge-1"))
     assert len(upstream.received) == 1
@@ -128,11 +129,11 @@ async def test_past_its_limit_an_answer_waits_for_its_record(make_stack: Any, lo
     lease = await stack.lease("job-1")
     first = await asyncio.wait_for(stack.write("/pay/charges", lease, key="charge-1"), 10)
     await asyncio.wait_for(ok(first), 2)  # its record behind it: the one allowed
-    second = await asyncio.wait_for(stack.write("/pay/charges", lease, key="charge-2"), 10)
-    reading = asyncio.ensure_future(second.read())
+    writing = asyncio.ensure_future(stack.write("/pay/charges", lease, key="charge-2"))
     await asyncio.sleep(0.3)
-    assert not reading.done()  # this one waits for its record
+    assert not writing.done()  # this one waits for its record
     await locker.let_go()
-    assert await asyncio.wait_for(reading, 10)
+    second = await asyncio.wait_for(writing, 10)
+    assert await asyncio.wait_for(second.read(), 10)
     assert second.status == 201
     await replayed(await stack.write("/pay/charges", lease, key="charge-2"))
