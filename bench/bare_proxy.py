@@ -2,7 +2,8 @@
 
 One aiohttp server and one ``ClientSession`` (configured as the gateway's is): read the
 request body, forward method, path, headers (minus hop-by-hop ones) and body to the
-upstream, stream the answer back. Whatever Fencegate adds on top of this is the cost of
+upstream, stream the answer back (an answer in one piece goes back in one write, as
+the gateway sends it). Whatever Fencegate adds on top of this is the cost of
 fencing.
 
 Run alone: ``python -m bench.bare_proxy --upstream http://127.0.0.1:9000 --port 8090``.
@@ -77,13 +78,27 @@ def create_app(upstream: str, timeout_seconds: float = 10.0) -> web.Application:
         except (TimeoutError, aiohttp.ClientError):
             return web.Response(status=502, text="upstream unavailable")
         async with upstream_response:
-            out = web.StreamResponse(
-                status=upstream_response.status, reason=upstream_response.reason
+            answer_headers: CIMultiDict[str] = CIMultiDict(
+                (k, v)
+                for k, v in upstream_response.headers.items()
+                if k.lower() not in DROP_FROM_UPSTREAM
             )
-            for k, v in upstream_response.headers.items():
-                if k.lower() not in DROP_FROM_UPSTREAM:
-                    out.headers.add(k, v)
+            first = await upstream_response.content.readany()
+            if upstream_response.content.at_eof() and first:
+                # In one piece: head and body in one write, as the gateway answers.
+                return web.Response(
+                    status=upstream_response.status,
+                    reason=upstream_response.reason,
+                    body=first,
+                    headers=answer_headers,
+                )
+            out = web.StreamResponse(
+                status=upstream_response.status,
+                reason=upstream_response.reason,
+                headers=answer_headers,
+            )
             await out.prepare(request)
+            await out.write(first)
             async for chunk in upstream_response.content.iter_any():
                 await out.write(chunk)
             await out.write_eof()
