@@ -12,6 +12,7 @@ answer it gets is ``after_forward``'s to choose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
@@ -300,11 +301,15 @@ class Forwarder:
                         )
                     )
             if complete and out is None and held:
-                # The whole body came in one piece: aiohttp sends it with its head in one
-                # write, framed by its length (a streamed answer takes three).
-                return web.Response(
+                # The whole body came in one piece: it goes with its head in one write,
+                # framed by its length (a streamed answer takes three).
+                whole = web.Response(
                     status=status, reason=reason, body=held, headers=CIMultiDict(response_headers)
                 )
+                with contextlib.suppress(ConnectionError, RuntimeError):  # the client left
+                    await whole.prepare(request)
+                    await whole.write_eof()
+                return whole
             out = await started()
             if not client_gone:
                 if complete:

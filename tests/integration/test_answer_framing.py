@@ -7,6 +7,8 @@
 - An answer cut short is never taken as whole by the worker, whichever way it was
   going to be framed.
 - A replay gives back the same body either way.
+- Either way the answer carries the upstream's headers only (docs/operations.md,
+  "Request ids").
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ PIECES = [
     b"%x\r\n" % (len(BODY) - 13) + BODY[13:] + b"\r\n",
     b"0\r\n\r\n",
 ]
-CUT = (
-    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
-    b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY[:10])
+CUT = b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY[:10],
 )
 
 
@@ -94,6 +96,7 @@ async def test_a_one_piece_answer_leaves_whole_with_its_length(
     assert "Transfer-Encoding" not in first.headers
     assert first.headers.get("X-Charge") == "ch_1"
     assert first.headers.get("Content-Type") == "application/json"
+    assert "X-Request-Id" not in first.headers  # the upstream's headers only
     assert await ok(first, 201) == BODY
     again = await stack.write("/pay/charges", lease, key="pay-1")
     await replayed(again)
@@ -111,6 +114,7 @@ async def test_an_answer_in_pieces_is_streamed_back_chunked(
     assert first.headers.get("Transfer-Encoding") == "chunked"
     assert "Content-Length" not in first.headers
     assert first.headers.get("X-Charge") == "ch_1"
+    assert "X-Request-Id" not in first.headers
     assert await ok(first, 201) == BODY
     again = await stack.write("/pay/charges", lease, key="pay-1")
     await replayed(again)
