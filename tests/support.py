@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from lease_core.schema import metadata
+from verify.etcd import EtcdMember
 
 PG_URL = os.environ.get(
     "FENCEGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
@@ -117,33 +118,17 @@ class ServiceProcess:
 
 class EtcdServer(ServiceProcess):
     """A real ``etcd`` process (Debian's etcd-server) on free ports, with its own data
-    directory; ``url`` is its client URL (the JSON gateway answers there too)."""
+    directory; ``url`` is its client URL (the JSON gateway answers there too). Its command
+    line and readiness check are verify's (``verify.etcd``), shared with the Patroni
+    cluster's etcd."""
 
     service, binary_name, package = "etcd", "etcd", "etcd-server"
 
     def __init__(self, folder: Path) -> None:
         binary = self.binary()
-        self.url = f"http://127.0.0.1:{free_port()}"
-        peer = f"http://127.0.0.1:{free_port()}"
-
-        def ready() -> bool:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as answer:
-                return b"true" in answer.read()
-
-        self.start(
-            folder,
-            [
-                binary,
-                "--name=test",
-                f"--data-dir={folder / 'data'}",
-                f"--listen-client-urls={self.url}",
-                f"--advertise-client-urls={self.url}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=test={peer}",
-            ],
-            ready,
-        )
+        etcd = EtcdMember.on_free_ports("test", folder / "data")
+        self.url = etcd.client_url
+        self.start(folder, etcd.argv(binary), etcd.healthy)
 
 
 class RedisServer(ServiceProcess):

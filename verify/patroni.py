@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import OS_USER, PG_BIN, TRUSTED_SUBNET, ClusterError, free_port
+from .etcd import EtcdMember
 
 PATRONI = "patroni"
 PATRONICTL = "patronictl"
@@ -128,33 +129,18 @@ class PatroniCluster:
         self.wait_healthy(timeout)
 
     def _start_etcd(self) -> None:
-        client, peer = free_port(), free_port()
-        self.etcd_url = f"http://127.0.0.1:{client}"
+        etcd = EtcdMember.on_free_ports("fencegate", self.base / "etcd")
+        self.etcd_url = etcd.client_url
         with (self.base / "etcd.log").open("ab") as log:  # the child keeps its own copy
             self.etcd = subprocess.Popen(
-                [
-                    "etcd",
-                    "--name=fencegate",
-                    f"--data-dir={self.base / 'etcd'}",
-                    f"--listen-client-urls={self.etcd_url}",
-                    f"--advertise-client-urls={self.etcd_url}",
-                    f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                    f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-                    f"--initial-cluster=fencegate=http://127.0.0.1:{peer}",
-                ],
+                etcd.argv(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(self.etcd_url + "/health", timeout=1) as answer:
-                    if b"true" in answer.read():
-                        return
-            except OSError:
-                pass
+        while not etcd.healthy():
             if self.etcd.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"etcd did not start; see {self.base / 'etcd.log'}")
             time.sleep(0.1)
