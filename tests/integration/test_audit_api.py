@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from gateway.fencing import fence
 from gateway.service.admin import GATEWAY_STATE
@@ -518,6 +519,69 @@ async def test_entries_given_at_once_are_written_in_order(engine: Any) -> None:
         )
         audit.record(entry)
         given.append(entry.path)
+    items, cursor = await audit.query(AuditQuery(limit=500))
+    assert cursor is None
+    assert [item["path"] for item in items][::-1] == given
+    await audit.close()
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_held_batch_of_entries_is_not_overtaken_by_the_next(engine: Any) -> None:
+    """Two batches (64 each) of entries given at once stay in order even when the first
+    one's statement is held up: the writer sends a run past one batch a batch at a time.
+    The shared statement has two lanes, so the second batch could otherwise go out on
+    another connection while the first waits, and take the ids (the audit's order)
+    before the first one's rows.
+
+    Held here: another transaction holds an uncommitted row with the id the audit's
+    sequence gives next, so the batch whose insert takes that id waits on the row's
+    primary key until it is rolled back. Sent a batch at a time, that is the first one,
+    and nothing is written meanwhile; with both lanes in flight, the other batch is
+    written while it waits, and its entries came before or among the first's."""
+    from gateway.records.audit import Audit, AuditEntry, AuditQuery
+    from lease_core.statement import MAX_BATCH
+    from lease_core.store import LeaseStore
+
+    async def scalar(sql: str, **params: Any) -> Any:
+        async with engine.connect() as conn:
+            return (await conn.execute(sa.text(sql), params)).scalar()
+
+    audit = Audit(LeaseStore(engine))
+    given = [f"/pay/{i}" for i in range(2 * MAX_BATCH)]
+    async with engine.connect() as locker:
+        pid = (await locker.execute(sa.text("SELECT pg_backend_pid()"))).scalar()
+        await locker.execute(
+            sa.text(
+                "INSERT INTO audit_log (id, at, reason, status, method, path)"
+                " VALUES (nextval(pg_get_serial_sequence('audit_log', 'id')) + 1,"
+                " 0, 'held', 0, 'GET', '/held')"
+            )
+        )
+        for path in given:
+            audit.record(
+                AuditEntry(
+                    reason="stale-generation",
+                    status=409,
+                    method="POST",
+                    path=path,
+                    job_id="job-1",
+                    generation=1,
+                )
+            )
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY(pg_blocking_pids(pid))"
+        for _ in range(500):  # until the first batch's insert waits on the held row
+            if await scalar(waiting, pid=pid):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("no insert of the audit waited on the held row")
+        for _ in range(100):  # a batch sent meanwhile has time to be written
+            if await scalar("SELECT count(*) FROM audit_log"):
+                break
+            await asyncio.sleep(0.01)
+        await locker.rollback()
     items, cursor = await audit.query(AuditQuery(limit=500))
     assert cursor is None
     assert [item["path"] for item in items][::-1] == given
