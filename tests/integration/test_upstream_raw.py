@@ -8,6 +8,11 @@ client itself and end to end through a gateway.
   ``upstream-unavailable``; a retry with the same key is not replayed as a success).
 - Trailers of a chunked answer are never the answer's headers: not when it is first
   forwarded, not in the stored answer a replay gives back.
+- How the gateway frames an answer for the worker: a body that arrives in one piece
+  leaves whole, head and body in one write, with its ``Content-Length``; one in several
+  pieces is streamed back chunked, its last piece held until the answer has ended; one
+  cut short is never whole for the worker. A replay gives back the same body, and the
+  answer carries the upstream's headers only (docs/operations.md, "Request ids").
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 
 from gateway.upstream import HeadTooLarge, NoAnswer, NoAnswerInTime, UpstreamClient
@@ -54,10 +60,16 @@ TRAILER_NAMES = {"x-checksum", "x-charge-state"}
 class RawUpstream:
     """An upstream that reads each request (head and ``Content-Length`` body) on a
     keep-alive connection and writes ``answer``, byte for byte, in one write or in the
-    pieces ``answer`` lists. It keeps every request it read."""
+    pieces ``answer`` lists, ``pause`` seconds after each piece (so that the reader gets
+    each on its own); with ``close``, it closes the connection after one answer. It
+    keeps every request it read."""
 
-    def __init__(self, answer: bytes | list[bytes]) -> None:
+    def __init__(
+        self, answer: bytes | list[bytes], *, pause: float = 0.0, close: bool = False
+    ) -> None:
         self.answer = answer
+        self.pause = pause
+        self.close_after = close
         self.requests: list[bytes] = []
         self.connections = 0
         self.url = ""
@@ -81,6 +93,10 @@ class RawUpstream:
                 for piece in pieces:
                     writer.write(piece)
                     await writer.drain()
+                    if self.pause:
+                        await asyncio.sleep(self.pause)
+                if self.close_after:
+                    break
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -92,11 +108,11 @@ class RawUpstream:
 
 
 @pytest.fixture
-async def raw_upstream() -> AsyncIterator[Callable[[bytes | list[bytes]], Awaitable[RawUpstream]]]:
+async def raw_upstream() -> AsyncIterator[Callable[..., Awaitable[RawUpstream]]]:
     made: list[RawUpstream] = []
 
-    async def make(answer: bytes | list[bytes]) -> RawUpstream:
-        up = RawUpstream(answer)
+    async def make(answer: bytes | list[bytes], **options: Any) -> RawUpstream:
+        up = RawUpstream(answer, **options)
         await up.start()
         made.append(up)
         return up
@@ -260,3 +276,70 @@ async def test_trailers_are_neither_forwarded_nor_replayed_as_headers(
     assert again.headers["Content-Type"] == "application/json"
     assert not {name.lower() for name in again.headers} & TRAILER_NAMES, again.headers
     assert len(up.requests) == 1
+
+
+# -- how an answer is framed for the worker ----------------------------------------------
+
+BODY = b'{"charged": true, "amount": 1250}'
+ONE_PIECE = (
+    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nX-Charge: ch_1\r\n\r\n%s" % (len(BODY), BODY)
+)
+PIECES = [
+    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\nX-Charge: ch_1\r\n\r\n",
+    b"d\r\n" + BODY[:13] + b"\r\n",
+    b"%x\r\n" % (len(BODY) - 13) + BODY[13:] + b"\r\n",
+    b"0\r\n\r\n",
+]
+CUT = b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY[:10],
+)
+
+
+async def test_a_one_piece_answer_leaves_whole_with_its_length(
+    make_stack: Any, raw_upstream: Callable[..., Awaitable[RawUpstream]]
+) -> None:
+    up = await raw_upstream(ONE_PIECE, pause=0.05)
+    stack = await make_stack(upstreams=[{"name": "pay", "url": up.url}])
+    lease = await stack.lease("job-1")
+    first = await stack.write("/pay/charges", lease, key="pay-1")
+    assert first.headers.get("Content-Length") == str(len(BODY))
+    assert "Transfer-Encoding" not in first.headers
+    assert first.headers.get("X-Charge") == "ch_1"
+    assert first.headers.get("Content-Type") == "application/json"
+    assert "X-Request-Id" not in first.headers  # the upstream's headers only
+    assert await ok(first, 201) == BODY
+    again = await stack.write("/pay/charges", lease, key="pay-1")
+    await replayed(again)
+    assert await again.read() == BODY
+    assert len(up.requests) == 1
+
+
+async def test_an_answer_in_pieces_is_streamed_back_chunked(
+    make_stack: Any, raw_upstream: Callable[..., Awaitable[RawUpstream]]
+) -> None:
+    up = await raw_upstream(PIECES, pause=0.05)
+    stack = await make_stack(upstreams=[{"name": "pay", "url": up.url}])
+    lease = await stack.lease("job-1")
+    first = await stack.write("/pay/charges", lease, key="pay-1")
+    assert first.headers.get("Transfer-Encoding") == "chunked"
+    assert "Content-Length" not in first.headers
+    assert first.headers.get("X-Charge") == "ch_1"
+    assert "X-Request-Id" not in first.headers
+    assert await ok(first, 201) == BODY
+    again = await stack.write("/pay/charges", lease, key="pay-1")
+    await replayed(again)
+    assert await again.read() == BODY
+
+
+async def test_an_answer_cut_short_is_never_whole_for_the_worker(
+    make_stack: Any, raw_upstream: Callable[..., Awaitable[RawUpstream]]
+) -> None:
+    up = await raw_upstream(CUT, close=True)
+    stack = await make_stack(upstreams=[{"name": "pay", "url": up.url}])
+    lease = await stack.lease("job-1")
+    with pytest.raises(aiohttp.ClientPayloadError):
+        first = await stack.write("/pay/charges", lease, key="pay-1")
+        await first.read()
