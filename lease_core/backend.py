@@ -53,6 +53,17 @@ class Backend:
         self.metrics = metrics or Metrics()
         self.server: str | None = None  # host:port of the last server connected to
         self._direct.on_connect = self._connected
+        self._refused: str | None = None  # why every operation is refused (``refuse``)
+
+    @property
+    def refused(self) -> str | None:
+        return self._refused
+
+    def refuse(self, reason: str | None) -> None:
+        """From now on every operation fails ``StoreUnavailable(reason)``; None serves
+        again. For a process that must not write this database any more (a schema
+        migrated past its code: ``gateway.service.server.check_schema``)."""
+        self._refused = reason
 
     def _connected(self, server: str) -> None:
         self.metrics.db_connections.inc()
@@ -67,6 +78,9 @@ class Backend:
         """Operation ``name`` with ``params`` (and ``now``, the injected clock's reading,
         or None where the database's clock decides; a caller that writes down later what
         happened earlier passes the reading it took then): its answer row, or None."""
+        if self._refused is not None:
+            self.metrics.store_errors.inc()
+            raise exc.StoreUnavailable(self._refused)
         if "now" not in params:
             params["now"] = self._dialect.injected_now()
         started = time.perf_counter()

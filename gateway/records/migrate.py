@@ -4,9 +4,11 @@ quickstart's migrate-on-start."""
 from __future__ import annotations
 
 import errno
+import functools
 import shlex
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -122,17 +124,60 @@ async def current_revision(engine: AsyncEngine) -> str | None:
         return await conn.run_sync(read)
 
 
-def is_compatible(revision: str | None) -> bool:
-    """This code can serve a database at ``revision``: our head, or a newer revision we
-    do not know (a rolling upgrade migrated the database ahead of this replica;
-    migrations only add, so the old code keeps working until it is replaced)."""
-    if revision is None:
-        return False
-    if revision == head_revision():
-        return True
+@functools.cache
+def known_revisions() -> frozenset[str]:
+    """Every revision this code's migrations know (a newer schema's are not among them)."""
     script = ScriptDirectory.from_config(alembic_config("sqlite://"))
-    try:
-        script.get_revision(revision)
-    except Exception:
-        return True  # unknown to us: newer
-    return False
+    return frozenset(rev.revision for rev in script.walk_revisions())
+
+
+@dataclass(frozen=True)
+class SchemaState:
+    """The database's schema revision, and when it is ahead of this code, its floor: the
+    oldest revisions whose code may serve it (``schema_floor``, migration 0009)."""
+
+    revision: str | None
+    floor: tuple[str, ...] = ()
+
+    @property
+    def ahead(self) -> bool:
+        """Migrated past this code (a revision it does not know is newer)."""
+        return self.revision is not None and self.revision not in known_revisions()
+
+    def below_floor(self) -> str | None:
+        """Why this code must not serve a schema migrated ahead of it: a migration since
+        its revision set the floor past it (None: it may, as in a rolling upgrade)."""
+        unknown = [floor for floor in self.floor if floor not in known_revisions()]
+        if not self.ahead or not unknown:
+            return None
+        return (
+            f"The database schema is at {self.revision} and serves code from revision "
+            f"{unknown[0]} on; this replica's code is at {head_revision()}: replace it "
+            "with the newer version."
+        )
+
+    def refusal(self) -> str | None:
+        """Why this code may not serve the schema (None: it may): not migrated, older
+        than the code, or migrated past it beyond its floor."""
+        if self.revision is None or (not self.ahead and self.revision != head_revision()):
+            return (
+                f"The database schema is at {self.revision or 'no revision'}, this version "
+                f"needs {head_revision()}: run `fencegate migrate`."
+            )
+        return self.below_floor()
+
+
+async def schema_state(engine: AsyncEngine) -> SchemaState:
+    """The schema's revision, and its floor when it is ahead of this code (only then is
+    ``schema_floor`` read: a schema at this code's revision or older needs none)."""
+
+    def read(conn: sa.Connection) -> SchemaState:
+        revision = MigrationContext.configure(conn).get_current_revision()
+        state = SchemaState(revision)
+        if not state.ahead:
+            return state
+        floor = conn.execute(sa.text("SELECT revision FROM schema_floor")).scalars().all()
+        return SchemaState(revision, tuple(floor))
+
+    async with engine.connect() as conn:
+        return await conn.run_sync(read)

@@ -86,6 +86,15 @@ writing = sa.Table(
     sa.Column("deadline", sa.Float, nullable=False),
 )
 
+# One row: the oldest schema revision whose code may serve this database (migration
+# 0009). A migration that older code cannot run beside sets it to itself;
+# gateway.records.migrate.is_compatible reads it when the schema is ahead of the code.
+schema_floor = sa.Table(
+    "schema_floor",
+    metadata,
+    sa.Column("revision", sa.String(32), primary_key=True),
+)
+
 # Every request the gateway answered itself (rejections and replays).
 audit = sa.Table(
     "audit_log",
@@ -129,4 +138,4 @@ audit = sa.Table(
     ),
 )
 
-__all__ = ["audit", "fences", "metadata", "requests", "writing"]
+__all__ = ["audit", "fences", "metadata", "requests", "schema_floor", "writing"]

@@ -38,6 +38,9 @@ log = logging.getLogger("fencegate.server")
 
 SETTINGS = web.AppKey("settings", Settings)
 CONTROL_MAX_BODY = 1024 * 1024
+# How often a replica looks whether the schema has been migrated past its code beyond
+# the schema's floor (check_schema): one read of the schema's revision.
+SCHEMA_CHECK_INTERVAL_SECONDS = 5.0
 # How often the gateway vacuums writes_in_flight (PostgreSQL): at 3,000 writes a second,
 # 30,000 dead rows at most, a few milliseconds of vacuum.
 VACUUM_INTERVAL_SECONDS = 10.0
@@ -60,18 +63,16 @@ async def readyz(request: web.Request) -> web.Response:
     store = request.app[lease_api.STORE]
     settings = request.app[SETTINGS]
     try:
-        revision = await migrate.current_revision(store.backend.engine)
+        schema = await migrate.schema_state(store.backend.engine)
         seen = None if settings.sqlite else await replication.replication(store.backend.engine)
     except Exception as error:
         raise exc.StoreUnavailable(
             f"The database is not reachable ({type(error).__name__})."
         ) from error
-    if not migrate.is_compatible(revision):
-        raise exc.StoreUnavailable(
-            f"The database schema is at {revision or 'no revision'}, this version needs "
-            f"{migrate.head_revision()}: run `fencegate migrate`."
-        )
-    answer: dict[str, object] = {"status": "ready", "schema": revision}
+    refused = schema.refusal()
+    if refused is not None:
+        raise exc.StoreUnavailable(refused)
+    answer: dict[str, object] = {"status": "ready", "schema": schema.revision}
     if seen is not None:
         if seen.in_recovery:
             raise exc.StoreUnavailable(f"The database server {seen.server} is a standby.")
@@ -111,6 +112,7 @@ def create_control_app(
         settings.gateway.purge_interval_seconds,
         lambda: upkeep(settings, store, gateway),
     )
+    tasks.every(app, "schema", SCHEMA_CHECK_INTERVAL_SECONDS, lambda: check_schema(store))
     # writes_in_flight has a row inserted and deleted per write: on PostgreSQL the
     # gateway vacuums it itself, so it stays as small as the writes in flight whether
     # autovacuum runs or not (a no-op on SQLite).
@@ -121,6 +123,23 @@ def create_control_app(
         app, "resolve", settings.gateway.resolve_interval_seconds, gateway.resolver.run_once
     )
     return app
+
+
+async def check_schema(store: LeaseStore) -> None:
+    """A migration that this code cannot run beside (one that raised the schema's floor
+    past it) turns this replica away from the database: every operation is refused
+    ``store-unavailable`` and ``/readyz`` says why, until the schema serves this code
+    again. A database that cannot be read now changes nothing."""
+    try:
+        schema = await migrate.schema_state(store.backend.engine)
+    except Exception:  # unreachable now: the operations will say so
+        return
+    below = schema.below_floor()
+    if below is not None and store.backend.refused is None:
+        log.error("%s Refusing every write until then.", below)
+    elif below is None and store.backend.refused is not None:
+        log.warning("the database schema serves this code again (%s)", schema.revision)
+    store.backend.refuse(below)
 
 
 async def upkeep(settings: Settings, store: LeaseStore, gateway: Gateway) -> None:
@@ -151,16 +170,21 @@ async def upkeep(settings: Settings, store: LeaseStore, gateway: Gateway) -> Non
 
 async def prepare_database(settings: Settings, store: LeaseStore) -> None:
     """SQLite migrates itself so the quickstart is one command; PostgreSQL is migrated by
-    ``fencegate migrate`` (a deploy step), and a server on an old schema refuses to start."""
-    if settings.sqlite:
-        await asyncio.to_thread(migrate.upgrade, settings.database_url)
-        return
+    ``fencegate migrate`` (a deploy step), and a server on an old schema refuses to start.
+    Either refuses a schema migrated past its code beyond the schema's floor."""
     try:
-        revision = await migrate.current_revision(store.backend.engine)
+        schema = await migrate.schema_state(store.backend.engine)
     except Exception as error:
         message = migrate.database_error(error, settings.database_url)
         raise SystemExit(f"fencegate: {message}") from error
-    if not migrate.is_compatible(revision):
+    below = schema.below_floor()
+    if below is not None:
+        raise SystemExit(f"fencegate: {below}")
+    if settings.sqlite:
+        if not schema.ahead:  # a file a newer version migrated is served as it is
+            await asyncio.to_thread(migrate.upgrade, settings.database_url)
+        return
+    if schema.refusal() is not None:
         raise SystemExit(
             "fencegate: the database schema is not at the newest migration; "
             "run `fencegate migrate` first"
