@@ -3,6 +3,7 @@ quickstart's migrate-on-start."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import shlex
@@ -15,7 +16,8 @@ import sqlalchemy as sa
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from alembic import command
 
@@ -181,3 +183,16 @@ async def schema_state(engine: AsyncEngine) -> SchemaState:
 
     async with engine.connect() as conn:
         return await conn.run_sync(read)
+
+
+def read_schema_state(database_url: str) -> SchemaState:
+    """``schema_state`` outside an event loop (``fencegate migrate``): blocking."""
+
+    async def read() -> SchemaState:
+        engine = create_async_engine(database_url, poolclass=NullPool, hide_parameters=True)
+        try:
+            return await schema_state(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())

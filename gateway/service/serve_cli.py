@@ -31,7 +31,21 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    """The schema to this version's head. A schema a newer version migrated (a rolled-back
+    deployment runs this step again) is left as it is: nothing to do while its floor lets
+    this version serve it, a refusal when not."""
     try:
+        schema = migrate.read_schema_state(settings.database_url)
+        if schema.ahead:
+            below = schema.below_floor()
+            if below is not None:
+                print(f"fencegate: {below}", file=sys.stderr)
+                return 1
+            print(
+                f"database at revision {schema.revision}, newer than this version's "
+                f"{migrate.head_revision()}: nothing to migrate"
+            )
+            return 0
         migrate.upgrade(settings.database_url)
     except OSError as error:  # the database's, not a file's: say so like the others
         print(f"fencegate: {migrate.database_error(error, settings.database_url)}", file=sys.stderr)

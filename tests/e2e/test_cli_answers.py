@@ -404,3 +404,38 @@ def test_postgres_driver_is_a_base_dependency() -> None:
         (Path(__file__).parents[2] / "pyproject.toml").read_text(encoding="utf-8")
     )
     assert any(d.startswith("asyncpg") for d in pyproject["project"]["dependencies"])
+
+
+# -- migrate on a schema a newer version migrated (a rollback) ----------------------------
+
+
+def _stamp(path: Path, revision: str, floor: str) -> None:
+    """The file as a newer release's ``fencegate migrate`` leaves it."""
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+        conn.execute("UPDATE schema_floor SET revision = ?", (floor,))
+
+
+def test_migrate_on_a_newer_schema_says_so_and_changes_nothing(tmp_path: Path) -> None:
+    """A rolled-back deployment runs the old version's migrate step: with the schema's
+    floor at or below this code, there is nothing to do (exit 0), and its serve starts."""
+    (tmp_path / "fencegate.toml").write_text('database_url = "sqlite+aiosqlite:///fg.db"\n')
+    assert run("migrate", cwd=tmp_path, timeout=60).returncode == 0
+    _stamp(tmp_path / "fg.db", "9999_newer", "0008")
+    result = run("migrate", cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "database at revision 9999_newer, newer than this version's" in result.stdout
+
+
+def test_migrate_below_the_schemas_floor_refuses_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "fencegate.toml").write_text('database_url = "sqlite+aiosqlite:///fg.db"\n')
+    assert run("migrate", cwd=tmp_path, timeout=60).returncode == 0
+    _stamp(tmp_path / "fg.db", "9999_newer", "9999_newer")
+    result = run("migrate", cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    line = one_line(result)
+    assert "serves code from revision 9999_newer on" in line
+    assert "replace it with the newer version" in line
