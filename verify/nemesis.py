@@ -166,7 +166,8 @@ class Nemesis:
         self.last_heal = 0.0  # time.monotonic() of the last partition healed
         self.active: set[int] = set()
         self.aborting = False
-        self.failovers: list[dict[str, Any]] = []  # each: from, to, began, primary_at
+        # each: from, to, how, healthy_before, began, primary_at
+        self.failovers: list[dict[str, Any]] = []
         for fault in faults:
             self.log.write({"phase": "plan", **fault.to_json()})
 
@@ -289,6 +290,11 @@ class Nemesis:
         """Move the primary; note when it went and how long the cluster had none."""
         cluster = self.stack.patroni
         assert cluster is not None
+        # Timed from the command, with a primary to move (an earlier fault may have left
+        # none for a while: that wait is not this failover's); whether every standby was
+        # streaming then, since a switchover waits for a synchronous one to take over.
+        await asyncio.to_thread(cluster.wait_primary, 60)
+        healthy = await asyncio.to_thread(cluster.healthy)
         began = time.time()
         if fault.params["how"] == "switchover":
             old = await asyncio.to_thread(cluster.switchover)
@@ -296,7 +302,14 @@ class Nemesis:
             old = await asyncio.to_thread(cluster.kill_primary)
         new = await asyncio.to_thread(cluster.wait_primary, 60, other_than=old)
         ended = time.time()
-        failover = {"from": old, "to": new.name, "began": began, "primary_at": ended}
+        failover = {
+            "from": old,
+            "to": new.name,
+            "how": fault.params["how"],
+            "healthy_before": healthy,
+            "began": began,
+            "primary_at": ended,
+        }
         self.failovers.append(failover)
         self._note("failover", fault, **failover, seconds=round(ended - began, 3))
 

@@ -211,9 +211,16 @@ def failover_figures(out: Path, failovers: list[dict[str, Any]]) -> dict[str, An
         e.time for e in events if e.f == "write" and e.type == "ok" and (e.status or 0) < 300
     )
     without, after, refused, unknown = [], [], 0, 0
+    longest: dict[str, Any] = {}
     for failover in failovers:
         began, primary_at = failover["began"], failover["primary_at"]
         without.append(primary_at - began)
+        if primary_at - began >= longest.get("seconds", -1.0):
+            longest = {
+                "seconds": round(primary_at - began, 2),
+                "how": failover.get("how"),
+                "healthy_before": failover.get("healthy_before"),
+            }
         first = next((t for t in answered if t >= primary_at), None)
         if first is not None:
             after.append(first - primary_at)
@@ -229,6 +236,8 @@ def failover_figures(out: Path, failovers: list[dict[str, Any]]) -> dict[str, An
     return {
         "count": len(failovers),
         "without_primary": median_max(without),
+        "longest": longest,
+        "from_degraded": sum(1 for f in failovers if f.get("healthy_before") is False),
         "first_write_after": median_max(after),
         "store_unavailable": refused,
         "unknown": unknown,
@@ -269,8 +278,11 @@ def finish(
     fault_text = ", ".join(f"{k} {n}" for k, n in faults.items()) or "none"
     if figures:
         print(
-            f"failovers: {figures['count']}, without a primary {figures['without_primary']} s "
-            f"(median, max), first write answered after the new primary "
+            f"failovers: {figures['count']} ({figures['from_degraded']} begun with a standby "
+            f"not streaming), without a primary {figures['without_primary']} s (median, max; "
+            f"the longest a {figures['longest'].get('how')}, begun "
+            f"{'healthy' if figures['longest'].get('healthy_before') else 'degraded'}), "
+            f"first write answered after the new primary "
             f"{figures['first_write_after']} s (median, max); writes refused "
             f"store-unavailable {figures['store_unavailable']}, held unknown "
             f"{figures['unknown']} during them"

@@ -71,10 +71,16 @@ def test_the_failover_figures(tmp_path: Path) -> None:
             event(105.0, "fail", 503, "store-unavailable"),  # after: not counted
         ],
     )
-    figures = failover_figures(tmp_path, [{"began": 100.0, "primary_at": 104.0}])
+    failovers = [
+        {"how": "kill", "healthy_before": True, "began": 100.0, "primary_at": 104.0},
+        {"how": "switchover", "healthy_before": False, "began": 110.0, "primary_at": 112.0},
+    ]
+    figures = failover_figures(tmp_path, failovers)
     assert figures == {
-        "count": 1,
-        "without_primary": [4.0, 4.0],
+        "count": 2,
+        "without_primary": [3.0, 4.0],
+        "longest": {"seconds": 4.0, "how": "kill", "healthy_before": True},
+        "from_degraded": 1,
         "first_write_after": [0.5, 0.5],
         "store_unavailable": 2,
         "unknown": 1,
