@@ -61,8 +61,8 @@ class Backend:
 
     def refuse(self, reason: str | None) -> None:
         """From now on every operation fails ``StoreUnavailable(reason)``; None serves
-        again. For a process that must not write this database any more (a schema
-        migrated past its code: ``gateway.service.server.check_schema``)."""
+        again. For a process that must not write this database any more, such as one
+        whose code a migration has left behind (the server's schema check)."""
         self._refused = reason
 
     def _connected(self, server: str) -> None:
