@@ -18,6 +18,8 @@ them.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,7 +28,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.records import migrate
-from gateway.service.server import check_schema, prepare_database
+from gateway.service.server import SCHEMA_CHECK_INTERVAL_SECONDS, check_schema, prepare_database
+from lease_core import api as lease_api
 from lease_core.store import LeaseStore
 from tests.gateway_helpers import ok, problem
 
@@ -103,7 +106,7 @@ async def test_a_replica_below_the_floor_turns_away_until_the_schema_serves_it_a
     make_stack: Any, upstream: Any, schema_at: Callable[..., Any]
 ) -> None:
     stack = await make_stack(upstreams=[{"name": "pay", "url": upstream.url}], use_clock=False)
-    store: LeaseStore = stack.control.app[_store_key()]
+    store: LeaseStore = stack.control.app[lease_api.STORE]
     lease = await stack.lease("job-1")
     await ok(await stack.write("/pay/charges", lease, key="pay-1"))
 
@@ -123,7 +126,16 @@ async def test_a_replica_below_the_floor_turns_away_until_the_schema_serves_it_a
     assert len(upstream.received) == 2
 
 
-def _store_key() -> Any:
-    from lease_core import api as lease_api
-
-    return lease_api.STORE
+async def test_a_serving_replica_finds_the_floor_by_itself(
+    make_stack: Any, upstream: Any, schema_at: Callable[..., Any]
+) -> None:
+    """The check runs in the background (every ``SCHEMA_CHECK_INTERVAL_SECONDS``): no
+    call from outside turns the replica away."""
+    stack = await make_stack(upstreams=[{"name": "pay", "url": upstream.url}], use_clock=False)
+    store: LeaseStore = stack.control.app[lease_api.STORE]
+    await schema_at(NEWER, floor=NEWER)
+    deadline = time.monotonic() + 3 * SCHEMA_CHECK_INTERVAL_SECONDS
+    while store.backend.refused is None:
+        assert time.monotonic() < deadline, "the replica did not find the floor by itself"
+        await asyncio.sleep(0.1)
+    assert f"serves code from revision {NEWER} on" in store.backend.refused
