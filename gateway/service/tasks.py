@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from lease_core import exceptions as lease_exc
+
 log = logging.getLogger("fencegate.tasks")
 
 # At shutdown, how long a step in progress may finish before it is cancelled (part of
@@ -35,6 +37,12 @@ def every(
                 pass
             try:
                 await step()
+            except lease_exc.StoreUnavailable as error:
+                # Expected while the database is down, failing over, or turned away (the
+                # schema's floor): one line a round, not a traceback.
+                log.warning(
+                    "background task %s: %s Retrying in %.0fs.", name, error.detail, interval
+                )
             except Exception:
                 log.exception("background task %s failed; retrying in %.0fs", name, interval)
 
