@@ -51,6 +51,7 @@ def upgrade(database_url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(database_url), revision)
 
 
+@functools.cache
 def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 
@@ -116,14 +117,6 @@ def _os_reason(error: OSError) -> str:
     if isinstance(error, TimeoutError):
         return "timed out"
     return error.strerror or str(error) or type(error).__name__
-
-
-async def current_revision(engine: AsyncEngine) -> str | None:
-    def read(conn: sa.Connection) -> str | None:
-        return MigrationContext.configure(conn).get_current_revision()
-
-    async with engine.connect() as conn:
-        return await conn.run_sync(read)
 
 
 @functools.cache

@@ -88,7 +88,7 @@ writing = sa.Table(
 
 # One row: the oldest schema revision whose code may serve this database (migration
 # 0009). A migration that older code cannot run beside sets it to itself;
-# gateway.records.migrate.is_compatible reads it when the schema is ahead of the code.
+# gateway.records.migrate.SchemaState reads it when the schema is ahead of the code.
 schema_floor = sa.Table(
     "schema_floor",
     metadata,

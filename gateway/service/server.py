@@ -177,18 +177,12 @@ async def prepare_database(settings: Settings, store: LeaseStore) -> None:
     except Exception as error:
         message = migrate.database_error(error, settings.database_url)
         raise SystemExit(f"fencegate: {message}") from error
-    below = schema.below_floor()
-    if below is not None:
-        raise SystemExit(f"fencegate: {below}")
-    if settings.sqlite:
-        if not schema.ahead:  # a file a newer version migrated is served as it is
-            await asyncio.to_thread(migrate.upgrade, settings.database_url)
+    if settings.sqlite and not schema.ahead:  # one migrated ahead is served as it is
+        await asyncio.to_thread(migrate.upgrade, settings.database_url)
         return
-    if schema.refusal() is not None:
-        raise SystemExit(
-            "fencegate: the database schema is not at the newest migration; "
-            "run `fencegate migrate` first"
-        )
+    refused = schema.refusal()
+    if refused is not None:
+        raise SystemExit(f"fencegate: {refused}")
 
 
 async def check_replication(settings: Settings, store: LeaseStore) -> None:

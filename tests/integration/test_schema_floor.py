@@ -92,6 +92,23 @@ async def test_a_replica_below_the_floor_refuses_to_start(
     assert "replace it with the newer version" in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_replica_on_an_older_schema_refuses_to_start_naming_both_revisions(
+    engine: AsyncEngine, make_settings: Callable[..., Any], schema_at: Callable[..., Any]
+) -> None:
+    """PostgreSQL is migrated by ``fencegate migrate``, never by serve (SQLite migrates
+    itself at start)."""
+    await schema_at("0008", floor=None)
+    with pytest.raises(SystemExit) as refused:
+        await prepare_database(make_settings(), LeaseStore(engine))
+    assert str(refused.value) == (
+        f"fencegate: The database schema is at 0008, this version needs "
+        f"{migrate.head_revision()}: run `fencegate migrate`."
+    )
+
+
 async def test_a_replica_starts_on_a_schema_ahead_within_its_floor(
     engine: AsyncEngine, make_settings: Callable[..., Any], schema_at: Callable[..., Any]
 ) -> None:
@@ -99,7 +116,7 @@ async def test_a_replica_starts_on_a_schema_ahead_within_its_floor(
     know its revision, so alembic could not)."""
     await schema_at(NEWER, floor="0008")
     await prepare_database(make_settings(), LeaseStore(engine))
-    assert await migrate.current_revision(engine) == NEWER
+    assert (await migrate.schema_state(engine)).revision == NEWER
 
 
 async def test_a_replica_below_the_floor_turns_away_until_the_schema_serves_it_again(

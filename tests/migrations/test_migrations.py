@@ -129,7 +129,7 @@ def test_is_at_head_follows_the_schema(empty_database: str) -> None:
     async def at_head() -> bool:
         engine = create_async_engine(empty_database)
         try:
-            return await migrate.current_revision(engine) == migrate.head_revision()
+            return (await migrate.schema_state(engine)).revision == migrate.head_revision()
         finally:
             await engine.dispose()
 
