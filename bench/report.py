@@ -3,6 +3,7 @@ the end of a run: fenced writes, the lease core, and the soak per interval."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,15 +49,63 @@ def judge_writes(rows: list[dict[str, Any]], bare: dict[str, Any] | None) -> Non
     for row in rows:
         if row["section"] != "writes" or row["backend"] is None:
             continue
-        if bare is None or not bare["rps"]:
+        if bare is None or not bare.get("rps"):
             row["rps_ratio"] = row["p99_ratio"] = None
             row["rps_ok"] = row["p99_ok"] = None
             continue
         row["rps_ratio"] = row["rps"] / bare["rps"]
-        row["p99_ratio"] = row["p99_ms"] / bare["p99_ms"] if bare["p99_ms"] else None
+        row["p99_ratio"] = row["p99_ms"] / bare["p99_ms"] if bare.get("p99_ms") else None
         row["rps_target"] = WRITE_RPS_TARGET[row["backend"]]
         row["rps_ok"] = row["rps_ratio"] >= row["rps_target"]
         row["p99_ok"] = row["p99_ratio"] is not None and row["p99_ratio"] <= P99_TARGET
+        row["cpu_budget"] = cpu_budget(row, bare)
+
+
+# The processes beside the server under test whose CPU a fenced write also costs.
+BESIDE = ("driver", "upstream", "postgres")
+
+
+def cpu_budget(
+    row: dict[str, Any], bare: dict[str, Any], cores: int | None = None
+) -> dict[str, float] | None:
+    """What a fenced-write row's throughput target leaves the gateway to spend, from the
+    CPU this run measured: at ``rps_target`` times the bare proxy's rate, the gateway's
+    one event loop gives it at most ``one_core_ms`` a write; the machine, as busy as it
+    was under the bare proxy, gives every process together ``machine_ms``, of which the
+    driver, the upstream and PostgreSQL (at their cost per write in this row) take
+    ``beside_ms``. ``budget_ms`` is the smaller of what is left; ``spent_ms`` what the
+    gateway spent, ``bare_ms`` what the bare proxy did. None when a number is missing."""
+    cores = cores or os.cpu_count() or 1
+    cpu = row.get("cpu_percent") or {}
+    needed = (row.get("rps_target"), bare.get("rps"), bare.get("machine_busy_percent"))
+    if None in needed or not row.get("rps") or row.get("server_cpu_ms_per_request") is None:
+        return None
+    target_rps = row["rps_target"] * bare["rps"]
+    machine_cores = bare["machine_busy_percent"] / 100 * cores
+    beside_ms = sum(10 * cpu[n] / row["rps"] for n in BESIDE if cpu.get(n) is not None)
+    one_core_ms = 1000 / target_rps
+    machine_ms = 1000 * machine_cores / target_rps
+    return {
+        "target_rps": target_rps,
+        "one_core_ms": one_core_ms,
+        "machine_cores": machine_cores,
+        "machine_ms": machine_ms,
+        "beside_ms": beside_ms,
+        "budget_ms": min(one_core_ms, machine_ms - beside_ms),
+        "spent_ms": row["server_cpu_ms_per_request"],
+        "bare_ms": bare.get("server_cpu_ms_per_request") or 0.0,
+    }
+
+
+def budget_line(target: str, b: dict[str, float]) -> str:
+    return (
+        f"{target}: at {b['target_rps']:,.0f} writes/s the gateway may spend "
+        f"{b['budget_ms']:.2f} ms of CPU a write (its event loop: {b['one_core_ms']:.2f}; "
+        f"the machine as busy as under the bare proxy, {b['machine_cores']:.2f} cores: "
+        f"{b['machine_ms']:.2f}, less {b['beside_ms']:.2f} for the driver, upstream and "
+        f"database: {b['machine_ms'] - b['beside_ms']:.2f}); it spent {b['spent_ms']:.2f}, "
+        f"the bare proxy {b['bare_ms']:.2f}"
+    )
 
 
 def judge_open_loop(row: dict[str, Any]) -> None:
@@ -190,6 +239,10 @@ def report(rows: list[dict[str, Any]], opts: Options) -> str:
     bares = [r for r in writes if r["target"].startswith("bare")]
     if len(bares) > 1:
         out.append(f"(ratios are to the mean of the {len(bares)} bare proxy runs)")
+    budgets = [budget_line(r["target"], r["cpu_budget"]) for r in writes if r.get("cpu_budget")]
+    if budgets:
+        out.append("CPU budget of the throughput target, from this run's CPU per write:")
+        out.extend(f"  {line}" for line in budgets)
     lease = [r for r in rows if r["section"] == "lease"]
     if lease:
         out.append("")

@@ -166,9 +166,12 @@ def run(opts: Options) -> int:
                 measure_bare("bare-again", "bare aiohttp proxy (again, at the end)")
             bare = None
             if bare_runs:
+                # Every number the verdicts and the CPU budget read, where each run has it.
+                keys = ("rps", "p99_ms", "machine_busy_percent", "server_cpu_ms_per_request")
                 bare = {
                     key: sum(r[key] for r in bare_runs) / len(bare_runs)
-                    for key in ("rps", "p99_ms")
+                    for key in keys
+                    if all(r.get(key) is not None for r in bare_runs)
                 }
             judge_writes(rows, bare)
     except (BenchError, RuntimeError) as error:
