@@ -16,10 +16,10 @@ import sqlalchemy as sa
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from alembic import command
+from lease_core.db import create_engine
 
 
 def script_location() -> Path:
@@ -182,7 +182,8 @@ def read_schema_state(database_url: str) -> SchemaState:
     """``schema_state`` outside an event loop (``fencegate migrate``): blocking."""
 
     async def read() -> SchemaState:
-        engine = create_async_engine(database_url, poolclass=NullPool, hide_parameters=True)
+        # The project's own engine: its SQLite settings, parameters kept out of errors.
+        engine = create_engine(database_url, pool_size=1)
         try:
             return await schema_state(engine)
         finally:
