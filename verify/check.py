@@ -17,8 +17,28 @@ the upstream applied writes. The invariants (docs/verification.md says why each)
 7. ``liveness``: the share of claimed jobs completed; nothing completed (or a share under
    ``min_completed``) is a violation.
 
-``python -m verify check HISTORY LEDGER [--min-completed X] [--json]``: 0 no violation,
-1 violation, 2 a file cannot be read.
+8-11 ask of each applied write which writes sent could have caused it: the write invokes
+of its job, key and generation, invoked before it was applied, with its body. It is a
+violation when there is none (10), or when every one of them was one the gateway must not
+have forwarded: refused with a reason that says it was not forwarded (9), invoked after a
+newer generation of its job had been granted (8), or invoked after its lease was over,
+expired or completed (11). The violation is named by the latest such write.
+
+8. ``applied-after-newer-grant``: a write invoked after a claim ``ok`` of a newer
+   generation of its job is never applied.
+9. ``refused-but-applied``: a write refused with a reason of ``NOT_FORWARDED`` is never
+   applied.
+10. ``body-not-sent``: an applied write's body is one sent under its job, key and
+    generation before it was applied.
+11. ``applied-after-lease-over``: a write invoked more than ``expiry_margin`` seconds after
+    its lease was over (the last claim or renew ``ok`` plus its ``ttl``, or a complete
+    ``ok``) is never applied, unless a renew of that lease with an unknown outcome was
+    invoked before it, or a replica's clock was skewed (``skewed``) when the lease was
+    granted or renewed or the write invoked.
+
+``python -m verify check HISTORY LEDGER [--min-completed X] [--expiry-margin S]
+[--clock-skew FROM,TO ...] [--json]``: 0 no violation, 1 violation, 2 a file cannot be
+read.
 """
 
 from __future__ import annotations
@@ -30,7 +50,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Final, get_args
 
 from verify.events import (
     F,
@@ -51,7 +71,38 @@ NAMES = {
     5: "replay-answer-differs",
     6: "stale-write",
     7: "liveness",
+    8: "applied-after-newer-grant",
+    9: "refused-but-applied",
+    10: "body-not-sent",
+    11: "applied-after-lease-over",
 }
+
+NOT_FORWARDED: Final = frozenset(
+    {
+        "unknown-upstream",
+        "invalid-request",
+        "missing-fencing-token",
+        "invalid-fencing-token",
+        "missing-idempotency-key",
+        "stale-generation",
+        "lease-ended",
+        "lease-expired",
+        "body-too-large",
+        "body-timeout",
+        "idempotency-key-reused",
+        "request-in-progress",
+        "ordering-timeout",
+        "gateway-overloaded",
+    }
+)
+"""The gateway's refusals that say the write was not forwarded (docs/protocol.md): a write
+answered one of these must not reach the upstream. ``upstream-*``, ``outcome-unknown``
+and ``store-unavailable`` are not among them: the write may have been sent."""
+
+EXPIRY_MARGIN: Final = 0.5
+"""Seconds a write must be invoked after its lease was over to count as invoked after it:
+the history's and the ledger's times and the database's clock are one machine's, and a
+client sees a grant after the database made it, so this only absorbs the clock's grain."""
 
 Step = tuple[str, str]
 """``(job, key)``: the identity of a write."""
@@ -138,7 +189,7 @@ class Report:
             f"({self.completed_share:.1%})",
         ]
         if self.ok:
-            lines.append("no violation of invariants 1-7")
+            lines.append(f"no violation of invariants 1-{max(NAMES)}")
             return "\n".join(lines)
         lines.append(f"{len(self.violations)} violation(s):")
         for v in self.violations:
@@ -154,8 +205,14 @@ def check(
     ledger: Sequence[LedgerEntry],
     *,
     min_completed: float = 0.0,
+    expiry_margin: float = EXPIRY_MARGIN,
+    skewed: Sequence[tuple[float, float]] = (),
 ) -> Report:
-    """Check invariants 1-7 of a run; the violations in invariant order, then ledger order."""
+    """Check invariants 1-11 of a run; the violations in invariant order, then ledger order.
+
+    ``skewed``: the spans of time (``time.time()``, from, to) in which a replica that
+    judges leases by its own clock (SQLite) ran with a skewed clock; invariant 11 does
+    not judge the leases granted or renewed, nor the writes invoked, in them."""
     report = Report(min_completed=min_completed)
     report.history_events = len(history)
     report.writes_applied = len(ledger)
@@ -194,6 +251,7 @@ def check(
     v.extend(same_answer(writes, applied))
     for entries in by_job.values():
         v.extend(stale_writes(entries, grants))
+    v.extend(Causes(history, expiry_margin, skewed).violations(ledger))
     v.extend(liveness(history, report))
     v.sort(key=lambda violation: violation.invariant)
     return report
@@ -311,6 +369,161 @@ def stale_writes(
             firsts.append(entry)
 
 
+Lease = tuple[str, int]
+"""``(job, generation)``: one lease."""
+
+
+class Causes:
+    """Invariants 8-11: for each applied write, the writes sent that could have caused it.
+
+    A cause of a ledger entry is a write invoke of its job, key and generation with its
+    body, invoked at or before it was applied. A cause is *excluded* when the gateway must
+    not have forwarded it: its completion is a refusal of ``NOT_FORWARDED`` (9), a newer
+    generation of its job had been granted before it was invoked (8), or its lease was
+    over before it was invoked (11). An entry with no cause (10), or whose every cause is
+    excluded, is a violation, named by its latest cause's exclusion."""
+
+    def __init__(
+        self,
+        history: Sequence[HistoryEvent],
+        margin: float,
+        skewed: Sequence[tuple[float, float]],
+    ) -> None:
+        self.margin = margin
+        self.skewed = tuple(skewed)
+        self.sent: dict[tuple[str, str, int], list[HistoryEvent]] = defaultdict(list)
+        self.completion: dict[int, HistoryEvent] = {}  # id(invoke) -> its completion
+        self.granted: dict[str, list[HistoryEvent]] = defaultdict(list)
+        self.held_until: dict[Lease, float] = {}  # the last claim or renew ok plus its ttl
+        self.untimed: set[Lease] = set()  # a claim or renew ok without a ttl: not judged
+        self.grants_of: dict[Lease, list[HistoryEvent]] = defaultdict(list)
+        self.ended: dict[Lease, HistoryEvent] = {}
+        self.unknown_renew: dict[Lease, HistoryEvent] = {}
+        outstanding: dict[str, HistoryEvent] = {}
+        for event in history:
+            if event.type == "invoke":
+                outstanding[event.process] = event
+                if event.f == "write" and event.key is not None and event.generation is not None:
+                    self.sent[event.job, event.key, event.generation].append(event)
+                continue
+            invoke = outstanding.pop(event.process, None)
+            if invoke is not None:
+                self.completion[id(invoke)] = event
+                if invoke.f == "renew" and event.type == "info":
+                    self._renew_unknown(invoke)
+            if event.type == "ok" and event.generation is not None:
+                self._ok(event)
+        for invoke in outstanding.values():  # never answered: unknown
+            if invoke.f == "renew":
+                self._renew_unknown(invoke)
+
+    def _renew_unknown(self, invoke: HistoryEvent) -> None:
+        if invoke.generation is None:
+            return
+        lease = (invoke.job, invoke.generation)
+        known = self.unknown_renew.get(lease)
+        if known is None or invoke.time < known.time:
+            self.unknown_renew[lease] = invoke
+
+    def _ok(self, event: HistoryEvent) -> None:
+        assert event.generation is not None
+        lease = (event.job, event.generation)
+        if event.f == "claim":
+            self.granted[event.job].append(event)
+        if event.f in ("claim", "renew"):
+            self.grants_of[lease].append(event)
+            if event.ttl is None:
+                self.untimed.add(lease)
+            else:
+                known = self.held_until.get(lease, event.time)
+                self.held_until[lease] = max(known, event.time + event.ttl)
+        elif event.f == "complete" and lease not in self.ended:
+            self.ended[lease] = event
+
+    def in_skew(self, at: float) -> bool:
+        return any(start <= at <= end for start, end in self.skewed)
+
+    def exclusion(self, invoke: HistoryEvent) -> tuple[int, str, tuple[Record, ...]] | None:
+        """Why the gateway must not have forwarded this write invoke, or None."""
+        completion = self.completion.get(id(invoke))
+        if (
+            completion is not None
+            and completion.type == "fail"
+            and completion.reason in NOT_FORWARDED
+        ):
+            return 9, f"refused {completion.status} {completion.reason}", (completion,)
+        assert invoke.generation is not None
+        newer = [
+            grant
+            for grant in self.granted.get(invoke.job, [])
+            if grant.generation is not None
+            and grant.generation > invoke.generation
+            and grant.time < invoke.time
+        ]
+        if newer:
+            grant = min(newer, key=lambda g: g.time)
+            return 8, f"invoked after generation {grant.generation} was granted", (grant,)
+        return self.over(invoke)
+
+    def over(self, invoke: HistoryEvent) -> tuple[int, str, tuple[Record, ...]] | None:
+        """Invariant 11: the write was invoked after its lease was over."""
+        assert invoke.generation is not None
+        lease = (invoke.job, invoke.generation)
+        ended = self.ended.get(lease)
+        if ended is not None and invoke.time > ended.time + self.margin:
+            return 11, "invoked after its lease was completed", (ended,)
+        until = self.held_until.get(lease)
+        grants = self.grants_of.get(lease, [])
+        if until is None or lease in self.untimed or invoke.time <= until + self.margin:
+            return None
+        unknown = self.unknown_renew.get(lease)
+        if unknown is not None and unknown.time < invoke.time:
+            return None  # a renewal that may have held the lease longer
+        if self.in_skew(invoke.time) or any(self.in_skew(g.time) for g in grants):
+            return None
+        last = max(grants, key=lambda g: g.time)
+        return (
+            11,
+            f"invoked {invoke.time - until:.2f} s after its lease expired (last {last.f} ok "
+            f"with ttl {last.ttl:g} s)",
+            (last,),
+        )
+
+    def violations(self, ledger: Iterable[LedgerEntry]) -> Iterable[Violation]:
+        for entry in ledger:
+            sent = [
+                e
+                for e in self.sent.get((entry.job, entry.key, entry.generation), [])
+                if e.time <= entry.time
+            ]
+            causes = [e for e in sent if e.body_sha256 == entry.body_sha256]
+            where = f"generation {entry.generation} write (key {entry.key!r})"
+            if not causes:
+                what = (
+                    "no write was sent under its job, key and generation before it"
+                    if not sent
+                    else f"its body differs from the {len(sent)} sent under its key before it"
+                )
+                yield Violation(10, entry.job, f"{where} applied, but {what}", (entry, *sent))
+                continue
+            exclusions = [self.exclusion(cause) for cause in causes]
+            if any(exclusion is None for exclusion in exclusions):
+                continue
+            latest = max(range(len(causes)), key=lambda i: causes[i].time)
+            invariant, _, evidence = exclusions[latest] or (0, "", ())
+            yield Violation(
+                invariant,
+                entry.job,
+                f"{where} applied although the gateway must not have forwarded it: "
+                + "; ".join(
+                    f"{_where(cause)} {exclusion[1]}"
+                    for cause, exclusion in zip(causes, exclusions, strict=True)
+                    if exclusion is not None
+                ),
+                (entry, causes[latest], *evidence),
+            )
+
+
 def liveness(history: Iterable[HistoryEvent], report: Report) -> Iterable[Violation]:
     """7: the share of claimed jobs completed, set on ``report``; none is a violation."""
     claimed = {e.job for e in history if e.f == "claim" and e.type == "ok"}
@@ -330,9 +543,39 @@ def liveness(history: Iterable[HistoryEvent], report: Report) -> Iterable[Violat
         )
 
 
-def check_files(history: str | Path, ledger: str | Path, *, min_completed: float = 0.0) -> Report:
+def check_files(
+    history: str | Path,
+    ledger: str | Path,
+    *,
+    min_completed: float = 0.0,
+    expiry_margin: float = EXPIRY_MARGIN,
+    skewed: Sequence[tuple[float, float]] = (),
+) -> Report:
     """Read both files (``UnreadableFile``) and check them."""
-    return check(read_history(history), read_ledger(ledger), min_completed=min_completed)
+    return check(
+        read_history(history),
+        read_ledger(ledger),
+        min_completed=min_completed,
+        expiry_margin=expiry_margin,
+        skewed=skewed,
+    )
+
+
+def _span(text: str) -> tuple[float, float]:
+    try:
+        start, end = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"FROM,TO in seconds, not {text!r}") from None
+    if end < start:
+        raise argparse.ArgumentTypeError(f"TO before FROM in {text!r}")
+    return start, end
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"seconds, 0 or more, not {text}")
+    return value
 
 
 def _share(text: str) -> float:
@@ -357,10 +600,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="SHARE",
         help="fail when fewer claimed jobs completed (0-1; default 0: fail only on none)",
     )
+    parser.add_argument(
+        "--expiry-margin",
+        type=_seconds,
+        default=EXPIRY_MARGIN,
+        metavar="SECONDS",
+        help="invariant 11: how long after its lease's expiry a write must be invoked to "
+        f"count (default {EXPIRY_MARGIN:g})",
+    )
+    parser.add_argument(
+        "--clock-skew",
+        type=_span,
+        action="append",
+        default=[],
+        metavar="FROM,TO",
+        help="a span (time.time() seconds) in which a replica judging leases by its own "
+        "clock ran skewed: invariant 11 leaves its leases and writes alone (repeatable)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
-        report = check_files(args.history, args.ledger, min_completed=args.min_completed)
+        report = check_files(
+            args.history,
+            args.ledger,
+            min_completed=args.min_completed,
+            expiry_margin=args.expiry_margin,
+            skewed=args.clock_skew,
+        )
     except UnreadableFile as exc:
         print(f"verify check: unreadable: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,8 @@ the times of the two files compare.
 - ``body_sha256`` (writes): on ``invoke`` the sha256 hex of the request body sent (required);
   on ``ok`` (required) and ``fail`` the sha256 hex of the answer body received; null on
   ``info``.
+- ``ttl`` (optional, after the others): on a ``claim`` or ``renew`` ``ok``, the lease's
+  TTL in seconds as granted, so that a checker can tell when the lease expired.
 
 ``ledger.jsonl``: one line per write the upstream applied, in the order applied
 (``LedgerEntry``): ``time``, ``job`` and ``generation`` (the ``Fencing-Job`` and
@@ -138,6 +140,9 @@ class HistoryEvent:
     status: int | None = None
     reason: str | None = None
     body_sha256: str | None = None
+    ttl: float | None = None
+    """``claim``/``renew`` ``ok``: the lease's TTL in seconds, as granted (optional: older
+    files have none, and an expiry cannot be judged without it)."""
     line: int | None = field(default=None, compare=False, repr=False)
     """Line number in the file it was read from (not written)."""
 
@@ -154,6 +159,10 @@ class HistoryEvent:
         _int("status", self.status, nullable=True)
         _str("reason", self.reason, nullable=True)
         _sha("body_sha256", self.body_sha256, nullable=True)
+        if self.ttl is not None:
+            object.__setattr__(self, "ttl", _time(self.ttl))
+            if self.ttl <= 0 or self.f not in ("claim", "renew") or self.type != "ok":
+                raise ValueError("ttl: a positive number, on a claim or renew ok only")
         if self.f == "claim" and self.type == "ok" and self.generation is None:
             raise ValueError("a claim ok carries the generation granted")
         if not self.job and (self.f != "claim" or self.type == "ok"):
@@ -180,8 +189,11 @@ class HistoryEvent:
         return self.f == "write" and self.type == "ok"
 
     def to_json(self) -> dict[str, Any]:
-        """The line's object, fields in the file's order."""
-        return {name: getattr(self, name) for name in HISTORY_FIELDS}
+        """The line's object, fields in the file's order (``ttl`` last, where it has one)."""
+        obj = {name: getattr(self, name) for name in HISTORY_FIELDS}
+        if self.ttl is not None:
+            obj["ttl"] = self.ttl
+        return obj
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], line: int | None = None) -> HistoryEvent:
@@ -189,7 +201,7 @@ class HistoryEvent:
         missing = [name for name in HISTORY_FIELDS if name not in obj]
         if missing:
             raise ValueError(f"missing field(s): {', '.join(missing)}")
-        return cls(**{name: obj[name] for name in HISTORY_FIELDS}, line=line)
+        return cls(**{name: obj[name] for name in HISTORY_FIELDS}, ttl=obj.get("ttl"), line=line)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -244,13 +244,36 @@ def failover_figures(out: Path, failovers: list[dict[str, Any]]) -> dict[str, An
     }
 
 
+def skew_windows(out: Path, db: str) -> list[tuple[float, float]]:
+    """The spans in which a replica ran under a skewed clock (``faults.jsonl``'s clock
+    faults, start to end), where the replicas judge leases by their own clock (SQLite):
+    invariant 11 does not judge expiry there. On PostgreSQL the database's clock decides,
+    so a replica's skew excuses nothing."""
+    if db != "sqlite":
+        return []
+    started: dict[int, float] = {}
+    spans: list[tuple[float, float]] = []
+    for line in Tail(out / "faults.jsonl").read():
+        if line.get("kind") != "clock" or "time" not in line:
+            continue
+        if line.get("phase") == "start":
+            started[int(line["index"])] = float(line["time"])
+        elif line.get("phase") == "end" and int(line["index"]) in started:
+            spans.append((started.pop(int(line["index"])), float(line["time"])))
+    spans += [(begun, float("inf")) for begun in started.values()]  # never ended
+    return spans
+
+
 def finish(
     options: Options, nemesis: Nemesis | None, operator: Operator | None, elapsed: float
 ) -> int:
     out = options.out
     try:
         report: Report | None = check_files(
-            out / "history.jsonl", out / "ledger.jsonl", min_completed=options.min_completed
+            out / "history.jsonl",
+            out / "ledger.jsonl",
+            min_completed=options.min_completed,
+            skewed=skew_windows(out, options.db),
         )
     except UnreadableFile as error:
         print(f"verify check: unreadable: {error}")

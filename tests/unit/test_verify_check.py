@@ -68,9 +68,29 @@ class Run:
         self.ledger.append(entry)
         return entry
 
-    def claim(self, process: str, job: str, generation: int) -> HistoryEvent:
+    def claim(
+        self, process: str, job: str, generation: int, ttl: float | None = None
+    ) -> HistoryEvent:
         self.event(process=process, type="invoke", f="claim", job=job)
-        return self.event(process=process, type="ok", f="claim", job=job, generation=generation)
+        return self.event(
+            process=process, type="ok", f="claim", job=job, generation=generation, ttl=ttl
+        )
+
+    def renew(
+        self, process: str, job: str, generation: int, ttl: float | None, outcome: str = "ok"
+    ) -> HistoryEvent:
+        self.event(process=process, type="invoke", f="renew", job=job, generation=generation)
+        if outcome == "ok":
+            return self.event(
+                process=process,
+                type="ok",
+                f="renew",
+                job=job,
+                generation=generation,
+                status=200,
+                ttl=ttl,
+            )
+        return self.event(process=process, type="info", f="renew", job=job, generation=generation)
 
     def complete(self, process: str, job: str, generation: int) -> HistoryEvent:
         self.event(process=process, type="invoke", f="complete", job=job, generation=generation)
@@ -452,14 +472,230 @@ def test_6_needs_the_grant_before_the_stale_application() -> None:
     assert only(late.check(), 6) == []
 
 
-def test_6_older_writes_before_the_newer_generation_writes_pass() -> None:
+def test_6_older_writes_before_the_newer_generation_writes_are_8s_not_6s() -> None:
     run = Run()
     run.claim("w1", "j1", 1)
-    run.claim("w2", "j1", 2)  # granted, but w1's writes land before w2 writes
+    run.claim("w2", "j1", 2)  # granted, and w1's write invoked after it lands first
     run.write("w1", "j1", 1, "k1")
     run.write("w2", "j1", 2, "k2")
     run.complete("w2", "j1", 2)
+    # Not a stale write by invariant 6 (the newer generation had not written yet), but a
+    # write invoked after a newer grant: invariant 8.
+    assert invariants(run.check()) == [8]
+    earlier = Run()
+    earlier.claim("w1", "j1", 1)
+    earlier.write("w1", "j1", 1, "k1")  # invoked before the newer grant: clean
+    earlier.claim("w2", "j1", 2)
+    earlier.write("w2", "j1", 2, "k2")
+    earlier.complete("w2", "j1", 2)
+    assert earlier.check().ok
+
+
+# --- 8-11: what the gateway must not have forwarded ------------------------------------
+
+
+def test_8_a_write_invoked_after_a_newer_grant_is_named_with_the_grant() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "step0")
+    grant = run.claim("w2", "j1", 2)
+    late = run.write("w1", "j1", 1, "w1-own-key")  # a zombie's new key, forwarded
+    run.write("w2", "j1", 2, "step0", applied=False)  # replayed
+    run.complete("w2", "j1", 2)
+    report = run.check()
+    assert invariants(report) == [8]
+    (violation,) = report.violations
+    assert violation.name == "applied-after-newer-grant"
+    assert grant.to_json() in violation.events
+    assert "generation 2 was granted" in violation.message
+    assert late.key == "w1-own-key"
+
+
+def test_8_a_write_in_flight_at_the_grant_is_not_named() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.event(
+        process="w1",
+        type="invoke",
+        f="write",
+        job="j1",
+        generation=1,
+        key="k1",
+        body_sha256=sha("body k1"),
+    )
+    run.claim("w2", "j1", 2)
+    run.apply("j1", 1, "k1")  # sent before the grant, applied after it: the barrier's case
+    run.event(process="w1", type="info", f="write", job="j1", generation=1, key="k1")
+    run.write("w2", "j1", 2, "k2")
+    run.complete("w2", "j1", 2)
     assert run.check().ok
+
+
+def test_9_a_write_refused_as_not_forwarded_that_the_ledger_holds() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    refused = run.write("w1", "j1", 1, "k1", outcome="fail", status=409, reason="stale-generation")
+    run.complete("w1", "j1", 1)
+    report = run.check()
+    assert invariants(report) == [9]
+    (violation,) = report.violations
+    assert violation.name == "refused-but-applied"
+    assert refused.to_json() in violation.events
+    assert "refused 409 stale-generation" in violation.message
+
+
+def test_9_an_upstream_failure_may_have_been_sent() -> None:
+    for reason in ("upstream-timeout", "upstream-unavailable", "outcome-unknown", None):
+        run = Run()
+        run.claim("w1", "j1", 1)
+        run.write("w1", "j1", 1, "k1", outcome="fail", status=502, reason=reason)
+        run.complete("w1", "j1", 1)
+        assert run.check().ok, reason
+
+
+def test_9_a_refused_retry_of_a_write_in_flight_is_not_named() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.event(
+        process="w1",
+        type="invoke",
+        f="write",
+        job="j1",
+        generation=1,
+        key="k1",
+        body_sha256=sha("body k1"),
+    )
+    run.event(process="w1", type="info", f="write", job="j1", generation=1, key="k1")
+    run.event(
+        process="w1",
+        type="invoke",
+        f="write",
+        job="j1",
+        generation=1,
+        key="k1",
+        body_sha256=sha("body k1"),
+    )
+    run.apply("j1", 1, "k1")  # the first send, still in flight when the retry was refused
+    run.event(
+        process="w1",
+        type="fail",
+        f="write",
+        job="j1",
+        generation=1,
+        key="k1",
+        status=409,
+        reason="request-in-progress",
+        body_sha256=sha("problem"),
+    )
+    run.complete("w1", "j1", 1)
+    assert run.check().ok
+
+
+def test_10_an_applied_body_that_was_never_sent() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1", applied=False)
+    entry = LedgerEntry(
+        time=run.tick(), job="j1", generation=1, key="k1", body_sha256=sha("another body")
+    )
+    run.ledger.append(entry)
+    run.complete("w1", "j1", 1)
+    report = run.check()
+    assert invariants(report) == [10]
+    (violation,) = report.violations
+    assert violation.name == "body-not-sent"
+    assert "body differs" in violation.message
+    assert violation.events[0] == entry.to_json()
+
+
+def test_10_a_generation_the_writer_did_not_send() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k1", applied=False)
+    run.apply("j1", 7, "k1")  # the header rewritten on the way
+    run.complete("w1", "j1", 1)
+    assert invariants(run.check()) == [10]
+
+
+def test_11_a_write_invoked_after_its_lease_expired() -> None:
+    run = Run()
+    claim = run.claim("w1", "j1", 1, ttl=2.0)  # time 2: held until 4
+    run.tick(), run.tick(), run.tick()
+    run.write("w1", "j1", 1, "k1")  # invoked at 6
+    run.complete("w1", "j1", 1)
+    report = run.check()
+    assert invariants(report) == [11]
+    (violation,) = report.violations
+    assert violation.name == "applied-after-lease-over"
+    assert claim.to_json() in violation.events
+    assert "after its lease expired" in violation.message
+
+
+def test_11_renewals_margin_and_unknown_renewals_keep_the_lease() -> None:
+    renewed = Run()
+    renewed.claim("w1", "j1", 1, ttl=2.0)
+    renewed.renew("w1/renew", "j1", 1, ttl=2.0)  # ok at 4: held until 6
+    renewed.tick()
+    renewed.write("w1", "j1", 1, "k1")  # invoked at 6
+    renewed.complete("w1", "j1", 1)
+    assert renewed.check().ok
+    margin = Run()
+    margin.claim("w1", "j1", 1, ttl=2.0)
+    margin.tick(), margin.tick(), margin.tick()
+    margin.write("w1", "j1", 1, "k1")  # 2 s after expiry
+    margin.complete("w1", "j1", 1)
+    assert not check(margin.history, margin.ledger, expiry_margin=1.5).ok
+    assert check(margin.history, margin.ledger, expiry_margin=2.5).ok
+    unknown = Run()
+    unknown.claim("w1", "j1", 1, ttl=2.0)
+    unknown.renew("w1/renew", "j1", 1, ttl=None, outcome="info")
+    unknown.tick(), unknown.tick()
+    unknown.write("w1", "j1", 1, "k1")
+    unknown.complete("w1", "j1", 1)
+    assert unknown.check().ok
+    untimed = Run()  # an older file: no ttl, no judgement
+    untimed.claim("w1", "j1", 1)
+    untimed.tick(), untimed.tick(), untimed.tick()
+    untimed.write("w1", "j1", 1, "k1")
+    untimed.complete("w1", "j1", 1)
+    assert untimed.check().ok
+
+
+def test_11_a_skewed_replica_clock_excuses_the_expiry() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1, ttl=2.0)  # at 2
+    run.tick(), run.tick(), run.tick()
+    run.write("w1", "j1", 1, "k1")  # invoked at 6
+    run.complete("w1", "j1", 1)
+    assert not run.check().ok
+    assert check(run.history, run.ledger, skewed=[(1.5, 2.5)]).ok  # granted skewed
+    assert check(run.history, run.ledger, skewed=[(5.5, 6.5)]).ok  # invoked skewed
+    assert not check(run.history, run.ledger, skewed=[(3.0, 5.0)]).ok
+
+
+def test_11_a_write_invoked_after_its_job_completed() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1, ttl=60.0)
+    run.write("w1", "j1", 1, "k1")
+    done = run.complete("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k2")
+    report = run.check()
+    assert invariants(report) == [11]
+    assert done.to_json() in report.violations[0].events
+
+
+def test_8_to_11_every_cause_excluded_names_the_latest() -> None:
+    run = Run()
+    run.claim("w1", "j1", 1, ttl=60.0)
+    run.claim("w2", "j1", 2, ttl=60.0)
+    run.write("w1", "j1", 1, "k1", applied=False, outcome="info")  # fenced: 8
+    run.write(
+        "w1", "j1", 1, "k1", outcome="fail", status=409, reason="stale-generation"
+    )  # refused: 9, and the one applied
+    run.complete("w2", "j1", 2)
+    report = run.check()
+    assert invariants(report) == [9]
+    assert "invoked after generation 2 was granted" in report.violations[0].message
 
 
 # --- 7: liveness ------------------------------------------------------------------------
@@ -555,7 +791,8 @@ def test_a_stale_write_is_named_by_1_2_and_6(run: Run, data: st.DataObject) -> N
     for invariant in (1, 2, 6):
         named = [v for v in only(report, invariant) if stale.to_json() in v.events]
         assert len(named) == 1, (invariant, report.render())
-    assert set(invariants(report)) == {1, 2, 6}
+    # Applied with no write sent under its key: invariant 10 names it too.
+    assert set(invariants(report)) == {1, 2, 6, 10}
 
 
 # --- the files ----------------------------------------------------------------------------
