@@ -10,6 +10,7 @@ is in a log file of ``--out`` (``replica-a.log``, ``upstream.log``, ``worker-w0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -20,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from verify import netns
-from verify.check import Report, check_files
+from verify.check import Report, check, check_files
 from verify.cluster import PG_BIN, ClusterError
-from verify.events import JsonlWriter, UnreadableFile, read_history
+from verify.events import HistoryEvent, JsonlWriter, LedgerEntry, UnreadableFile, read_history
 from verify.nemesis import DATABASE_NEMESES, NEMESES, Nemesis, plan
 from verify.patroni import PATRONI
 from verify.procs import Child, StartError
@@ -49,6 +50,7 @@ class Options:
     replicas: int
     min_completed: float
     tail: float = TAIL_SECONDS
+    stop_on_violation: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -104,6 +106,7 @@ async def run(options: Options) -> int:
     helpers: list[asyncio.Task[None]] = []
     names = [f"w{i}" for i in range(options.workers)]
     operator: Operator | None = None
+    window_opened = time.time()
     try:
         try:
             await stack.start()
@@ -141,10 +144,22 @@ async def run(options: Options) -> int:
             asyncio.create_task(operator.run(stop_operating), name="operator"),
             asyncio.create_task(progress(observer, nemesis, workers), name="progress"),
         ]
-        await nemesis.run(options.seconds)
-        print(f"faults over after {time.monotonic() - started:.0f} s; settling", flush=True)
+        window_opened = time.time()
+        faulting = asyncio.create_task(nemesis.run(options.seconds), name="nemesis")
+        watching = asyncio.create_task(watch(options, names, window_opened), name="watch")
+        await asyncio.wait([faulting, watching], return_when=asyncio.FIRST_COMPLETED)
+        stopped_early = watching.done() and watching.result()
+        if stopped_early:
+            faulting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await faulting
+            print(f"a violation after {watching.result()}; stopping the run", flush=True)
+        else:
+            watching.cancel()
+            await faulting
+            print(f"faults over after {time.monotonic() - started:.0f} s; settling", flush=True)
         stop_feeding.set()
-        await asyncio.sleep(options.tail)
+        await asyncio.sleep(0.0 if stopped_early else options.tail)
         stop_operating.set()
         await asyncio.gather(*helpers[:2], return_exceptions=True)
         helpers[2].cancel()
@@ -156,7 +171,7 @@ async def run(options: Options) -> int:
         await asyncio.to_thread(stack.close)
         loop.remove_signal_handler(signal.SIGTERM)
     merge_histories(options.out, names)
-    return finish(options, nemesis, operator, time.monotonic() - started)
+    return finish(options, nemesis, operator, time.monotonic() - started, window_opened)
 
 
 def _stop_workers(workers: list[Child]) -> None:
@@ -182,6 +197,57 @@ async def progress(observer: Observer, nemesis: Nemesis, workers: dict[str, Chil
             + (f", workers exited: {', '.join(dead)}" if dead else ""),
             flush=True,
         )
+
+
+async def watch(options: Options, names: list[str], opened: float) -> str:
+    """With ``--stop-on-violation``: check the files so far every few seconds and return
+    when a safety invariant is broken ("N s": when its evidence was complete); otherwise
+    wait forever. A partial history is judged soundly: the ledger's entries are taken up
+    to the moment the histories were read, so every write applied has its invoke (and
+    every acknowledgement its application) in what was read, and an operation still
+    outstanding counts as one of unknown outcome."""
+    if not options.stop_on_violation:
+        await asyncio.Event().wait()
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY)
+        try:
+            found = await asyncio.to_thread(_violation_so_far, options.out, options.db, names)
+        except ValueError:  # a line being written: the next look reads it whole
+            continue
+        if found is not None:
+            return f"{found - opened:.1f} s"
+
+
+def _violation_so_far(out: Path, db: str, names: list[str]) -> float | None:
+    """When the first safety violation of the files so far was complete, or None."""
+    read_at = time.time()
+    events: list[HistoryEvent] = []
+    for name in names:
+        for number, obj in enumerate(Tail(out / f"history-{name}.jsonl").read(), start=1):
+            events.append(HistoryEvent.from_json(obj, number))
+    # Only what was applied before the histories were read: its invoke was in their files
+    # then (a write is recorded before it is sent).
+    ledger = [LedgerEntry.from_json(obj) for obj in Tail(out / "ledger.jsonl").read()]
+    ledger = [entry for entry in ledger if entry.time <= read_at]
+    events.sort(key=lambda event: event.time)
+    report = check(events, ledger, skewed=skew_windows(out, db))
+    return first_violation(report)
+
+
+def _seconds_after(report: Report | None, opened: float) -> float | None:
+    """Seconds from the fault window's opening to the first safety violation, or None."""
+    first = first_violation(report) if report is not None else None
+    return None if first is None else round(first - opened, 1)
+
+
+def first_violation(report: Report) -> float | None:
+    """The time the earliest safety violation (not liveness) had all its records."""
+    times = [
+        max(record.time for record in violation.records)
+        for violation in report.violations
+        if violation.invariant != 7 and violation.records
+    ]
+    return min(times) if times else None
 
 
 def merge_histories(out: Path, names: list[str]) -> None:
@@ -265,7 +331,11 @@ def skew_windows(out: Path, db: str) -> list[tuple[float, float]]:
 
 
 def finish(
-    options: Options, nemesis: Nemesis | None, operator: Operator | None, elapsed: float
+    options: Options,
+    nemesis: Nemesis | None,
+    operator: Operator | None,
+    elapsed: float,
+    opened: float,
 ) -> int:
     out = options.out
     try:
@@ -296,6 +366,7 @@ def finish(
         "jobs_completed": report.jobs_completed if report else None,
         "completed_share": report.completed_share if report else None,
         "failovers": figures,
+        "first_violation_seconds": _seconds_after(report, opened),
     }
     (out / "run.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     fault_text = ", ".join(f"{k} {n}" for k, n in faults.items()) or "none"

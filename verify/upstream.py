@@ -21,6 +21,10 @@ Faults, set while it runs with ``POST /__faults`` ``{"mode", "probability",
 - ``5xx``: answered ``503`` without applying (the gateway frees the key on 503);
 - ``none``: answered at once.
 
+A write with ``Verify-Apply-Delay: S`` (the workers' ``overlap``) waits S seconds (at
+most 5) before it is applied: a write in flight at the upstream while the job's next
+generation is granted and writes.
+
 ``GET /__state``: counts. It prints ``upstream listening on PORT`` when ready.
 """
 
@@ -60,6 +64,15 @@ class Faults:
         self.mode, self.probability, self.slow_seconds = mode, probability, slow
 
 
+def _delay(text: str) -> float:
+    """``Verify-Apply-Delay``'s seconds (0 when absent or not a number; at most 5)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return 0.0
+    return min(value, 5.0) if value > 0 else 0.0
+
+
 class Upstream:
     def __init__(self, ledger: JsonlWriter, seed: int | None) -> None:
         self.ledger = ledger
@@ -87,6 +100,9 @@ class Upstream:
             return web.json_response(
                 {"error": "Fencing-Job and Fencing-Generation are required"}, status=400
             )
+        delay = _delay(request.headers.get("Verify-Apply-Delay", ""))
+        if delay:
+            await asyncio.sleep(delay)  # a write that takes its time before it lands
         fault = self.draw()
         if fault == "5xx":
             self.counts["5xx"] += 1

@@ -67,6 +67,21 @@ RETRYABLE = frozenset(
 )
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_SENDS = 40
+# The gateway's answers that say the lease is gone.
+LOST = frozenset({"stale-generation", "lease-ended", "lease-expired"})
+# Of the jobs: worked recklessly (no look at the lease before a write, a zombie after a
+# refusal); of those, with renewals that stop (lapse), or with a write in flight while
+# the next generation writes (overlap). Of the steps: also a key of the generation's own.
+RECKLESS_SHARE = 0.6
+LAPSE_SHARE = 0.25
+OVERLAP_SHARE = 0.3
+OWN_KEY_SHARE = 0.5
+# overlap: the old write leaves this long before the lease's expiry, and the upstream
+# waits APPLY_DELAY before applying it (under the gateway's upstream timeout, 1 s, so the
+# gateway still has it in flight when the successor's first write comes).
+IN_FLIGHT_LEAD = 0.25
+APPLY_DELAY = 0.7
+APPLY_DELAY_HEADER = "Verify-Apply-Delay"
 
 
 def steps_of(job: str) -> int:
@@ -76,6 +91,17 @@ def steps_of(job: str) -> int:
 
 def step_key(job: str, step: int) -> str:
     return f"{job}-step{step}"
+
+
+def own_key(job: str, generation: int, step: int) -> str:
+    """A key only generation ``generation`` sends: a late write under it is never a replay."""
+    return f"{job}-g{generation}-step{step}"
+
+
+def own_body(job: str, generation: int, step: int) -> bytes:
+    return json.dumps(
+        {"generation": generation, "job": job, "notify": step}, sort_keys=True
+    ).encode()
 
 
 def step_body(job: str, step: int) -> bytes:
@@ -109,7 +135,7 @@ class History:
         body_sha256: str | None = None,
     ) -> None:
         self.open[process] = (f, job, generation, key)
-        self._write(process, "invoke", f, job, generation, key, None, None, body_sha256)
+        self._write(process, "invoke", f, job, generation, key, None, None, body_sha256, None)
 
     def complete(
         self,
@@ -121,11 +147,12 @@ class History:
         status: int | None = None,
         reason: str | None = None,
         body_sha256: str | None = None,
+        ttl: float | None = None,
     ) -> None:
         f, invoked_job, invoked_generation, key = self.open.pop(process)
         job = invoked_job if job is None else job
         generation = invoked_generation if generation is None else generation
-        self._write(process, type_, f, job, generation, key, status, reason, body_sha256)
+        self._write(process, type_, f, job, generation, key, status, reason, body_sha256, ttl)
 
     def outstanding(self, process: str) -> bool:
         return process in self.open
@@ -141,6 +168,7 @@ class History:
         status: int | None,
         reason: str | None,
         body_sha256: str | None,
+        ttl: float | None,
     ) -> None:
         event = HistoryEvent(
             time=time.time(),
@@ -153,6 +181,7 @@ class History:
             status=status,
             reason=reason,
             body_sha256=body_sha256,
+            ttl=ttl,
         )
         self.writer.write(event)
 
@@ -207,20 +236,34 @@ class Worker:
             if lease is None:
                 await asyncio.sleep(self.random.uniform(0.05, 0.15))
                 continue
-            renewer = asyncio.get_running_loop().create_task(
-                self.renew_forever(lease), name=f"{self.name}/renew"
-            )
-            try:
-                outcome = await self.do_job(target, lease)
-            finally:
-                renewer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewer
+            outcome = await self.work(target, lease, self.conduct())
             if outcome == "park":
                 with contextlib.suppress(exc.LeaseError, aiohttp.ClientError, TimeoutError):
                     await lease.fail(error="parked: outcome-unknown", retry_in=PARK_RETRY_SECONDS)
             elif outcome not in ("completed", "lost"):
                 await asyncio.sleep(self.random.uniform(0.1, 0.3))
+
+    def conduct(self) -> Conduct:
+        """How the next job is worked, drawn from this worker's seed."""
+        reckless = self.random.random() < RECKLESS_SHARE
+        shape = self.random.random()
+        return Conduct(
+            reckless=reckless,
+            lapse=reckless and shape < LAPSE_SHARE,
+            overlap=reckless and LAPSE_SHARE <= shape < LAPSE_SHARE + OVERLAP_SHARE,
+        )
+
+    async def work(self, target: Target, lease: Lease, conduct: Conduct) -> str:
+        """The job under ``lease``, with its renewer running meanwhile."""
+        renewer = asyncio.get_running_loop().create_task(
+            self.renew_forever(lease), name=f"{self.name}/renew"
+        )
+        try:
+            if conduct.overlap:
+                return await self.overlap(target, lease, renewer)
+            return await self.do_job(target, lease, conduct, renewer)
+        finally:
+            await _cancel(renewer)
 
     # -- the lease ------------------------------------------------------------------------
 
@@ -246,7 +289,14 @@ class Worker:
         if lease is None:
             history.complete(process, "fail", status=204)
             return None
-        history.complete(process, "ok", job=lease.job_id, generation=lease.generation, status=200)
+        history.complete(
+            process,
+            "ok",
+            job=lease.job_id,
+            generation=lease.generation,
+            status=200,
+            ttl=lease.ttl_seconds,
+        )
         return lease
 
     async def renew_forever(self, lease: Lease) -> None:
@@ -270,7 +320,7 @@ class Worker:
                 except (aiohttp.ClientError, TimeoutError) as error:
                     history.complete(process, "info", reason=type(error).__name__)
                 else:
-                    history.complete(process, "ok", status=200)
+                    history.complete(process, "ok", status=200, ttl=lease.ttl_seconds)
         finally:
             if history.outstanding(process):  # cancelled while renewing
                 history.complete(process, "info", reason="abandoned")
@@ -304,16 +354,152 @@ class Worker:
 
     # -- the job ----------------------------------------------------------------------------
 
-    async def do_job(self, target: Target, lease: Lease) -> str:
+    async def do_job(
+        self, target: Target, lease: Lease, conduct: Conduct, renewer: asyncio.Task[None]
+    ) -> str:
+        """The job's steps, then its completion. A ``reckless`` worker that learns it lost
+        the lease goes on with the remaining steps, each sent once (a zombie), and ends
+        there; a ``lapse`` stops renewing after the first step and works past the TTL."""
+        lost = False
         for step in range(steps_of(lease.job_id)):
-            outcome = await self.write(target, lease, step)
-            if outcome != "ok":
+            if conduct.lapse and step == 1:
+                await _cancel(renewer)
+                await asyncio.sleep(_valid_for(lease) + self.random.uniform(0.3, 1.5))
+            outcome = await self.step(target, lease, step, self.name, conduct.reckless, lost)
+            if outcome == "lost" and conduct.reckless:
+                lost = True
+            elif outcome != "ok" and not lost:
                 return outcome
-        return await self.complete(target, lease)
+        return "lost" if lost else await self.complete(target, lease)
 
-    def prepare(self, target: Target, lease: Lease, key: str) -> tuple[str, dict[str, str]]:
-        """The decision to send: where, and the headers (the client's fencing headers, made
-        now: they raise the lease's loss when the client knows it is gone)."""
+    async def step(
+        self,
+        target: Target,
+        lease: Lease,
+        step: int,
+        process: str,
+        reckless: bool,
+        zombie: bool,
+        *,
+        delay: float = 0.0,
+        work: bool = True,
+    ) -> str:
+        """One step: its write (a key the next generation retries) and, half the time, a
+        write of a key of this generation's own, which no other generation sends."""
+        job, generation = lease.job_id, lease.generation
+        outcome = await self.write(
+            target,
+            lease,
+            step_key(job, step),
+            step_body(job, step),
+            process,
+            reckless=reckless,
+            once=zombie,
+            delay=delay,
+            work=work,
+        )
+        if outcome in ("ok", "lost") and self.random.random() < OWN_KEY_SHARE:
+            own = await self.write(
+                target,
+                lease,
+                own_key(job, generation, step),
+                own_body(job, generation, step),
+                process,
+                reckless=reckless,
+                once=zombie or outcome == "lost",
+            )
+            outcome = outcome if outcome == "lost" else own
+        return outcome
+
+    async def overlap(self, target: Target, lease: Lease, renewer: asyncio.Task[None]) -> str:
+        """A write in flight while the next generation is granted and writes: the first
+        step as usual, then renewals stop; shortly before the lease expires the next step
+        goes out with the upstream told to wait before applying it (``APPLY_DELAY``), as
+        ``{id}/old``; at the expiry this worker acquires the job again by name, a new
+        generation, and works it as its successor, while the old one, once answered,
+        carries on as a zombie."""
+        if await self.step(target, lease, 0, self.name, True, False) != "ok":
+            return "gave-up"
+        await _cancel(renewer)
+        steps = steps_of(lease.job_id)
+        await asyncio.sleep(max(0.0, _valid_for(lease) - IN_FLIGHT_LEAD))
+        old = asyncio.get_running_loop().create_task(
+            self.zombie(target, lease, range(1, steps)), name=f"{self.name}/old"
+        )
+        try:
+            await asyncio.sleep(max(0.0, _valid_for(lease)))
+            successor = await self.acquire(target, lease.job_id, deadline=lease.ttl_seconds + 3)
+            if successor is None:
+                return "gave-up"
+            conduct = Conduct(reckless=False, lapse=False, overlap=False)
+            first = await self.step(target, successor, 1, self.name, False, False, work=False)
+            if first != "ok":
+                return first
+            return await self.work_rest(target, successor, conduct)
+        finally:
+            with contextlib.suppress(Exception):
+                await old
+
+    async def work_rest(self, target: Target, lease: Lease, conduct: Conduct) -> str:
+        """The successor of ``overlap``: steps 2 on, with its own renewer, then complete."""
+        renewer = asyncio.get_running_loop().create_task(
+            self.renew_forever(lease), name=f"{self.name}/renew"
+        )
+        try:
+            for step in range(2, steps_of(lease.job_id)):
+                outcome = await self.step(target, lease, step, self.name, False, False)
+                if outcome != "ok":
+                    return outcome
+            return await self.complete(target, lease)
+        finally:
+            await _cancel(renewer)
+
+    async def zombie(self, target: Target, lease: Lease, steps: range) -> None:
+        """``overlap``'s old generation: its first write held at the upstream, then the
+        remaining steps once each, whatever the gateway answers."""
+        process = f"{self.name}/old"
+        for index, step in enumerate(steps):
+            delay = APPLY_DELAY if index == 0 else 0.0
+            await self.step(target, lease, step, process, True, True, delay=delay, work=index > 0)
+
+    async def acquire(self, target: Target, job: str, *, deadline: float) -> Lease | None:
+        """The named job's lease, asked again every 50 ms while another lease holds it."""
+        process, history = self.name, self.history
+        until = time.monotonic() + deadline
+        while time.monotonic() < until:
+            ttl = round(self.random.uniform(1.0, 3.0), 2)
+            history.invoke(process, "claim", job)
+            try:
+                lease = await target.client.acquire(job, owner=self.name, ttl=ttl, queue=QUEUE)
+            except exc.LeaseError as error:
+                reason = error_reason(error)
+                history.complete(process, "fail", status=error_status(error), reason=reason)
+                if reason not in (*RETRYABLE, "lease-held"):
+                    return None
+            except aiohttp.ClientConnectorError:
+                history.complete(process, "fail", reason="connection-refused")
+                return None
+            except (aiohttp.ClientError, TimeoutError) as error:
+                history.complete(process, "info", reason=type(error).__name__)
+                return None
+            else:
+                if lease is None:
+                    history.complete(process, "fail", status=204)
+                    return None
+                history.complete(
+                    process, "ok", generation=lease.generation, status=200, ttl=lease.ttl_seconds
+                )
+                return lease
+            await asyncio.sleep(0.05)
+        return None
+
+    def prepare(
+        self, target: Target, lease: Lease, key: str, *, reckless: bool
+    ) -> tuple[str, dict[str, str]]:
+        """The decision to send: where, and the headers. A careful worker asks the client
+        for the fencing headers, which raise the lease's loss when the client knows it is
+        gone; a reckless one puts its token on the request whatever it knows, as a process
+        that stalled past its lease and did not look does."""
         headers = {"Content-Type": "application/json"}
         if self.direct:
             headers |= {
@@ -322,22 +508,41 @@ class Worker:
                 p.IDEMPOTENCY_KEY: key,
             }
             return f"{target.writes_to}/charges", headers
-        return f"{target.writes_to}/{UPSTREAM}/charges", lease.fence_headers(headers, key=key)
+        url = f"{target.writes_to}/{UPSTREAM}/charges"
+        if reckless:
+            return url, headers | {p.FENCING_TOKEN: lease.token, p.IDEMPOTENCY_KEY: key}
+        return url, lease.fence_headers(headers, key=key)
 
-    async def write(self, target: Target, lease: Lease, step: int) -> str:
-        """One step: ``ok``, or why the job stops here (``lost``, ``park``, ``down``,
-        ``gave-up``)."""
-        process, history = self.name, self.history
-        job, key, body = lease.job_id, step_key(lease.job_id, step), step_body(lease.job_id, step)
+    async def write(
+        self,
+        target: Target,
+        lease: Lease,
+        key: str,
+        body: bytes,
+        process: str,
+        *,
+        reckless: bool = False,
+        once: bool = False,
+        delay: float = 0.0,
+        work: bool = True,
+    ) -> str:
+        """One write until it is answered: ``ok``, or why the job stops here (``lost``,
+        ``park``, ``down``, ``gave-up``). ``once``: sent once, whatever the answer (a
+        zombie's). ``delay``: the upstream waits that long before applying it."""
+        history = self.history
+        job = lease.job_id
         timeouts = 0
-        for _ in range(MAX_SENDS):
-            if not lease.held:
+        for _ in range(1 if once else MAX_SENDS):
+            if not reckless and not lease.held:
                 return "lost"
             try:
-                url, headers = self.prepare(target, lease, key)
+                url, headers = self.prepare(target, lease, key, reckless=reckless)
             except exc.LeaseLost:
                 return "lost"
-            await asyncio.sleep(self.random.uniform(0.02, 0.4))  # the work: jobs outlive a renewal
+            if delay:
+                headers[APPLY_DELAY_HEADER] = f"{delay:.3f}"
+            if work:
+                await asyncio.sleep(self.random.uniform(0.02, 0.4))  # jobs outlive a renewal
             history.invoke(process, "write", job, lease.generation, key, sha256_hex(body))
             try:
                 async with target.client.session.post(
@@ -369,10 +574,13 @@ class Worker:
             )
             if type_ == "ok":
                 return "ok"
-            try:
-                lease.answer(status, answer_headers, raw)
-            except exc.LeaseLost:
+            if reason in LOST:
                 return "lost"
+            if not reckless:
+                try:
+                    lease.answer(status, answer_headers, raw)
+                except exc.LeaseLost:
+                    return "lost"
             if reason == "outcome-unknown":
                 return "park"
             if reason in RETRYABLE or (reason is None and status in RETRY_STATUSES):
@@ -380,6 +588,32 @@ class Worker:
                 continue
             return "gave-up"
         return "gave-up"
+
+
+@dataclass(frozen=True)
+class Conduct:
+    """How a worker works one job."""
+
+    reckless: bool
+    """Never asks the client whether the lease is held before a write, and after a refusal
+    that says the lease is gone sends the job's remaining steps once each (a zombie)."""
+    lapse: bool
+    """Stops renewing after the first step and works past the lease's TTL."""
+    overlap: bool
+    """``Worker.overlap``: a write in flight while the next generation writes."""
+
+
+def _valid_for(lease: Lease) -> float:
+    """Seconds the client still holds the lease valid (judged from when it asked: never
+    later than the database's expiry). The client keeps this private; the harness reads
+    it to time a write just before the expiry."""
+    return lease._valid_until - time.monotonic()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
