@@ -1,0 +1,121 @@
+"""``verify.mutations``: the catalogue of mutants that ``python -m verify mutants`` runs.
+
+Every mutant applies to the tree as it is (each text it replaces occurs exactly once), so
+a refactor that moves the code fails here instead of leaving a mutant that changes
+nothing; the catalogue covers every rule with well-formed entries, each naming a test
+that still exists; ``apply`` refuses a text that is missing or not unique and then
+writes nothing; ``by_name`` refuses an unknown name, listing the known ones.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from verify.mutations import (
+    DATABASES,
+    MUTANTS,
+    RULES,
+    Edit,
+    Mutant,
+    MutationError,
+    apply,
+    by_name,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+KEBAB = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_every_edit_replaces_a_text_that_occurs_once(mutant: Mutant) -> None:
+    for edit in mutant.edits:
+        text = (ROOT / edit.path).read_text(encoding="utf-8")
+        assert text.count(edit.old) == 1, (mutant.name, edit.path, edit.old)
+        assert edit.new != edit.old
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_every_mutant_applies_to_a_copy_of_the_files_it_edits(
+    mutant: Mutant, tmp_path: Path
+) -> None:
+    paths = {edit.path for edit in mutant.edits}
+    for path in paths:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / path, tmp_path / path)
+    apply(mutant, tmp_path)
+    for edit in mutant.edits:
+        assert edit.new in (tmp_path / edit.path).read_text(encoding="utf-8")
+    for path in paths:
+        assert (tmp_path / path).read_bytes() != (ROOT / path).read_bytes()
+
+
+def test_the_catalogue_covers_every_rule() -> None:
+    names = [mutant.name for mutant in MUTANTS]
+    assert len(names) == len(set(names))
+    assert len(MUTANTS) >= 8
+    assert {mutant.rule for mutant in MUTANTS} == RULES
+    assert 4 <= sum(mutant.fast for mutant in MUTANTS) <= 5
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_each_entry_is_well_formed(mutant: Mutant) -> None:
+    assert KEBAB.fullmatch(mutant.name), mutant.name
+    assert mutant.rule in RULES
+    assert mutant.databases and mutant.databases <= DATABASES
+    assert mutant.edits
+    assert mutant.why[:1].isupper() and mutant.why.endswith(".")
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_the_test_that_kills_it_still_exists(mutant: Mutant) -> None:
+    path, _, function = mutant.killed_by.partition("::")
+    assert path.startswith("tests/") and function, mutant.killed_by
+    source = (ROOT / path).read_text(encoding="utf-8")
+    assert re.search(rf"^(async )?def {re.escape(function)}\(", source, re.MULTILINE), function
+
+
+def _mutant(*edits: Edit) -> Mutant:
+    return Mutant("test-only", "fence", frozenset({"sqlite"}), edits, "A test's mutant.")
+
+
+def test_apply_replaces_each_text(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("x = 1\ny = 2\n", encoding="utf-8")
+    apply(_mutant(Edit("a.py", "x = 1", "x = 2"), Edit("a.py", "y = 2", "y = 3")), tmp_path)
+    assert (tmp_path / "a.py").read_text(encoding="utf-8") == "x = 2\ny = 3\n"
+
+
+@pytest.mark.parametrize(("old", "count"), [("z = 1", 0), ("= 1", 2)])
+def test_apply_refuses_a_text_missing_or_twice_and_writes_nothing(
+    tmp_path: Path, old: str, count: int
+) -> None:
+    before = {"a.py": "x = 1\ny = 1\n", "b.py": "b = 1\n"}
+    for name, text in before.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    mutant = _mutant(Edit("b.py", "b = 1", "b = 2"), Edit("a.py", old, "changed"))
+    expected = f"a.py: the text to replace occurs {count} times"
+    with pytest.raises(MutationError, match=re.escape(expected)):
+        apply(mutant, tmp_path)
+    for name, text in before.items():
+        assert (tmp_path / name).read_text(encoding="utf-8") == text
+
+
+def test_apply_refuses_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(MutationError, match=re.escape("cannot read nowhere.py")):
+        apply(_mutant(Edit("nowhere.py", "x", "y")), tmp_path)
+
+
+def test_by_name_gives_the_mutants_in_the_order_asked() -> None:
+    last, first = MUTANTS[-1], MUTANTS[0]
+    assert by_name([last.name, first.name]) == [last, first]
+    assert by_name([]) == []
+
+
+def test_by_name_refuses_an_unknown_name_listing_the_known_ones() -> None:
+    with pytest.raises(MutationError, match="no mutant named 'no-such-mutant'") as raised:
+        by_name([MUTANTS[0].name, "no-such-mutant"])
+    for mutant in MUTANTS:
+        assert mutant.name in str(raised.value)

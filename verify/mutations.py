@@ -1,0 +1,405 @@
+"""The mutants of ``python -m verify mutants``: small, plausible bugs in the rules the
+verification checks, each a set of text edits to the tree.
+
+A mutant is what a careless change to one rule would look like: a comparison off by one,
+a wrong column, a condition dropped from a branch, a few seconds of slack. Each is
+applied to a copy of the tree (``apply``), never to this one. Every ``old`` text occurs
+exactly once in its file, so a refactor that moves the code makes ``apply`` fail loudly
+(``tests/unit/test_verify_mutations.py`` applies every mutant to the tree as it is) rather
+than leaving a mutant that changes nothing.
+
+Each mutant names the rule it breaks, the databases on which it changes the behaviour of
+a verification run (a PostgreSQL-only statement, or a clock that only differs from the
+authoritative one on PostgreSQL), and ``killed_by``: an existing test that fails under
+it, run against a mutated copy. ``fast`` marks the few that a short verification on
+SQLite under pauses, kills and upstream faults is most likely to catch.
+
+Several layers stand behind each rule (the lease check, the ordering barrier, the fence
+judged again right before the send), so some mutants break one layer that another still
+covers for the workload ``verify`` runs: ``why`` says so where it is the case. Those are
+the ones a verification run is not expected to kill; a unit or integration test does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+RULES: Final = frozenset(
+    {"fence", "barrier", "expiry", "duplicates", "unknown-outcomes", "resolver", "lease-source"}
+)
+DATABASES: Final = frozenset({"sqlite", "pg"})
+BOTH: Final = DATABASES
+PG: Final = frozenset({"pg"})
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace ``old``, which occurs exactly once in ``path``, with ``new``."""
+
+    path: str  # relative to the repository's root, e.g. "lease_core/sql/postgresql.sql"
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One plausible bug: the rule it breaks, where it changes behaviour, its edits."""
+
+    name: str  # short kebab-case id, e.g. "fence-job-lease"
+    rule: str  # one of RULES
+    databases: frozenset[str]  # a subset of DATABASES
+    edits: tuple[Edit, ...]
+    why: str  # the plausible bug it models
+    fast: bool = False  # in the fast subset that CI runs on SQLite
+    killed_by: str = ""  # an existing test that fails under it (its node id)
+
+
+class MutationError(Exception):
+    """A mutant cannot be applied (its text is missing or not unique), or is unknown."""
+
+
+_COMMON = "lease_core/sql/common.sql"
+_POSTGRES = "lease_core/sql/postgresql.sql"
+_FENCE = "gateway/fencing/fence.py"
+_HANDLER = "gateway/proxy/handler.py"
+_STORE = "gateway/records/store.py"
+
+MUTANTS: Final[tuple[Mutant, ...]] = (
+    Mutant(
+        name="fence-job-lease",
+        rule="fence",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _COMMON,
+                "lease_token_hash = :token_hash AND {lease_current}",
+                "job_id = (SELECT job_id FROM leases WHERE token_hash = :token_hash)"
+                " AND {lease_current}",
+            ),
+            Edit(
+                _POSTGRES,
+                "    JOIN job ON job.job_id = lease.job_id AND job.generation = lease.generation\n"
+                "            AND job.owner = lease.owner\n",
+                "    JOIN job ON job.job_id = lease.job_id\n",
+            ),
+            Edit(
+                _FENCE,
+                "    if job is not None and rules.is_current(lease, job, now):",
+                "    if job is not None and job.state is rules.State.LEASED"
+                " and not rules.is_expired(job, now):",
+            ),
+        ),
+        why=(
+            "The lease check asks whether the token's job has a current lease instead of "
+            "whether the token's own grant is that lease (in the SQL of both dialects and "
+            "in the judgement of the answer), so a generation-1 token writes, renews and "
+            "completes after generation 2 was granted; the fence judged at the send still "
+            "refuses it once generation 2 has been admitted, and on SQLite the stale "
+            "write's marker carries the job's generation, so generation 2 does not wait "
+            "for it."
+        ),
+        fast=True,
+        killed_by=(
+            "tests/integration/test_gateway_fencing.py"
+            "::test_delayed_worker_is_refused_after_reclaim"
+        ),
+    ),
+    Mutant(
+        name="fence-send-off-by-one",
+        rule="fence",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _FENCE,
+                "    if fence is not None and fence > generation:",
+                "    if fence is not None and fence > generation + 1:",
+            ),
+        ),
+        why=(
+            "The judgement right before the send lets a write through while the job's "
+            "fence is one generation above it, so a replica that stalled between its "
+            "admission and the send sends generation g after g+1 was admitted "
+            "(tests/faults/test_frozen_replica.py"
+            "::test_woken_after_a_newer_generation_was_admitted fails too); verify stalls "
+            "workers, not replicas, and for the gateway's own leases the ordering barrier "
+            "makes g+1 wait for g."
+        ),
+        killed_by="tests/unit/test_send_verdict.py::test_send_verdict",
+    ),
+    Mutant(
+        name="barrier-quick-admission",
+        rule="barrier",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _HANDLER,
+                "            facts.in_order = UNKNOWN if admission.older_in_flight else True\n"
+                "            now = time.monotonic()\n",
+                "            now = time.monotonic()\n"
+                "            quick = now - asked < FRESH_ADMISSION\n"
+                "            facts.in_order = UNKNOWN if admission.older_in_flight and not quick"
+                " else True\n",
+            ),
+        ),
+        why=(
+            "An admission answered within FRESH_ADMISSION is taken to need no further "
+            "judgement, the ordering barrier included, so a newer generation's write goes "
+            "out beside an older generation's write still in flight."
+        ),
+        fast=True,
+        killed_by=(
+            "tests/integration/test_gateway_ordering.py"
+            "::test_newer_generation_waits_for_the_older_write_in_flight"
+        ),
+    ),
+    Mutant(
+        name="barrier-off-by-one",
+        rule="barrier",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _COMMON,
+                "    WHERE o.job_id = l.job_id AND o.generation < l.generation"
+                " AND o.deadline > clock.now",
+                "    WHERE o.job_id = l.job_id AND o.generation < l.generation - 1"
+                " AND o.deadline > clock.now",
+            ),
+            Edit(
+                _POSTGRES,
+                "           WHERE o.job_id = lease.job_id AND o.generation < lease.generation\n",
+                "           WHERE o.job_id = lease.job_id"
+                " AND o.generation < lease.generation - 1\n",
+            ),
+        ),
+        why=(
+            "The admission's test for an older write in flight counts only generations two "
+            "or more below its own (the SQLite admission's fragment and PostgreSQL's "
+            "admission), so generation g+1 does not wait for g's write in flight."
+        ),
+        killed_by=(
+            "tests/integration/test_gateway_ordering.py"
+            "::test_newer_generation_waits_for_the_older_write_in_flight"
+        ),
+    ),
+    Mutant(
+        name="expiry-replica-clock",
+        rule="expiry",
+        databases=PG,
+        edits=(
+            Edit(_STORE, "import json\n", "import json\nimport time\n"),
+            Edit(
+                _STORE,
+                '        row = await self.backend.run("admit", token_hash=write.token_hash,'
+                " **write.params(attempt))\n",
+                "        row = await self.backend.run(\n"
+                '            "admit", token_hash=write.token_hash, now=time.time(),'
+                " **write.params(attempt)\n"
+                "        )\n",
+            ),
+        ),
+        why=(
+            "The admission passes the replica's own clock as now, so on PostgreSQL a "
+            "replica whose clock is off (the clock nemesis) judges leases by it and dates "
+            "its claims' deadlines by it: one that is behind admits under leases the "
+            "database has expired, and its writes in flight look overdue to the other "
+            "replicas, which stop waiting for them (on SQLite the process's clock is the "
+            "authoritative one; the tests' injected clock stands for the database's, so a "
+            "SQLite test kills it too)."
+        ),
+        killed_by=(
+            "tests/integration/test_gateway_fencing.py::test_lease_expired_when_nobody_newer"
+        ),
+    ),
+    Mutant(
+        name="expiry-grace",
+        rule="expiry",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _COMMON,
+                "state = {State.LEASED} AND lease_expires_at > {now}",
+                "state = {State.LEASED} AND lease_expires_at + 3 > {now}",
+            ),
+            Edit(
+                _POSTGRES,
+                "    WHERE job.state = {State.LEASED} AND job.lease_expires_at > clock.now",
+                "    WHERE job.state = {State.LEASED} AND job.lease_expires_at + 3 > clock.now",
+            ),
+            Edit(
+                "lease_core/rules.py",
+                "        and (job.lease_expires_at <= now)",
+                "        and (job.lease_expires_at + 3 <= now)",
+            ),
+        ),
+        why=(
+            "Three seconds of grace for clock drift in the current-lease check (the shared "
+            "fragment, PostgreSQL's admission and the rules the answers are judged by), so "
+            "a lease writes, renews and completes for three seconds after it expired; a "
+            "takeover still fences it off (claims judge claimable_at), so verify sees it "
+            "only as fewer lease-expired answers, never as a broken invariant."
+        ),
+        killed_by=(
+            "tests/integration/test_gateway_fencing.py::test_lease_expired_when_nobody_newer"
+        ),
+    ),
+    Mutant(
+        name="duplicates-forget-completed",
+        rule="duplicates",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _STORE,
+                "        if fence.is_anonymous(key) and state is RecordState.COMPLETED:",
+                "        if fence.is_anonymous(key) or state is RecordState.COMPLETED:",
+            ),
+        ),
+        why=(
+            "The settle forgets every completed record, not only those of writes without "
+            "a key, so a retried key (or a new generation repeating a step) is forwarded "
+            "again instead of replayed."
+        ),
+        fast=True,
+        killed_by=(
+            "tests/integration/test_gateway_idempotency.py::test_replay_gives_the_stored_answer"
+        ),
+    ),
+    Mutant(
+        name="unknown-timeout-not-sent",
+        rule="unknown-outcomes",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "gateway/upstream/errors.py",
+                "class NoAnswerInTime(NoAnswer):",
+                "class NoAnswerInTime(NotSent):",
+            ),
+        ),
+        why=(
+            "A request whose answer did not come in time is classed as never sent, so its "
+            "key is released instead of held unknown and the worker's retry is forwarded "
+            "again although the upstream may have applied the first."
+        ),
+        fast=True,
+        killed_by=("tests/integration/test_gateway_idempotency.py::test_unknown_outcome_is_held"),
+    ),
+    Mutant(
+        name="unknown-hold-as-retry",
+        rule="unknown-outcomes",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _HANDLER,
+                '            retry=upstream.unknown_outcome == "retry",',
+                '            retry=upstream.unknown_outcome != "resolve",',
+            ),
+        ),
+        why=(
+            'The admission takes over an unknown outcome\'s key under "hold" as under '
+            '"retry" (only "resolve" is left out), so a retry of a write that lost its '
+            "answer is forwarded again instead of answered outcome-unknown."
+        ),
+        fast=True,
+        killed_by=("tests/integration/test_gateway_idempotency.py::test_unknown_outcome_is_held"),
+    ),
+    Mutant(
+        name="resolver-window-sign",
+        rule="resolver",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "gateway/proxy/resolve.py",
+                "window=upstream.dedup.window_seconds - upstream.timeout_seconds - MARGIN,",
+                "window=upstream.dedup.window_seconds + upstream.timeout_seconds + MARGIN,",
+            ),
+        ),
+        why=(
+            "The resolver's window adds the upstream's timeout and the margin instead of "
+            "taking them off, so it re-sends a held write after the upstream has forgotten "
+            'its key and the write is applied twice; verify\'s upstream is "hold", so its '
+            "workload never runs the resolver."
+        ),
+        killed_by=(
+            "tests/integration/test_gateway_resolve.py"
+            "::test_past_the_window_it_goes_to_the_operator"
+        ),
+    ),
+    Mutant(
+        name="source-fence-off-by-one",
+        rule="lease-source",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _COMMON,
+                "    WHERE fences.generation <= excluded.generation\n",
+                "    WHERE fences.generation <= excluded.generation + 1\n",
+            ),
+        ),
+        why=(
+            "The admission of another source's lease accepts a generation one below the "
+            "job's fence and lowers the fence to it, so a signed token of generation 1 "
+            "writes after generation 2 wrote; verify's workload uses only the gateway's "
+            "own leases, so only the tests of the sources reach it."
+        ),
+        killed_by=(
+            "tests/integration/test_source_jwt.py"
+            "::test_a_lower_generation_is_refused_after_a_higher_one_wrote"
+        ),
+    ),
+    Mutant(
+        name="source-redis-lapsed-lock",
+        rule="lease-source",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "gateway/sources/redis_lock.py",
+                "        if held == value:",
+                "        if held is None or held == value:",
+            ),
+        ),
+        why=(
+            "A Redis lock whose key has lapsed is taken as still held by the token, so a "
+            "token whose lock expired or was released (or was never taken) writes until "
+            "somebody takes the lock again; verify's workload uses only the gateway's own "
+            "leases, so only the tests of the sources reach it."
+        ),
+        killed_by=("tests/integration/test_source_redis.py::test_an_expired_lock_ends_its_token"),
+    ),
+)
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    """Apply every edit to the tree at root; MutationError if an ``old`` text does not
+    occur exactly once. Every edit is checked before any file is written, so a mutant
+    that cannot be applied leaves the tree as it was."""
+    texts: dict[Path, str] = {}
+    for edit in mutant.edits:
+        path = root / edit.path
+        if path not in texts:
+            try:
+                texts[path] = path.read_text(encoding="utf-8")
+            except OSError as error:
+                raise MutationError(f"{mutant.name}: cannot read {edit.path}: {error}") from error
+        count = texts[path].count(edit.old)
+        if count != 1:
+            raise MutationError(
+                f"{mutant.name}: {edit.path}: the text to replace occurs {count} times, "
+                f"not once: {edit.old!r}"
+            )
+        texts[path] = texts[path].replace(edit.old, edit.new)
+    for path, text in texts.items():
+        path.write_text(text, encoding="utf-8")
+
+
+def by_name(names: Iterable[str]) -> list[Mutant]:
+    """The mutants named, in the order given; MutationError on an unknown name, listing
+    the known ones."""
+    known = {mutant.name: mutant for mutant in MUTANTS}
+    chosen = []
+    for name in names:
+        if name not in known:
+            raise MutationError(f"no mutant named {name!r}; known: {', '.join(known)}")
+        chosen.append(known[name])
+    return chosen
