@@ -1,4 +1,5 @@
-"""``python -m verify run ...`` and ``python -m verify check HISTORY LEDGER``."""
+"""``python -m verify run ...``, ``python -m verify check HISTORY LEDGER`` and
+``python -m verify mutants ...``."""
 
 from __future__ import annotations
 
@@ -69,7 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SHARE",
         help="fail when fewer claimed jobs completed (0-1; default 0: only on none)",
     )
+    r.add_argument(
+        "--stop-on-violation",
+        action="store_true",
+        help="check the files every few seconds and stop at the first safety violation "
+        "(python -m verify mutants runs so)",
+    )
     sub.add_parser("check", help="check a history against a ledger", add_help=False)
+    sub.add_parser(
+        "mutants", help="run the verification against each mutant: can it fail?", add_help=False
+    )
     return parser
 
 
@@ -77,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["check"]:
         return check.main(args_list[1:])
+    if args_list[:1] == ["mutants"]:
+        from verify import mutants  # the catalogue is read only for this command
+
+        return mutants.main(args_list[1:])
     args = build_parser().parse_args(args_list)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**9)
     print(f"seed: {seed}", flush=True)
@@ -110,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         replicas=replicas,
         min_completed=args.min_completed,
         tail=args.tail,
+        stop_on_violation=args.stop_on_violation,
     )
     print(
         f"run: --db {args.db} --seconds {args.seconds:g} --nemesis {','.join(nemeses) or 'none'}"
