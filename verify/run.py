@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from verify import netns
-from verify.check import Report, check, check_files
+from verify.check import Report, Violation, check, check_files
 from verify.cluster import PG_BIN, ClusterError
 from verify.events import HistoryEvent, JsonlWriter, LedgerEntry, UnreadableFile, read_history
 from verify.nemesis import DATABASE_NEMESES, NEMESES, Nemesis, plan
@@ -202,10 +202,10 @@ async def progress(observer: Observer, nemesis: Nemesis, workers: dict[str, Chil
 async def watch(options: Options, names: list[str], opened: float) -> str:
     """With ``--stop-on-violation``: check the files so far every few seconds and return
     when a safety invariant is broken ("N s": when its evidence was complete); otherwise
-    wait forever. A partial history is judged soundly: the ledger's entries are taken up
-    to the moment the histories were read, so every write applied has its invoke (and
-    every acknowledgement its application) in what was read, and an operation still
-    outstanding counts as one of unknown outcome."""
+    wait forever. A partial history is judged soundly: history and ledger are both cut at
+    the moment the reading began, so every write applied has its invoke and every
+    acknowledgement its application in what is judged, and an operation still outstanding
+    counts as one of unknown outcome."""
     if not options.stop_on_violation:
         await asyncio.Event().wait()
     while True:
@@ -215,23 +215,30 @@ async def watch(options: Options, names: list[str], opened: float) -> str:
         except ValueError:  # a line being written: the next look reads it whole
             continue
         if found is not None:
-            return f"{found - opened:.1f} s"
+            at, violation = found
+            return (
+                f"{at - opened:.1f} s: [{violation.invariant} {violation.name}] {violation.message}"
+            )
 
 
-def _violation_so_far(out: Path, db: str, names: list[str]) -> float | None:
-    """When the first safety violation of the files so far was complete, or None."""
+def _violation_so_far(out: Path, db: str, names: list[str]) -> tuple[float, Violation] | None:
+    """The first safety violation of the files so far and when it was complete, or None."""
     read_at = time.time()
     events: list[HistoryEvent] = []
     for name in names:
         for number, obj in enumerate(Tail(out / f"history-{name}.jsonl").read(), start=1):
             events.append(HistoryEvent.from_json(obj, number))
-    # Only what was applied before the histories were read: its invoke was in their files
-    # then (a write is recorded before it is sent).
+    # Both cut at the moment the reading began: a write applied by then was recorded
+    # before it was sent, so its invoke is in the files read; an answer given by then
+    # came after its application, which the ledger (read last) holds.
     ledger = [LedgerEntry.from_json(obj) for obj in Tail(out / "ledger.jsonl").read()]
     ledger = [entry for entry in ledger if entry.time <= read_at]
-    events.sort(key=lambda event: event.time)
+    events = sorted((e for e in events if e.time <= read_at), key=lambda event: event.time)
     report = check(events, ledger, skewed=skew_windows(out, db))
-    return first_violation(report)
+    first = first_violation(report)
+    if first is None:
+        return None
+    return first, next(v for v in report.violations if v.invariant != 7)
 
 
 def _seconds_after(report: Report | None, opened: float) -> float | None:
