@@ -39,6 +39,7 @@ batches ``lease_core.coalesce``'s.
 from __future__ import annotations
 
 import sqlite3
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -175,13 +176,36 @@ def is_unavailable(error: BaseException) -> bool:
     sqlstate = str(getattr(error, "sqlstate", None) or getattr(error, "pgcode", None) or "")
     if sqlstate:  # the server answered: its code says what happened, never its text
         return sqlstate.startswith(_UNAVAILABLE_SQLSTATES)
+    # The error itself, or the driver's under SQLAlchemy's wrapper (its ``orig``).
     for candidate in (error, error.__cause__):
         if isinstance(candidate, OSError | ConnectionError | TimeoutError):
+            return True
+        if _is_asyncpg_connection_error(candidate):
             return True
         name = type(candidate).__name__
         if "Connection" in name or "CannotConnectNow" in name or "AdminShutdown" in name:
             return True
-    # A client-side error of the driver ("connection is closed", "another operation is
-    # in progress"): these carry no values of ours, so their words are safe to read.
+    # Another client-side error of a driver ("connection is closed", "database is
+    # locked"): these carry no values of ours, so their words are safe to read.
     text = str(error).lower()
     return any(word in text for word in _UNAVAILABLE_WORDS)
+
+
+def _is_asyncpg_connection_error(error: BaseException | None) -> bool:
+    """One of asyncpg's own errors (the client's, with no SQLSTATE) that says this
+    connection cannot serve now, whatever its words: its ``InterfaceError`` family
+    ("connection is closed", "another operation is in progress", "pool is closing") and
+    its ``InternalClientError`` family (a protocol state it did not expect;
+    ``TargetServerAttributeNotMatched``, no host that takes writes, as while a restart or
+    a failover has left only standbys). Not those that say a value or the SQL is wrong:
+    ``DataError`` and ``ClientConfigurationError`` (ValueErrors), a feature unsupported."""
+    asyncpg = sys.modules.get("asyncpg")
+    if asyncpg is None or error is None:  # asyncpg not loaded: not its error
+        return False
+    errors = asyncpg.exceptions
+    if isinstance(
+        error,
+        ValueError | errors.UnsupportedClientFeatureError | errors.UnsupportedServerFeatureError,
+    ):
+        return False
+    return isinstance(error, errors.InterfaceError | errors.InternalClientError)
