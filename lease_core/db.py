@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from .direct import IN_MEMORY, Direct, is_in_memory
+from .direct import IN_MEMORY, Direct, is_in_memory, is_unavailable
 from .direct_postgres import PostgresDirect
 from .direct_sqlite import SqliteDirect, configure_sqlite
 
@@ -84,7 +84,23 @@ def create_engine(url: str | sa.URL, *, pool_size: int = 10) -> Engine:
         pool_timeout=30,
         hide_parameters=True,
     )
+    _discard_broken_connections(engine)
     return Engine(engine.sync_engine, direct_pool_size=pool_size)
+
+
+def _discard_broken_connections(engine: AsyncEngine) -> None:
+    """A PostgreSQL connection whose error says the database cannot serve now
+    (``is_unavailable``: the server gone, or asyncpg's "another operation is in
+    progress") is taken for disconnected: SQLAlchemy invalidates it, so it is closed and
+    never handed out again, and the pool's pre-ping replaces one that fails so. asyncpg's
+    dialect alone counts only a connection already closed. One taken so by this rule
+    alone costs only itself: the rest of the pool is pinged at checkout anyway."""
+
+    @event.listens_for(engine.sync_engine, "handle_error")
+    def _handle_error(context: sa.engine.ExceptionContext) -> None:
+        if not context.is_disconnect and is_unavailable(context.original_exception):
+            context.is_disconnect = True
+            context.invalidate_pool_on_disconnect = False
 
 
 def _sqlite_setup(engine: AsyncEngine) -> None:

@@ -129,7 +129,11 @@ class PostgresDirect(Direct):
         try:
             pool = await self._get_pool()
             async with pool.acquire() as conn:
-                return await getattr(conn, method)(text, *args)
+                try:
+                    return await getattr(conn, method)(text, *args)
+                except Exception as error:
+                    _discard_if_unavailable(conn, error)
+                    raise
         except Exception as error:
             if is_unavailable(error):
                 raise exc.StoreUnavailable() from error
@@ -141,27 +145,37 @@ class PostgresDirect(Direct):
         injected = params.get("now") is not None
         try:
             pool = await self._get_pool()
-            async with pool.acquire() as conn, conn.transaction():
-                chain = Chain(params)
-                for statement in statements:
-                    text, names = statement.postgres(injected)
-                    # ``fetch`` uses the connection's cache of prepared statements; the
-                    # columns of one that returned no row are read once, when first needed.
-                    rows = await conn.fetch(text, *(chain.params[name] for name in names))
-                    columns = self._columns.get(text)
-                    if columns is None:
-                        if rows:
-                            columns = tuple(rows[0].keys())
-                        else:
-                            prepared = await conn.prepare(text)
-                            columns = tuple(a.name for a in prepared.get_attributes())
-                        self._columns[text] = columns
-                    chain.add(columns, rows[0] if rows else None)
-                return chain.answer()
+            async with pool.acquire() as conn:
+                try:
+                    async with conn.transaction():
+                        return await self._run_chain(conn, statements, params, injected)
+                except Exception as error:
+                    _discard_if_unavailable(conn, error)
+                    raise
         except Exception as error:
             if is_unavailable(error):
                 raise exc.StoreUnavailable() from error
             raise
+
+    async def _run_chain(
+        self, conn: Any, statements: Sequence[Statement], params: Mapping[str, Any], injected: bool
+    ) -> Row | None:
+        chain = Chain(params)
+        for statement in statements:
+            text, names = statement.postgres(injected)
+            # ``fetch`` uses the connection's cache of prepared statements; the columns
+            # of one that returned no row are read once, when first needed.
+            rows = await conn.fetch(text, *(chain.params[name] for name in names))
+            columns = self._columns.get(text)
+            if columns is None:
+                if rows:
+                    columns = tuple(rows[0].keys())
+                else:
+                    prepared = await conn.prepare(text)
+                    columns = tuple(a.name for a in prepared.get_attributes())
+                self._columns[text] = columns
+            chain.add(columns, rows[0] if rows else None)
+        return chain.answer()
 
     async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
         raise TypeError(
@@ -185,6 +199,16 @@ def _arrays(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 _SERVER_OF_CONNECTION = (
     "SELECT coalesce(host(inet_server_addr()), 'local socket'), inet_server_port()"
 )
+
+
+def _discard_if_unavailable(conn: Any, error: BaseException) -> None:
+    """A connection whose operation failed because the database cannot serve now
+    (``is_unavailable``) is closed instead of going back to the pool: asyncpg's pool
+    itself gives back one still open (one that said "another operation is in progress",
+    one whose session hit a full disk), and the next operation would meet it again. The
+    pool connects anew in its place."""
+    if is_unavailable(error):
+        conn.terminate()
 
 
 async def _no_reset(_conn: Any) -> None:

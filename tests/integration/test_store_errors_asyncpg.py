@@ -28,12 +28,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
+import sqlalchemy as sa
 
 from gateway.records import migrate
 from lease_core import exceptions as exc
 from lease_core.backend import Backend
 from lease_core.db import create_engine
 from lease_core.direct import is_unavailable
+from lease_core.statement import Statement
 from tests.gateway_helpers import ok, problem
 from tests.support import (
     Stack,
@@ -231,7 +233,71 @@ async def test_asyncpg_errors_of_our_values_or_sql_are_not_unavailability(
         await conn.close()
 
 
+# -- the hot path's own pool: the operations of the lease API and the gateway -------------------
+
+BACKEND_PID = Statement("SELECT pg_backend_pid() AS pid")
+# What the server says, as an ERROR on a session that stays open, when the disk is full
+# (class 53, insufficient resources): the database cannot serve now.
+DISK_FULL = Statement(
+    "DO $$ BEGIN RAISE EXCEPTION 'could not extend file' USING ERRCODE = '53100'; END $$"
+)
+
+
+async def test_the_hot_path_closes_a_connection_whose_operation_found_the_store_unavailable(
+    own_database: str,
+) -> None:
+    """asyncpg's pool takes back a connection still open whatever its operation raised;
+    one that failed because the database cannot serve is closed instead, and the next
+    operation gets a new session. A connection that only refused our SQL is kept."""
+    engine = create_engine(pg_url_of(own_database), pool_size=1)  # one connection
+    direct = engine.direct
+    try:
+        first = await direct.fetchrow(BACKEND_PID, {})
+        assert first is not None
+        with pytest.raises(exc.StoreUnavailable) as caught:
+            await direct.fetchrow(DISK_FULL, {})
+        assert isinstance(caught.value.__cause__, asyncpg.PostgresError)
+        second = await direct.fetchrow(BACKEND_PID, {})
+        assert second is not None and second["pid"] != first["pid"]
+
+        with pytest.raises(asyncpg.PostgresSyntaxError):
+            await direct.fetchrow(Statement("SELEC 1"), {})
+        third = await direct.fetchrow(BACKEND_PID, {})
+        assert third is not None and third["pid"] == second["pid"]
+    finally:
+        await engine.dispose()
+
+
 # -- through SQLAlchemy: the listings, the audit, the dashboard ----------------------------------
+
+
+async def test_sqlalchemy_discards_a_connection_asyncpg_said_is_busy(own_database: str) -> None:
+    """Two operations at once on one pooled connection: the read is ``StoreUnavailable``,
+    the connection is invalidated (closed, never handed out again), and the next read
+    gets a connection of its own."""
+    engine = create_engine(pg_url_of(own_database), pool_size=2)
+    backend = Backend(engine)
+    try:
+        with pytest.raises(exc.StoreUnavailable) as caught:
+            async with backend.transaction() as conn:
+                raw = (await conn.get_raw_connection()).driver_connection
+                assert raw is not None
+                pid = raw.get_server_pid()
+                busy = asyncio.ensure_future(raw.fetchval("SELECT pg_sleep(0.3)"))
+                await asyncio.sleep(0.05)
+                await conn.execute(sa.text("SELECT 1"))
+        with contextlib.suppress(asyncpg.InterfaceError, asyncpg.PostgresError):
+            await busy
+        cause = caught.value.__cause__
+        assert isinstance(cause, sa.exc.DBAPIError), repr(cause)
+        assert cause.connection_invalidated, repr(cause)
+        assert raw is not None and raw.is_closed()
+        async with backend.transaction() as conn:
+            again = (await conn.get_raw_connection()).driver_connection
+            assert again is not raw
+            assert (await conn.execute(sa.text("SELECT pg_backend_pid()"))).scalar_one() != pid
+    finally:
+        await engine.dispose()
 
 
 async def test_sqlalchemy_no_host_that_takes_writes_is_store_unavailable(
