@@ -8,6 +8,9 @@ the whole plan first (``"phase": "plan"``), then a line when each fault starts a
 
 - ``pause``: SIGSTOP a worker for the longest TTL (3 s) plus 0.5-3 s, then SIGCONT.
 - ``kill``: kill -9 a replica, start it again (same addresses) after 0.5-3 s.
+- ``freeze``: SIGSTOP a replica for 2-8 s, then SIGCONT: a gateway that stalls (a GC
+  pause, a stopped VM) with writes admitted and not yet sent, while the other replicas
+  admit the next generation.
 - ``db-restart`` (PostgreSQL): ``pg_ctl restart -m fast`` or ``-m immediate``.
 - ``partition``: drop the traffic of a replica's namespace to the upstream or (PostgreSQL)
   the database, all of it or 30 % of its packets, for 1-8 s.
@@ -36,14 +39,16 @@ from verify.events import JsonlWriter
 from verify.procs import Child, StartError
 from verify.stack import Replica, Stack
 
-NEMESES = ("pause", "kill", "partition", "clock", "upstream", "db-restart", "failover")
+NEMESES = (
+    "pause", "kill", "partition", "clock", "upstream", "db-restart", "failover", "freeze"
+)  # fmt: skip
 # The nemeses of one database only: db-restart restarts the one PostgreSQL of --db pg,
 # failover moves the primary of --db patroni's cluster.
 DATABASE_NEMESES = {"db-restart": "pg", "failover": "patroni"}
 MAX_TTL = 3.0
 # Seconds a target rests after a fault of this kind before the plan gives it another (a
 # failover's cluster needs about ten to be whole again).
-AFTER = {"kill": 3.0, "clock": 3.0, "failover": 12.0}
+AFTER = {"kill": 3.0, "clock": 3.0, "freeze": 3.0, "failover": 12.0}
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class Fault:
     @property
     def slot(self) -> str:
         """What two faults at once may not share."""
-        if self.kind in ("kill", "clock"):
+        if self.kind in ("kill", "clock", "freeze"):
             return f"process:{self.target}"
         if self.kind == "partition":
             return f"network:{self.target}"
@@ -119,10 +124,12 @@ def _draw(
             return None
         duration = round(MAX_TTL + rng.uniform(0.5, 3.0), 2)
         return Fault(index, at, kind, rng.choice(targets), duration)
-    if kind in ("kill", "clock"):
+    if kind in ("kill", "clock", "freeze"):
         targets = free(replicas, "process")
         if not targets:
             return None
+        if kind == "freeze":
+            return Fault(index, at, kind, rng.choice(targets), round(rng.uniform(2.0, 8.0), 2))
         if kind == "kill":
             return Fault(index, at, kind, rng.choice(targets), round(rng.uniform(0.5, 3.0), 2))
         skew = f"{rng.choice('+-')}{rng.randint(2, 10)}m"
@@ -234,6 +241,8 @@ class Nemesis:
             self.workers[fault.target].signal(signal.SIGSTOP)
         elif kind == "kill":
             self.replica(fault.target).kill()
+        elif kind == "freeze":
+            self.replica(fault.target).signal(signal.SIGSTOP)
         elif kind == "clock":
             replica = self.replica(fault.target)
             await asyncio.to_thread(replica.stop)
@@ -258,10 +267,12 @@ class Nemesis:
 
     async def end(self, fault: Fault) -> None:
         kind = fault.kind
-        if self.aborting and kind != "pause":
+        if self.aborting and kind not in ("pause", "freeze"):
             return
         if kind == "pause":
             self.workers[fault.target].signal(signal.SIGCONT)
+        elif kind == "freeze":
+            self.replica(fault.target).signal(signal.SIGCONT)
         elif kind == "kill":
             await self._start(self.replica(fault.target), None)
         elif kind == "clock":

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -93,6 +94,11 @@ class Replica:
     def kill(self) -> None:
         if self.child is not None:
             self.child.kill()
+
+    def signal(self, sig: signal.Signals) -> None:
+        """``sig`` to the replica's process (SIGSTOP and SIGCONT: the freeze nemesis)."""
+        if self.child is not None:
+            self.child.signal(sig)
 
     def stop(self) -> None:
         if self.child is not None:

@@ -251,6 +251,7 @@ class Worker:
             reckless=reckless,
             lapse=reckless and shape < LAPSE_SHARE,
             overlap=reckless and LAPSE_SHARE <= shape < LAPSE_SHARE + OVERLAP_SHARE,
+            woken=self.random.random() < 0.5,
         )
 
     async def work(self, target: Target, lease: Lease, conduct: Conduct) -> str:
@@ -260,7 +261,7 @@ class Worker:
         )
         try:
             if conduct.overlap:
-                return await self.overlap(target, lease, renewer)
+                return await self.overlap(target, lease, renewer, conduct.woken)
             return await self.do_job(target, lease, conduct, renewer)
         finally:
             await _cancel(renewer)
@@ -411,36 +412,49 @@ class Worker:
             outcome = outcome if outcome == "lost" else own
         return outcome
 
-    async def overlap(self, target: Target, lease: Lease, renewer: asyncio.Task[None]) -> str:
-        """A write in flight while the next generation is granted and writes: the first
-        step as usual, then renewals stop; shortly before the lease expires the next step
-        goes out with the upstream told to wait before applying it (``APPLY_DELAY``), as
-        ``{id}/old``; at the expiry this worker acquires the job again by name, a new
-        generation, and works it as its successor, while the old one, once answered,
-        carries on as a zombie."""
+    async def overlap(
+        self, target: Target, lease: Lease, renewer: asyncio.Task[None], woken: bool
+    ) -> str:
+        """Two generations of one job writing at once, on purpose: the first step as
+        usual, then renewals stop, and at the expiry this worker acquires the job again by
+        name (a new generation) and works it as its successor, while the old generation,
+        as process ``{id}/old``, goes on as a zombie (``zombie``):
+
+        - in flight (``woken`` false): shortly before the expiry the old generation sends
+          its next step with the upstream told to wait before applying it
+          (``APPLY_DELAY``), and the successor writes at once: the barrier's case;
+        - woken: the old generation wakes the moment the successor is granted and writes
+          its remaining steps at once, while the successor is still at its first step's
+          work: the fence's case, before the newer generation has written."""
         if await self.step(target, lease, 0, self.name, True, False) != "ok":
             return "gave-up"
         await _cancel(renewer)
-        steps = steps_of(lease.job_id)
-        await asyncio.sleep(max(0.0, _valid_for(lease) - IN_FLIGHT_LEAD))
+        steps = range(1, steps_of(lease.job_id))
+        granted = asyncio.Event()
+        if not woken:
+            await asyncio.sleep(max(0.0, _valid_for(lease) - IN_FLIGHT_LEAD))
         old = asyncio.get_running_loop().create_task(
-            self.zombie(target, lease, range(1, steps)), name=f"{self.name}/old"
+            self.zombie(target, lease, steps, None if woken else APPLY_DELAY, granted),
+            name=f"{self.name}/old",
         )
         try:
             await asyncio.sleep(max(0.0, _valid_for(lease)))
             successor = await self.acquire(target, lease.job_id, deadline=lease.ttl_seconds + 3)
             if successor is None:
                 return "gave-up"
-            conduct = Conduct(reckless=False, lapse=False, overlap=False)
+            granted.set()
+            if woken:
+                await asyncio.sleep(self.random.uniform(0.3, 0.8))  # the successor's work
             first = await self.step(target, successor, 1, self.name, False, False, work=False)
             if first != "ok":
                 return first
-            return await self.work_rest(target, successor, conduct)
+            return await self.work_rest(target, successor)
         finally:
+            granted.set()
             with contextlib.suppress(Exception):
                 await old
 
-    async def work_rest(self, target: Target, lease: Lease, conduct: Conduct) -> str:
+    async def work_rest(self, target: Target, lease: Lease) -> str:
         """The successor of ``overlap``: steps 2 on, with its own renewer, then complete."""
         renewer = asyncio.get_running_loop().create_task(
             self.renew_forever(lease), name=f"{self.name}/renew"
@@ -454,13 +468,25 @@ class Worker:
         finally:
             await _cancel(renewer)
 
-    async def zombie(self, target: Target, lease: Lease, steps: range) -> None:
-        """``overlap``'s old generation: its first write held at the upstream, then the
-        remaining steps once each, whatever the gateway answers."""
+    async def zombie(
+        self,
+        target: Target,
+        lease: Lease,
+        steps: range,
+        delay: float | None,
+        granted: asyncio.Event,
+    ) -> None:
+        """``overlap``'s old generation: the remaining steps once each, whatever the
+        gateway answers; the first held ``delay`` seconds at the upstream, or (None) sent
+        the moment the successor is granted."""
         process = f"{self.name}/old"
+        if delay is None:
+            await granted.wait()
         for index, step in enumerate(steps):
-            delay = APPLY_DELAY if index == 0 else 0.0
-            await self.step(target, lease, step, process, True, True, delay=delay, work=index > 0)
+            await self.step(
+                target, lease, step, process, True, True,
+                delay=delay if index == 0 and delay else 0.0, work=index > 0,
+            )  # fmt: skip
 
     async def acquire(self, target: Target, job: str, *, deadline: float) -> Lease | None:
         """The named job's lease, asked again every 50 ms while another lease holds it."""
@@ -600,7 +626,10 @@ class Conduct:
     lapse: bool
     """Stops renewing after the first step and works past the lease's TTL."""
     overlap: bool
-    """``Worker.overlap``: a write in flight while the next generation writes."""
+    """``Worker.overlap``: two generations writing at once."""
+    woken: bool = False
+    """With ``overlap``: the old generation wakes as the new one is granted (else: its
+    write is in flight as the new one writes)."""
 
 
 def _valid_for(lease: Lease) -> float:
