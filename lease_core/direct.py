@@ -147,7 +147,11 @@ class Chain:
 
 # SQLSTATE classes and codes that mean "the server is not there right now": 08 connection
 # exceptions, 57P01-57P03 admin/crash shutdown and "cannot connect now", 53 resources.
-_UNAVAILABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53")
+# Connection exceptions, admin and crash shutdown, cannot connect now, insufficient
+# resources, and 25006 (read-only transaction): a server that a failover demoted, reached
+# by a URL without target_session_attrs=read-write, takes no write until it is a primary
+# again or the pool finds the one that is.
+_UNAVAILABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53", "25006")
 _UNAVAILABLE_WORDS = (
     "connect",
     "closed",

@@ -345,3 +345,32 @@ async def test_a_restart_that_leaves_no_server_taking_writes_is_503_for_every_op
     renew = await stack.control.post("/v1/leases/renew", json={"lease_token": lease["lease_token"]})
     assert renew.status == 200, await renew.text()
     assert len(upstream.received) == 2
+
+
+# -- a server that turned read-only, reached without target_session_attrs -----------------
+
+
+async def test_a_server_turned_read_only_is_store_unavailable(own_database: str) -> None:
+    """A primary demoted by a failover, reached by a URL without
+    ``target_session_attrs=read-write``: the connection opens, and every write fails with
+    SQLSTATE 25006 (read-only transaction). No write was made, and another server (or
+    this one, promoted again) will take it: unavailable, not our SQL's fault."""
+    engine = create_engine(pg_url_of(own_database), pool_size=2)
+    try:
+        async with takes_no_writes(own_database):
+            conn = await asyncpg.connect(dsn(own_database))
+            try:
+                with pytest.raises(asyncpg.exceptions.ReadOnlySQLTransactionError) as raw:
+                    await conn.execute("UPDATE jobs SET state = state WHERE false")
+            finally:
+                await conn.close()
+            assert is_unavailable(raw.value)
+            with pytest.raises(sa.exc.DBAPIError) as wrapped:
+                async with engine.begin() as session:
+                    await session.execute(sa.text("UPDATE jobs SET state = state WHERE false"))
+            # As the backend reads SQLAlchemy's errors (its ``orig``); and the connection
+            # is dropped, so the pool looks for one that takes writes.
+            assert is_unavailable(wrapped.value.orig)
+            assert wrapped.value.connection_invalidated
+    finally:
+        await engine.dispose()
