@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--nemesis",
         default="all",
-        help="comma list of pause, kill, partition, clock, upstream, db-restart; "
+        help="comma list of pause, kill, freeze, partition, clock, upstream, db-restart, failover; "
         "or all (every one the database allows) or none (default all)",
     )
     r.add_argument(

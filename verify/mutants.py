@@ -169,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds", default="1", help="comma list of seeds, each mutant run once per seed"
     )
     parser.add_argument("--fast", action="store_true", help="only the mutants marked fast")
-    parser.add_argument("--only", default="", help="comma list of mutant names")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="only these mutants (names, or comma lists of names; --list shows them)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated tree's runs")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--out", type=Path, default=None, help="default verify-runs/mutants-<time>")
@@ -177,9 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def chosen(options: argparse.Namespace) -> list[Mutant]:
-    mutants = by_name(n.strip() for n in options.only.split(",") if n.strip())
-    if not options.only:
-        mutants = list(MUTANTS)
+    names = [n.strip() for word in options.only for n in word.split(",") if n.strip()]
+    mutants = by_name(names) if names else list(MUTANTS)
     if options.fast:
         mutants = [m for m in mutants if m.fast]
     return mutants

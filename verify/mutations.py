@@ -110,7 +110,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         name="fence-send-off-by-one",
         rule="fence",
-        databases=BOTH,
+        databases=PG,
         edits=(
             Edit(
                 _FENCE,
@@ -123,9 +123,10 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "fence is one generation above it, so a replica that stalled between its "
             "admission and the send sends generation g after g+1 was admitted "
             "(tests/faults/test_frozen_replica.py"
-            "::test_woken_after_a_newer_generation_was_admitted fails too); verify stalls "
-            "workers, not replicas, and for the gateway's own leases the ordering barrier "
-            "makes g+1 wait for g."
+            "::test_woken_after_a_newer_generation_was_admitted fails too); verify's "
+            "freeze nemesis stalls a replica so, and another replica admits g+1 once g's "
+            "deadline has passed: on PostgreSQL, where there are several replicas (with "
+            "SQLite's one replica nothing else admits g+1 meanwhile)."
         ),
         killed_by="tests/unit/test_send_verdict.py::test_send_verdict",
     ),
@@ -238,8 +239,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "Three seconds of grace for clock drift in the current-lease check (the shared "
             "fragment, PostgreSQL's admission and the rules the answers are judged by), so "
             "a lease writes, renews and completes for three seconds after it expired; a "
-            "takeover still fences it off (claims judge claimable_at), so verify sees it "
-            "only as fewer lease-expired answers, never as a broken invariant."
+            "takeover still fences it off (claims judge claimable_at), so only a write "
+            "invoked after its lease's expiry with no successor shows it (invariant 11, "
+            "the lapse and pause workloads)."
         ),
         killed_by=(
             "tests/integration/test_gateway_fencing.py::test_lease_expired_when_nobody_newer"

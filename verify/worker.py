@@ -9,8 +9,16 @@ background, and does the job's steps (3-5, fixed per job): for each, it decides 
 is still held, as far as it can tell: the fencing headers are made then), works a little
 (20-400 ms, so a pause can fall between deciding and sending, and a job lives through
 renewals), then sends one write with the key ``{job}-step{i}`` and a body fixed per
-(job, step), so that the next worker's retry of the step is the same request. Then it
-completes the job.
+(job, step), so that the next worker's retry of the step is the same request; half the
+steps also send a key of the generation's own, ``{job}-g{generation}-step{i}``, which no
+other generation sends. Then it completes the job.
+
+How a job is worked is drawn per job (``Conduct``): careful, as above; or reckless, with
+no look at the lease before a write and, after a refusal that says the lease is gone, the
+job's remaining steps sent once each (a zombie); of the reckless, some stop renewing and
+work past the TTL (lapse), and some make two generations write at once on purpose
+(``Worker.overlap``: the old one's write in flight while the successor writes, or the
+old one waking the moment the successor is granted).
 
 Each job goes through one gateway replica (``--control``/``--gateway`` are paired by
 position), drawn at random. A replica that is down (connection refused or dropped) or a
@@ -445,7 +453,15 @@ class Worker:
             granted.set()
             if woken:
                 await asyncio.sleep(self.random.uniform(0.3, 0.8))  # the successor's work
-            first = await self.step(target, successor, 1, self.name, False, False, work=False)
+            # First a key of its own (not the old generation's key in flight, which would
+            # only wait for that key), then the step the old generation was at.
+            job, generation = successor.job_id, successor.generation
+            first = await self.write(
+                target, successor, own_key(job, generation, 1), own_body(job, generation, 1),
+                self.name, work=False,
+            )  # fmt: skip
+            if first == "ok":
+                first = await self.step(target, successor, 1, self.name, False, False)
             if first != "ok":
                 return first
             return await self.work_rest(target, successor)

@@ -8,9 +8,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from verify import mutants
 from verify.check import check
 from verify.events import HistoryEvent, LedgerEntry, sha256_hex
 from verify.mutants import copy_tree
+from verify.mutations import MUTANTS
 from verify.run import first_violation, skew_windows
 
 
@@ -62,3 +66,14 @@ def test_the_copy_holds_what_git_would_add_and_not_what_it_ignores(tmp_path: Pat
     assert (dest / "pkg" / "tracked.py").read_text() == "A = 1\n"
     assert (dest / "pkg" / "new.py").exists()
     assert not (dest / "ignored").exists()
+
+
+def test_mutants_lists_the_catalogue_and_refuses_an_unknown_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert mutants.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(m.name in listed for m in MUTANTS)
+    assert mutants.main(["--only", "fence-job-lease,no-such-mutant"]) == 2
+    assert "no mutant named 'no-such-mutant'" in capsys.readouterr().out
+    assert mutants.main(["--db", "oracle", "--only", "fence-job-lease"]) == 2
