@@ -32,6 +32,9 @@ from verify.stack import Stack
 
 TAIL_SECONDS = 15.0
 PROGRESS_EVERY = 5.0
+# --stop-on-violation judges a violation once its records are this old: longer than a
+# worker waits for a write's answer (verify.worker.WRITE_TIMEOUT, 5 s).
+SETTLED_AFTER = 6.0
 
 
 class SetupError(Exception):
@@ -235,10 +238,15 @@ def _violation_so_far(out: Path, db: str, names: list[str]) -> tuple[float, Viol
     ledger = [entry for entry in ledger if entry.time <= read_at]
     events = sorted((e for e in events if e.time <= read_at), key=lambda event: event.time)
     report = check(events, ledger, skewed=skew_windows(out, db))
-    first = first_violation(report)
-    if first is None:
-        return None
-    return first, next(v for v in report.violations if v.invariant != 7)
+    # A violation whose records are all older than a write's longest wait for its answer:
+    # an answer that would excuse it (``GAVE_UP``) has come by then.
+    settled = [
+        (max(record.time for record in v.records), v)
+        for v in report.violations
+        if v.invariant != 7 and v.records
+    ]
+    settled = [(at, v) for at, v in settled if at <= read_at - SETTLED_AFTER]
+    return min(settled, key=lambda item: item[0]) if settled else None
 
 
 def _seconds_after(report: Report | None, opened: float) -> float | None:

@@ -491,6 +491,42 @@ def test_6_older_writes_before_the_newer_generation_writes_are_8s_not_6s() -> No
     assert earlier.check().ok
 
 
+def test_1_2_6_leave_out_a_write_the_gateway_gave_up_on() -> None:
+    """Sent before the newer grant, answered 504 upstream-timeout, applied late (after the
+    newer generation's write): the upstream took its time, the gateway could not stop it.
+    The same late application answered 201 is the barrier broken."""
+    for reason, status, expected in (("upstream-timeout", 504, []), (None, 201, [1, 2, 6])):
+        run = Run()
+        run.claim("w1", "j1", 1)
+        run.write("w1", "j1", 1, "k0")
+        run.event(
+            process="w1",
+            type="invoke",
+            f="write",
+            job="j1",
+            generation=1,
+            key="k1",
+            body_sha256=sha("body k1"),
+        )
+        run.claim("w2", "j1", 2)
+        run.write("w2", "j1", 2, "k2")
+        run.apply("j1", 1, "k1")
+        run.event(
+            process="w1",
+            type="ok" if status == 201 else "fail",
+            f="write",
+            job="j1",
+            generation=1,
+            key="k1",
+            status=status,
+            reason=reason,
+            body_sha256=sha("answer"),
+        )
+        run.complete("w2", "j1", 2)
+        report = run.check()
+        assert sorted(set(invariants(report))) == expected, report.render()
+
+
 # --- 8-11: what the gateway must not have forwarded ------------------------------------
 
 
