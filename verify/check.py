@@ -14,6 +14,8 @@ the upstream applied writes. The invariants (docs/verification.md says why each)
    equal to the ledger's ``answer_sha256`` of its first application where it has one.
 6. ``stale-write``: no write of generation g was applied after the first application of a
    generation g' > g of its job, where g' had been granted (a claim ``ok``) before it.
+   (1, 2 and 6 leave out a write whose cause the gateway answered ``GAVE_UP``: it stopped
+   waiting for it, and an upstream may still apply it after the next generation's.)
 7. ``liveness``: the share of claimed jobs completed; nothing completed (or a share under
    ``min_completed``) is a violation.
 

@@ -10,6 +10,8 @@ to the first violation, killed or survived, the invariants broken) and writes
 ``mutants.json`` in ``--out``, where each run's files stay (``<mutant>-<db>-<seed>/``).
 Exit 0: every mutant killed on every seed and the baseline clean; 1: a mutant survived or
 the baseline had a violation; 2: a mutant no longer applies or a run could not start.
+A mutant that names no database is one the verification cannot reach (the workload does
+not exercise its layer, or another layer masks it): it is listed, not run.
 
 The copy is the working tree's files that git knows or would add (tracked and untracked,
 not ignored), so uncommitted changes are tested too. Its processes import the copy:
@@ -200,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.list:
         for m in MUTANTS:
             dbs = ",".join(sorted(m.databases))
+            dbs = dbs or "unreached"
             print(f"{m.name:<28} {m.rule:<17} {dbs:<10} {'fast' if m.fast else '':<5} {m.why}")
         return 0
     databases = [d.strip() for d in options.db.split(",") if d.strip()]
@@ -215,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = options.out or Path("verify-runs") / f"mutants-{time.strftime('%Y%m%d-%H%M%S')}"
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    blind = [m for m in mutants if not m.databases]
     plan: list[tuple[Mutant | None, str, int]] = []
     for db in databases:
         if not options.no_baseline:
@@ -247,6 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     survived = [f"{o.mutant} ({o.db}, seed {o.seed})" for o in outcomes if o.verdict == "survived"]
     violated = [f"{o.db}, seed {o.seed}" for o in outcomes if o.verdict == "violated"]
     print(f"summary: {killed} of {runs} mutant run(s) killed")
+    if blind:
+        print(
+            "not run, the verification cannot reach them (their unit tests kill them): "
+            + "; ".join(f"{m.name} ({m.killed_by or 'no test named'})" for m in blind)
+        )
     if survived:
         print(f"survived: {'; '.join(survived)}")
     if violated:

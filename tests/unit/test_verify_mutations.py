@@ -65,7 +65,8 @@ def test_the_catalogue_covers_every_rule() -> None:
 def test_each_entry_is_well_formed(mutant: Mutant) -> None:
     assert KEBAB.fullmatch(mutant.name), mutant.name
     assert mutant.rule in RULES
-    assert mutant.databases and mutant.databases <= DATABASES
+    assert mutant.databases <= DATABASES
+    assert mutant.databases or not mutant.fast  # CI's fast set runs
     assert mutant.edits
     assert mutant.why[:1].isupper() and mutant.why.endswith(".")
 
