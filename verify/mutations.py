@@ -247,6 +247,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "invoked after its lease's expiry with no successor shows it (invariant 11, "
             "the lapse and pause workloads)."
         ),
+        fast=True,
         killed_by=(
             "tests/integration/test_gateway_fencing.py::test_lease_expired_when_nobody_newer"
         ),
