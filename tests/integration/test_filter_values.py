@@ -40,6 +40,10 @@ async def test_audit_upstream_must_be_configured_or_audited(
 ) -> None:
     old = await make_stack(upstreams=[upstream_config(upstream, name="legacy")])
     await old.write("/legacy/x", None)  # audited under "legacy"
+    # The audit is written behind the answer; a read of the old replica's audit waits for
+    # its entries (the new replica's reads wait only for its own).
+    resp = await old.control.get("/admin/rejections", params={"upstream": "legacy"})
+    assert len((await resp.json())["items"]) == 1
     stack = await make_stack(upstreams=[upstream_config(upstream)])  # "legacy" removed
     resp = await stack.control.get("/admin/rejections", params={"upstream": "paymnets"})
     detail = await refused(resp, "upstream")
