@@ -240,12 +240,7 @@ def _violation_so_far(out: Path, db: str, names: list[str]) -> tuple[float, Viol
     report = check(events, ledger, skewed=skew_windows(out, db))
     # A violation whose records are all older than a write's longest wait for its answer:
     # an answer that would excuse it (``GAVE_UP``) has come by then.
-    settled = [
-        (max(record.time for record in v.records), v)
-        for v in report.violations
-        if v.invariant != 7 and v.records
-    ]
-    settled = [(at, v) for at, v in settled if at <= read_at - SETTLED_AFTER]
+    settled = [(at, v) for at, v in _safety(report) if at <= read_at - SETTLED_AFTER]
     return min(settled, key=lambda item: item[0]) if settled else None
 
 
@@ -255,13 +250,18 @@ def _seconds_after(report: Report | None, opened: float) -> float | None:
     return None if first is None else round(first - opened, 1)
 
 
+def _safety(report: Report) -> list[tuple[float, Violation]]:
+    """The safety violations (not liveness), each with when it had all its records."""
+    return [
+        (max(record.time for record in v.records), v)
+        for v in report.violations
+        if v.invariant != 7 and v.records
+    ]
+
+
 def first_violation(report: Report) -> float | None:
     """The time the earliest safety violation (not liveness) had all its records."""
-    times = [
-        max(record.time for record in violation.records)
-        for violation in report.violations
-        if violation.invariant != 7 and violation.records
-    ]
+    times = [at for at, _ in _safety(report)]
     return min(times) if times else None
 
 

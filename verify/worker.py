@@ -47,6 +47,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import aiohttp
@@ -75,8 +76,6 @@ RETRYABLE = frozenset(
 )
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_SENDS = 40
-# The gateway's answers that say the lease is gone.
-LOST = frozenset({"stale-generation", "lease-ended", "lease-expired"})
 # Of the jobs: worked recklessly (no look at the lease before a write, a zombie after a
 # refusal); of those, with renewals that stop (lapse), or with a write in flight while
 # the next generation writes (overlap). Of the steps: also a key of the generation's own.
@@ -276,28 +275,27 @@ class Worker:
 
     # -- the lease ------------------------------------------------------------------------
 
-    async def claim(self, target: Target) -> Lease | None:
+    async def grant(self, job: str, asking: Awaitable[Lease | None]) -> tuple[Lease | None, str]:
+        """One claim from the queue or acquire of a named ``job`` (``""``: a queue's),
+        recorded as a ``claim``: the lease, or None and why (the refusal's reason,
+        ``connection-refused``, ``unknown`` when no answer came, ``nothing`` on a 204)."""
         process, history = self.name, self.history
-        ttl = round(self.random.uniform(1.0, 3.0), 2)
-        history.invoke(process, "claim")
+        history.invoke(process, "claim", job)
         try:
-            lease = await target.client.claim(QUEUE, owner=self.name, ttl=ttl)
+            lease = await asking
         except exc.LeaseError as error:
-            history.complete(
-                process, "fail", status=error_status(error), reason=error_reason(error)
-            )
-            await asyncio.sleep(self.random.uniform(0.1, 0.3))
-            return None
+            reason = error_reason(error)
+            history.complete(process, "fail", status=error_status(error), reason=reason)
+            return None, reason
         except aiohttp.ClientConnectorError:
             history.complete(process, "fail", reason="connection-refused")
-            await asyncio.sleep(self.random.uniform(0.1, 0.3))
-            return None
+            return None, "connection-refused"
         except (aiohttp.ClientError, TimeoutError) as error:
             history.complete(process, "info", reason=type(error).__name__)
-            return None
+            return None, "unknown"
         if lease is None:
             history.complete(process, "fail", status=204)
-            return None
+            return None, "nothing"
         history.complete(
             process,
             "ok",
@@ -306,6 +304,13 @@ class Worker:
             status=200,
             ttl=lease.ttl_seconds,
         )
+        return lease, ""
+
+    async def claim(self, target: Target) -> Lease | None:
+        ttl = round(self.random.uniform(1.0, 3.0), 2)
+        lease, why = await self.grant("", target.client.claim(QUEUE, owner=self.name, ttl=ttl))
+        if lease is None and why not in ("unknown", "nothing"):
+            await asyncio.sleep(self.random.uniform(0.1, 0.3))
         return lease
 
     async def renew_forever(self, lease: Lease) -> None:
@@ -506,31 +511,12 @@ class Worker:
 
     async def acquire(self, target: Target, job: str, *, deadline: float) -> Lease | None:
         """The named job's lease, asked again every 50 ms while another lease holds it."""
-        process, history = self.name, self.history
         until = time.monotonic() + deadline
         while time.monotonic() < until:
             ttl = round(self.random.uniform(1.0, 3.0), 2)
-            history.invoke(process, "claim", job)
-            try:
-                lease = await target.client.acquire(job, owner=self.name, ttl=ttl, queue=QUEUE)
-            except exc.LeaseError as error:
-                reason = error_reason(error)
-                history.complete(process, "fail", status=error_status(error), reason=reason)
-                if reason not in (*RETRYABLE, "lease-held"):
-                    return None
-            except aiohttp.ClientConnectorError:
-                history.complete(process, "fail", reason="connection-refused")
-                return None
-            except (aiohttp.ClientError, TimeoutError) as error:
-                history.complete(process, "info", reason=type(error).__name__)
-                return None
-            else:
-                if lease is None:
-                    history.complete(process, "fail", status=204)
-                    return None
-                history.complete(
-                    process, "ok", generation=lease.generation, status=200, ttl=lease.ttl_seconds
-                )
+            asking = target.client.acquire(job, owner=self.name, ttl=ttl, queue=QUEUE)
+            lease, why = await self.grant(job, asking)
+            if lease is not None or why not in (*RETRYABLE, "lease-held"):
                 return lease
             await asyncio.sleep(0.05)
         return None
@@ -616,7 +602,8 @@ class Worker:
             )
             if type_ == "ok":
                 return "ok"
-            if reason in LOST:
+            content_type = answer_headers.get("Content-Type", "")
+            if p.lease_lost(status, content_type, raw) is not None:
                 return "lost"
             if not reckless:
                 try:
