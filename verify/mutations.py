@@ -340,8 +340,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 _COMMON,
-                "    WHERE fences.generation <= excluded.generation\n",
-                "    WHERE fences.generation <= excluded.generation + 1\n",
+                "    WHERE fences.generation < excluded.generation\n       OR (",
+                "    WHERE fences.generation < excluded.generation + 2\n       OR (",
             ),
         ),
         why=(

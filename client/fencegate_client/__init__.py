@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .aio import FencedSession, Lease, LeaseClient
     from .errors import (
         Forbidden,
+        GenerationReissued,
         InvalidLeaseToken,
         InvalidRequest,
         JobExists,
@@ -59,6 +60,7 @@ _HOME = {
     **dict.fromkeys(
         (
             "Forbidden",
+            "GenerationReissued",
             "InvalidLeaseToken",
             "InvalidRequest",
             "JobExists",
@@ -83,6 +85,7 @@ __all__ = [
     "FencedResponse",
     "FencedSession",
     "Forbidden",
+    "GenerationReissued",
     "InvalidLeaseToken",
     "InvalidRequest",
     "JobExists",

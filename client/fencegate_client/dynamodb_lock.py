@@ -1,14 +1,18 @@
 """A fenced lock item in DynamoDB (a ``kind = "dynamodb"`` lease source), with boto3.
 
 The table's partition key is ``lock_key`` (a string). A lock item carries ``fence`` (a
-number: the generation, raised at every acquisition, never lowered), ``holder`` (who
-holds it) and ``expires_at`` (seconds since the epoch) while it is held. Acquiring is one
-conditional update: ``fence = if_not_exists(fence, 0) + 1`` when the item is free (no
-``expires_at``) or expired. Release removes ``holder`` and ``expires_at`` and keeps the
-item: deleting it (or a DynamoDB TTL on it) would start its fence again at 1.
+number: the generation, raised at every acquisition, never lowered), ``record_version``
+(32 random hex digits written at every acquisition, as AWS's DynamoDB Lock Client writes
+its ``recordVersionNumber``: it names this holding), ``holder`` (who holds it) and
+``expires_at`` (seconds since the epoch) while it is held. Acquiring is one conditional
+update: ``fence = if_not_exists(fence, 0) + 1`` when the item is free (no ``expires_at``)
+or expired. Release removes ``holder`` and ``expires_at`` and keeps the item: deleting it
+(or a DynamoDB TTL on it) would start its fence again at 1, and the gateway would then
+refuse the new holders of the generations that already wrote (``generation-reissued``).
 
-The worker sends ``Fencing-Token: <source>:<table>/<lock key>:<fence>``; the gateway
-reads the item (a consistent read): the same fence, held and not expired, is current.
+The worker sends ``Fencing-Token: <source>:<table>/<lock key>:<fence>.<record
+version>``; the gateway reads the item (a consistent read): the same fence and record
+version, held and not expired, is current.
 
 .. code-block:: python
 
@@ -37,7 +41,7 @@ except ModuleNotFoundError as error:
     needs(error, __name__, "boto3", install="'fencegate-client[dynamodb]'")
     raise
 
-NAMES = {"#f": "fence", "#h": "holder", "#e": "expires_at"}
+NAMES = {"#f": "fence", "#h": "holder", "#e": "expires_at", "#v": "record_version"}
 
 
 class DynamoDbLock:
@@ -63,21 +67,25 @@ class DynamoDbLock:
         self.ttl_seconds, self.source = ttl_seconds, source
         self.holder = holder or secrets.token_hex(8)
         self.fence: int | None = None
+        self.record_version: str | None = None
 
     @property
     def token(self) -> str:
         """``Fencing-Token`` for writes under this holding."""
         assert self.fence is not None, "the lock is not held"
-        return f"{self.source}:{self.table}/{self.key}:{self.fence}"
+        return f"{self.source}:{self.table}/{self.key}:{self.fence}.{self.record_version}"
 
     def acquire(self) -> bool:
         """True when the lock is now this object's (``fence``, ``token``)."""
         now = time.time()
+        version = secrets.token_hex(16)
         try:
             answer = self.client.update_item(
                 TableName=self.table,
                 Key={"lock_key": {"S": self.key}},
-                UpdateExpression="SET #f = if_not_exists(#f, :zero) + :one, #h = :h, #e = :e",
+                UpdateExpression=(
+                    "SET #f = if_not_exists(#f, :zero) + :one, #h = :h, #e = :e, #v = :v"
+                ),
                 ConditionExpression="attribute_not_exists(#e) OR #e <= :now",
                 ExpressionAttributeNames=NAMES,
                 ExpressionAttributeValues={
@@ -85,6 +93,7 @@ class DynamoDbLock:
                     ":one": {"N": "1"},
                     ":h": {"S": self.holder},
                     ":e": {"N": repr(now + self.ttl_seconds)},
+                    ":v": {"S": version},
                     ":now": {"N": repr(now)},
                 },
                 ReturnValues="UPDATED_NEW",
@@ -94,6 +103,7 @@ class DynamoDbLock:
                 return False
             raise
         self.fence = int(answer["Attributes"]["fence"]["N"])
+        self.record_version = version
         return True
 
     def extend(self, ttl_seconds: float | None = None) -> bool:
@@ -101,7 +111,7 @@ class DynamoDbLock:
         now = time.time()
         return self._update(
             "SET #e = :e",
-            "#f = :f AND #h = :h AND #e > :now",
+            "#f = :f AND #v = :v AND #h = :h AND #e > :now",
             {":e": {"N": repr(now + (ttl_seconds or self.ttl_seconds))}, ":now": {"N": repr(now)}},
         )
 
@@ -109,7 +119,7 @@ class DynamoDbLock:
         """Free the lock (its fence stays); the token is refused from then on."""
         if self.fence is None:
             return False
-        return self._update("REMOVE #h, #e", "#f = :f AND #h = :h", {})
+        return self._update("REMOVE #h, #e", "#f = :f AND #v = :v AND #h = :h", {})
 
     def _update(self, expression: str, condition: str, values: dict[str, Any]) -> bool:
         assert self.fence is not None, "the lock is not held"
@@ -122,6 +132,7 @@ class DynamoDbLock:
                 ExpressionAttributeNames=NAMES,
                 ExpressionAttributeValues={
                     ":f": {"N": str(self.fence)},
+                    ":v": {"S": str(self.record_version)},
                     ":h": {"S": self.holder},
                     **values,
                 },

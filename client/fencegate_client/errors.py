@@ -127,6 +127,13 @@ class LeaseEnded(LeaseLost):
     reason = Reason.LEASE_ENDED
 
 
+class GenerationReissued(LeaseLost):
+    """Another holder of this lock was admitted under this generation: the lock service
+    issued it twice. Acquire the lock again once its counter is past the fence."""
+
+    reason = Reason.GENERATION_REISSUED
+
+
 class StoreUnavailable(LeaseError):
     """The database is not reachable; try again shortly."""
 
@@ -134,7 +141,7 @@ class StoreUnavailable(LeaseError):
 
 
 LOST_BY_REASON: dict[str, type[LeaseLost]] = {
-    cls.reason: cls for cls in (LeaseExpired, StaleGeneration, LeaseEnded)
+    cls.reason: cls for cls in (LeaseExpired, StaleGeneration, LeaseEnded, GenerationReissued)
 }
 
 

@@ -32,6 +32,9 @@ class Reason(StrEnum):
     STALE_GENERATION = "stale-generation"
     LEASE_ENDED = "lease-ended"
     LEASE_EXPIRED = "lease-expired"
+    # A lease source handed a generation that another holder of its lock was admitted
+    # under: the lock service lost its fence counter (gateway.sources).
+    GENERATION_REISSUED = "generation-reissued"
     BODY_TOO_LARGE = "body-too-large"
     BODY_TIMEOUT = "body-timeout"
     IDEMPOTENCY_KEY_REUSED = "idempotency-key-reused"
@@ -122,6 +125,14 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
         ),
         Reason.LEASE_EXPIRED: ReasonInfo(
             409, "Lease expired", _BOTH, "The lease behind this token expired."
+        ),
+        Reason.GENERATION_REISSUED: ReasonInfo(
+            409,
+            "Generation reissued",
+            _GW,
+            "Another holder of this lock was admitted under this generation: the lock "
+            "service issued it twice (it lost its fence counter). Nothing was forwarded; "
+            "acquire the lock again once its counter is past highest_generation.",
         ),
         Reason.BODY_TOO_LARGE: ReasonInfo(
             413, "Body too large", _GW, "The body is over this upstream's limit."

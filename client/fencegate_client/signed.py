@@ -16,13 +16,17 @@ timeout, a scheduler starting an attempt) signs one token per grant::
     headers = {"Fencing-Token": token, "Idempotency-Key": "charge"}
 
 The claims are ``iss``, ``sub`` (the job), ``gen`` (an integer that grows with every grant
-of that job), ``iat`` and ``exp``; any JOSE library of another language can mint the
-same (docs/lease-sources.md). The gateway fences by the highest ``gen`` that has written
-for the job: a token of a lower generation is refused ``stale-generation``.
+of that job), ``jti`` (the grant: random unless ``grant_id`` names it), ``iat`` and
+``exp``; any JOSE library of another language can mint the same (docs/lease-sources.md).
+The gateway fences by the highest ``gen`` that has written for the job: a token of a
+lower generation is refused ``stale-generation``, and a token of another grant (another
+``jti``) under a generation that has written, ``generation-reissued``. Re-signing one
+grant (a later expiry): pass the same ``grant_id``.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any
 
@@ -57,8 +61,10 @@ def claims(
     now: float | None = None,
     owner: str | None = None,
     audience: str | None = None,
+    grant_id: str | None = None,
 ) -> dict[str, Any]:
-    """The claims of one grant (``owner``: shown in the gateway's audit)."""
+    """The claims of one grant (``owner``: shown in the gateway's audit; ``grant_id``:
+    its ``jti``, random when not given)."""
     if type(generation) is not int or generation < 0:
         raise ValueError("generation must be a non-negative integer")
     if not job:
@@ -72,6 +78,7 @@ def claims(
         "gen": generation,
         "iat": int(issued),
         "exp": int(issued + ttl_seconds),
+        "jti": grant_id if grant_id is not None else secrets.token_hex(16),
     }
     if owner is not None:
         body["owner"] = owner
@@ -93,6 +100,7 @@ def mint_token(
     audience: str | None = None,
     key_id: str | None = None,
     now: float | None = None,
+    grant_id: str | None = None,
 ) -> str:
     """A compact JWS for one grant, signed with ``private_key`` (PEM); prefixed
     ``<source>:`` when ``source`` is given, ready for the ``Fencing-Token`` header."""
@@ -106,6 +114,7 @@ def mint_token(
         now=now,
         owner=owner,
         audience=audience,
+        grant_id=grant_id,
     )
     headers = {"kid": key_id} if key_id is not None else None
     token = jwt.encode(body, private_key, algorithm=algorithm, headers=headers)

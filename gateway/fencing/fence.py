@@ -142,13 +142,20 @@ class Lost(StrEnum):
     NEWER_HOLDER = "newer-holder"  # somebody newer holds the lock now
     RELEASED = "released"  # released (or its session ended), nobody newer holds it
     EXPIRED = "expired"  # its lease ran out, nobody newer holds it
+    # The source's generation does not fit the database's integer (``GENERATION_MAX``):
+    # it can never be fenced.
+    OUT_OF_RANGE = "out-of-range"
 
 
 _LOST: dict[Lost, Reason] = {
     Lost.NEWER_HOLDER: Reason.STALE_GENERATION,
     Lost.RELEASED: Reason.LEASE_ENDED,
     Lost.EXPIRED: Reason.LEASE_EXPIRED,
+    Lost.OUT_OF_RANGE: Reason.INVALID_FENCING_TOKEN,
 }
+
+GENERATION_MAX: Final = 2**63 - 1
+"""The largest generation the database stores (a signed 64-bit integer, ``bigint``)."""
 
 
 UNKNOWN_TOKEN: Final = Reason.INVALID_FENCING_TOKEN
@@ -215,31 +222,59 @@ def external_reason(
     fence: int | None,
     expires_at: float | None,
     now: float,
+    *,
+    reissued: bool = False,
 ) -> Reason | None:
     """Why a lease of another source may not write (None: it may), in the spec's order:
     a generation below the job's fence is stale whatever the source says; then the
-    source's own finding (released, expired, a newer holder); then the expiry a signed
-    token carries, by the database's clock."""
+    source's own finding (released, expired, a newer holder); then the fence's own
+    generation bound to another holder (``reissued``: the source issued it twice); then
+    the expiry a signed token carries, by the database's clock."""
     if generation is not None and fence is not None and fence > generation:
         return Reason.STALE_GENERATION
     if refused is not None:
         return _LOST[refused]
+    if reissued:
+        return Reason.GENERATION_REISSUED
     if expires_at is not None and expires_at <= now:
         return Reason.LEASE_EXPIRED
     return None
 
 
 def refused_by_admission(
-    generation: int, fence: int | None, expires_at: float | None, now: float
+    generation: int,
+    fence: int | None,
+    expires_at: float | None,
+    now: float,
+    *,
+    reissued: bool,
 ) -> Reason:
-    """Why ``admit_external`` admitted nothing: below the fence (stale), or past its
-    expiry; nothing else refuses, so stale when neither shows any more."""
-    return external_reason(None, generation, fence, expires_at, now) or Reason.STALE_GENERATION
+    """Why ``admit_external`` admitted nothing: below the fence (stale), its generation
+    bound to another holder (reissued), or past its expiry; nothing else refuses, so
+    stale when none shows any more."""
+    return (
+        external_reason(None, generation, fence, expires_at, now, reissued=reissued)
+        or Reason.STALE_GENERATION
+    )
 
 
-def behind_fence(lost: Lost | None, refused: Reason | None) -> bool:
-    """Current for its source, yet below the fence: the source's counter went backwards."""
-    return lost is None and refused is Reason.STALE_GENERATION
+def source_detail(
+    lost: Lost | None,
+    refused: Reason | None,
+    *,
+    reissued: str | None,
+    counter_lost: str | None,
+    own: str | None,
+) -> str | None:
+    """A lease source's explanation of a refusal (None: the reason's default): its
+    generation bound to another holder (``reissued``); current for the source, yet below
+    the fence (``counter_lost``: the source's counter went backwards); else the source's
+    own finding's (``own``)."""
+    if refused is Reason.GENERATION_REISSUED:
+        return reissued
+    if lost is None and refused is Reason.STALE_GENERATION:
+        return counter_lost
+    return own
 
 
 def send_verdict(generation: int, fence: int | None, seconds_left: float) -> Reason | None:

@@ -45,7 +45,7 @@ from gateway.proxy.resolve import Resolver
 from gateway.proxy.waits import gone, until_older_settled, until_settled
 from gateway.records.audit import Audit
 from gateway.records.store import Admission, GatewayStore, WriteRequest
-from gateway.sources import ExternalLease
+from gateway.sources import ExternalLease, bounded
 from gateway.upstream import s3
 from gateway.upstream.forwarding import Forwarder, upstream_url
 from lease_core import exceptions as lease_exc
@@ -293,9 +293,9 @@ class Gateway:
         return await self.store.check_lease(incoming.token_hash)
 
     async def _external(self, incoming: Incoming) -> ExternalLease | None:
-        """What the token's source says of its lease now (no database write)."""
+        """What the token's source says of its lease now (no write), ``bounded``."""
         assert incoming.source is not None and incoming.source_token is not None
-        return await incoming.source.check(incoming.source_token)
+        return bounded(await incoming.source.check(incoming.source_token))
 
     def _free_slot(self, progress: Progress) -> None:
         if progress.slot is not None:

@@ -7,13 +7,16 @@ import sqlalchemy as sa
 
 from lease_core.schema import metadata
 
-# Per job, the highest generation that the gateway admitted to write.
+# Per job, the highest generation that the gateway admitted to write; for a job of a
+# lease source, the holder admitted under it (a digest; NULL for the gateway's own
+# leases, whose generations name one holder by construction). Migration 0010.
 fences = sa.Table(
     "fences",
     metadata,
     sa.Column("job_id", sa.String(200), primary_key=True),
     sa.Column("generation", sa.BigInteger, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("holder", sa.String(64)),
 )
 
 # One row per (job, idempotency key), across generations. Writes without a key get a

@@ -10,6 +10,7 @@ reclaim cannot slip between the lease check and the fence update.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -218,18 +219,24 @@ class GatewayStore:
         answer and explains a refusal."""
         assert lease.refused is None and lease.generation is not None
         attempt = tokens.new_serial_id()
+        holder = holder_digest(lease)
         row = await self.backend.run(
             "admit_external",
             job_id=lease.job_id,
             generation=lease.generation,
+            holder=holder,
             expires_at=lease.expires_at,
             **write.params(attempt),
         )
         assert row is not None
         now, fenced = float(row["now"]), row["fence_generation"]
         if row["admitted"] is None:
-            # Refused by the SQL: stale, or past its expiry; nothing else refuses.
-            refused = fence.refused_by_admission(lease.generation, fenced, lease.expires_at, now)
+            # Refused by the SQL: stale, bound to another holder, or past its expiry;
+            # nothing else refuses.
+            reissued = fenced == lease.generation and row["fence_holder"] not in (None, holder)
+            refused = fence.refused_by_admission(
+                lease.generation, fenced, lease.expires_at, now, reissued=reissued
+            )
             return Admission(
                 now=now,
                 presented=_external(lease, refused),
@@ -495,7 +502,13 @@ def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:
 
 
 def _external(lease: ExternalLease, refused: Reason | None) -> Presented:
-    behind = fence.behind_fence(lease.refused, refused)
+    detail = fence.source_detail(
+        lease.refused,
+        refused,
+        reissued=lease.reissued,
+        counter_lost=lease.counter_lost,
+        own=lease.detail,
+    )
     return Presented(
         lease.job_id,
         lease.generation,
@@ -503,8 +516,14 @@ def _external(lease: ExternalLease, refused: Reason | None) -> Presented:
         None,
         source=lease.source,
         refused=refused,
-        detail=lease.behind_fence if behind else None,
+        detail=detail,
     )
+
+
+def holder_digest(lease: ExternalLease) -> str:
+    """The holder as ``fences.holder`` keeps it: a digest of fixed width (a holder may
+    be a whole lock key, long and not for the database's eyes)."""
+    return hashlib.sha256(lease.holder.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _highest(lease: ExternalLease, fenced: int | None) -> int | None:

@@ -35,7 +35,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gateway.config import LeaseSourceSettings
-from gateway.sources.base import JOB_ID_MAX, MAX_TOKEN, ExternalLease, Source, namespaced
+from gateway.sources.base import (
+    JOB_ID_MAX,
+    MAX_TOKEN,
+    ExternalLease,
+    Source,
+    bounded,
+    namespaced,
+)
 from gateway.sources.dynamodb import DynamoDbSource
 from gateway.sources.etcd import EtcdSource
 from gateway.sources.redis_lock import RedisSource
@@ -52,6 +59,7 @@ __all__ = [
     "RedisSource",
     "Source",
     "ZooKeeperSource",
+    "bounded",
     "build",
     "namespaced",
     "split_token",

@@ -4,10 +4,10 @@ follows (``Source``) and the job ids it makes (``namespaced``)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from gateway.fencing.fence import Lost
+from gateway.fencing.fence import GENERATION_MAX, Lost
 
 log = logging.getLogger("fencegate.sources")
 
@@ -31,9 +31,21 @@ class ExternalLease:
     # judged the expiry itself.
     expires_at: float | None = None
     newer: int | None = None  # a newer holder's generation that the source saw
+    # Who holds the lock under this generation, as the source tells holders apart (a
+    # Redis lock's value, a DynamoDB item's record version, an etcd lock key, a
+    # ZooKeeper lock node and its session, a signed token's ``jti``). The admission binds
+    # the generation to the first holder it admits and refuses any other
+    # (``generation-reissued``).
+    holder: str = ""
     # The detail of a refusal when the source says the lease is current but the job's
-    # fence is above its generation: the source's counter went backwards (redis, dynamodb).
-    behind_fence: str | None = None
+    # fence is above its generation: the source's counter went backwards, and what to
+    # configure (the sources with a counter: redis, dynamodb, etcd).
+    counter_lost: str | None = None
+    # The detail of ``generation-reissued``: the source handed this generation to
+    # another holder too, and what to configure.
+    reissued: str | None = None
+    # The detail of a refusal the source's own finding explains (``Lost.OUT_OF_RANGE``).
+    detail: str | None = None
 
 
 class Source(Protocol):
@@ -51,6 +63,25 @@ class Source(Protocol):
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def bounded(lease: ExternalLease | None) -> ExternalLease | None:
+    """The lease, refused at intake when its generation does not fit the database's
+    integer (a counter raised by hand past 2^63 - 1): a clear refusal, never a write the
+    database cannot store."""
+    if lease is None or lease.generation is None or 0 <= lease.generation <= GENERATION_MAX:
+        return lease
+    return replace(
+        lease,
+        generation=None,
+        refused=Lost.OUT_OF_RANGE,
+        detail=(
+            f"The lease source {lease.source!r} gave generation {lease.generation}, outside "
+            f"0 to {GENERATION_MAX}, the range of the database's generation column (a "
+            "signed 64-bit integer): no fence can hold it, and nothing was forwarded. The "
+            "lock's counter was raised by hand: take a new lock name for this job."
+        ),
+    )
 
 
 def namespaced(source: str, job: str) -> str | None:

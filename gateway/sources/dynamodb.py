@@ -1,6 +1,9 @@
 """``dynamodb``: a lock item whose ``fence`` is raised by a conditional update at every
-acquisition (``fencegate_client.dynamodb_lock``). The token is ``<table>/<lock
-key>:<fence>``; the job is ``<table>/<lock key>``, the generation the fence. The gateway
+acquisition (``fencegate_client.dynamodb_lock``), which also writes a random
+``record_version`` (as AWS's DynamoDB Lock Client does with its
+``recordVersionNumber``). The token is ``<table>/<lock key>:<fence>.<record version>``;
+the job is ``<table>/<lock key>``, the generation the fence, the holder the record
+version (a lock item deleted and acquired again starts at fence 1 with another). The gateway
 reads the item with a consistent read through botocore (its own credentials, botocore's
 default chain), the call run in a worker thread so the event loop never blocks; the
 item's ``expires_at`` is judged by the admission with the database's clock. Nothing is
@@ -21,11 +24,15 @@ from gateway.fencing.fence import Lost
 from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
 
-FENCE = re.compile(r"[1-9][0-9]{0,18}")
+# DynamoDB's numbers have 38 digits: a fence past the database's integer is read, then
+# refused at intake with the limit named (``bounded``).
+FENCE = re.compile(r"[1-9][0-9]{0,37}")
+VERSION = re.compile(r"[0-9a-f]{32}")
 
-BEHIND_FENCE = (
+COUNTER_LOST = (
     "DynamoDB says this lock item is held with this fence, but a higher generation of "
-    "this job has already written: the item's fence went backwards (the item was deleted, "
+    "this job has already written, or another holder of the item already wrote under "
+    "this fence: the item's fence went backwards (the item was deleted, "
     "expired by a DynamoDB TTL, or the table restored from a backup). Never delete lock "
     "items nor put a TTL on them; raise the item's fence past highest_generation and "
     "acquire again."
@@ -39,12 +46,14 @@ class DynamoDbSource:
         self.client: Any = None
 
     def well_formed(self, token: str) -> bool:
-        item, colon, fence = token.rpartition(":")
+        item, colon, held = token.rpartition(":")
         table, slash, key = item.partition("/")
+        fence, dot, version = held.partition(".")
         return (
-            bool(colon and slash and table and key)
+            bool(colon and slash and table and key and dot)
             and len(token) <= 1024
             and FENCE.fullmatch(fence) is not None
+            and VERSION.fullmatch(version) is not None
             and token.isprintable()
         )
 
@@ -65,7 +74,8 @@ class DynamoDbSource:
             self.client.close()
 
     async def check(self, token: str) -> ExternalLease | None:
-        item_name, _, fence_text = token.rpartition(":")
+        item_name, _, held_text = token.rpartition(":")
+        fence_text, _, version = held_text.partition(".")
         table, _, key = item_name.partition("/")
         job_id = namespaced(self.name, item_name)
         if table != self.settings.table or job_id is None:
@@ -79,10 +89,19 @@ class DynamoDbSource:
         if held > fence:  # somebody acquired it since
             return ExternalLease(self.name, job_id, fence, owner, Lost.NEWER_HOLDER, newer=held)
         expires_at = _number(item.get("expires_at"))
-        if expires_at is None:  # released
+        if expires_at is None or item.get("record_version", {}).get("S") != version:
+            # Released; or this fence is another holding's now (the item was deleted and
+            # acquired again): either way this holding has ended.
             return ExternalLease(self.name, job_id, fence, owner, Lost.RELEASED)
         return ExternalLease(
-            self.name, job_id, fence, owner, expires_at=expires_at, behind_fence=BEHIND_FENCE
+            self.name,
+            job_id,
+            fence,
+            owner,
+            expires_at=expires_at,
+            holder=version,
+            counter_lost=COUNTER_LOST,
+            reissued=COUNTER_LOST,
         )
 
     async def _read(self, key: str) -> dict[str, Any]:
@@ -95,8 +114,13 @@ class DynamoDbSource:
                 TableName=self.settings.table,
                 Key={"lock_key": {"S": key}},
                 ConsistentRead=True,
-                ProjectionExpression="#f, #h, #e",
-                ExpressionAttributeNames={"#f": "fence", "#h": "holder", "#e": "expires_at"},
+                ProjectionExpression="#f, #h, #e, #v",
+                ExpressionAttributeNames={
+                    "#f": "fence",
+                    "#h": "holder",
+                    "#e": "expires_at",
+                    "#v": "record_version",
+                },
             )
         except (BotoCoreError, ClientError) as error:
             log.warning("%s: DynamoDB did not answer: %s", self.name, error)
@@ -113,6 +137,6 @@ def _number(value: Any) -> Any:
         return None
     text = value["N"]
     try:
-        return int(text) if FENCE.fullmatch(text) else float(text)
+        return int(text) if text.isdigit() else float(text)
     except ValueError:
         return None

@@ -18,6 +18,14 @@ from gateway.fencing.fence import Lost
 from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
 
+COUNTER_LOST = (
+    "etcd says this key holds the lock under this revision, but a higher generation of "
+    "this job has already written, or another lock key already wrote under this "
+    "revision: etcd's revisions went backwards (its data directory was lost or restored "
+    "from an older snapshot). Restore etcd from its newest snapshot, or move the job to "
+    "a new lock name."
+)
+
 
 def _b64(value: bytes) -> str:
     return base64.b64encode(value).decode("ascii")
@@ -70,14 +78,14 @@ class EtcdSource:
             return None
         cached = self._held.get(token)
         if cached is not None and cached[0] > time.monotonic():
-            return ExternalLease(self.name, job_id, cached[1], lease_hex)
+            return self._current(job_id, cached[1], token, lease_hex)
         prefix = (name + "/").encode("utf-8")
         holder = await self._range(prefix, _prefix_end(prefix), first_created=True)
         if holder is not None and holder[0] == token:
             revision = holder[1]
             if self.settings.cache_seconds > 0:
                 self._remember(token, revision)
-            return ExternalLease(self.name, job_id, revision, lease_hex)
+            return self._current(job_id, revision, token, lease_hex)
         self._held.pop(token, None)
         mine = await self._range(token.encode("utf-8"), None, first_created=False)
         if mine is not None:
@@ -90,6 +98,19 @@ class EtcdSource:
         alive = await self._lease_alive(int(lease_hex, 16))
         refused = Lost.RELEASED if alive else Lost.EXPIRED
         return ExternalLease(self.name, job_id, None, lease_hex, refused)
+
+    def _current(self, job_id: str, revision: int, token: str, lease_hex: str) -> ExternalLease:
+        """The lock held by this key: its holder is the key (the lock's name and the
+        holder's etcd lease)."""
+        return ExternalLease(
+            self.name,
+            job_id,
+            revision,
+            lease_hex,
+            holder=token,
+            counter_lost=COUNTER_LOST,
+            reissued=COUNTER_LOST,
+        )
 
     def _remember(self, token: str, revision: int) -> None:
         self._held[token] = (time.monotonic() + self.settings.cache_seconds, revision)

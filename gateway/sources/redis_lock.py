@@ -15,9 +15,10 @@ from gateway.fencing.fence import Lost
 from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
 
-BEHIND_FENCE = (
+COUNTER_LOST = (
     "Redis says this lock is held with this fence, but a higher generation of this job "
-    "has already written: the lock's fence counter went backwards (Redis lost it: a "
+    "has already written, or another holder of the lock already wrote under this one: "
+    "the lock's fence counter went backwards (Redis lost it: a "
     "restart without an append-only file, a FLUSHALL, an eviction, a failover to a replica "
     "that had not received it). Run Redis with appendonly yes and appendfsync always, and "
     "maxmemory-policy noeviction; then raise the counter past highest_generation "
@@ -58,7 +59,16 @@ class RedisSource:
             return None
         held, counter = await self._read(name)
         if held == value:
-            return ExternalLease(self.name, job_id, fence, "", behind_fence=BEHIND_FENCE)
+            # Current; its holder is the value (the fence and the holding's random part).
+            return ExternalLease(
+                self.name,
+                job_id,
+                fence,
+                "",
+                holder=value,
+                counter_lost=COUNTER_LOST,
+                reissued=COUNTER_LOST,
+            )
         held_fence = None if held is None else fence_of(held)
         if counter is None or fence > counter or held_fence == fence:
             # Never granted by this counter, or a value the holding of that fence never

@@ -13,6 +13,12 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from gateway.config import JwtSourceSettings
 from gateway.sources.base import MAX_TOKEN, ExternalLease, log, namespaced
 
+REISSUED = (
+    "The issuer signed this generation for two grants (another jti was admitted under "
+    "it): a generation must grow with every grant of a job, and each grant carries its "
+    "own jti (the same jti when one grant's token is signed again)."
+)
+
 _JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 
 
@@ -38,13 +44,17 @@ class JwtSource:
         job_id = namespaced(self.name, claims["sub"])
         if job_id is None:
             return None
-        owner = claims.get("owner")
+        owner, grant = claims.get("owner"), claims.get("jti")
         return ExternalLease(
             source=self.name,
             job_id=job_id,
             generation=claims["gen"],
             owner=owner[:200] if isinstance(owner, str) else "",
             expires_at=float(claims["exp"]) + self.settings.leeway_seconds,
+            # The grant (``jti``): two grants of one generation are two holders. A token
+            # without one is told apart from no other.
+            holder=grant if isinstance(grant, str) else "",
+            reissued=REISSUED,
         )
 
     def verify(self, token: str) -> dict[str, Any] | None:
@@ -76,7 +86,7 @@ class JwtSource:
                 log.debug("%s: token refused: %s", self.name, error)
                 return None
             gen, exp, sub = claims.get("gen"), claims.get("exp"), claims.get("sub")
-            if type(gen) is not int or gen < 0 or gen >= 2**63:
+            if type(gen) is not int or gen < 0:  # above the database's range: ``bounded``
                 return None
             if isinstance(exp, bool) or not isinstance(exp, int | float):
                 return None

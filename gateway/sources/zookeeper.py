@@ -24,6 +24,14 @@ from gateway.fencing.fence import Lost
 from gateway.sources.base import ExternalLease, log, namespaced
 from lease_core import exceptions as lease_exc
 
+COUNTER_LOST = (
+    "ZooKeeper says this node holds the lock under this czxid, but a higher generation of "
+    "this job has already written, or another lock node already wrote under this czxid: "
+    "ZooKeeper's transaction ids went backwards (its data directory was lost or restored "
+    "from an older snapshot). Restore ZooKeeper's newest data, or move the job to a new "
+    "lock path."
+)
+
 # A lock node's name: kazoo's ``<32 hex>__lock__`` (``__rlock__`` for a ReadLock, which
 # the gateway does not accept) and ZooKeeper's ten-digit sequence number.
 NODE = re.compile(r"[0-9a-f]{32}__lock__(\d{10})")
@@ -111,7 +119,17 @@ class ZooKeeperSource:
             if contenders[0][1] == node:
                 # The lowest sequence number: it holds the lock (no lower number can
                 # appear later under the same parent).
-                return ExternalLease(self.name, job_id, int(stat.czxid), owner(data, node))
+                # Its holder: the node and the session that created it (a ZooKeeper
+                # that lost its data can hand the same czxid to another node).
+                return ExternalLease(
+                    self.name,
+                    job_id,
+                    int(stat.czxid),
+                    owner(data, node),
+                    holder=f"{node}/{int(stat.ephemeralOwner):x}",
+                    counter_lost=COUNTER_LOST,
+                    reissued=COUNTER_LOST,
+                )
             # Present, not the lowest: a contender still waiting; it never held the lock.
             return None
         if contenders and contenders[0][0] > mine:

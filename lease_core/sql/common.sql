@@ -142,15 +142,22 @@ LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text);
 -- in admit: the fence, the key's record as it was before, whether an older
 -- generation's write is in flight, and the key claimed for this attempt, or its record
 -- taken over when its outcome is unknown and the upstream's policy is retry (:retry).
-INSERT INTO fences (job_id, generation, updated_at)
-SELECT CAST(:job_id AS text), CAST(:generation AS bigint), {now}
+-- A generation names one holder: the fence row keeps the holder (:holder, a digest) of
+-- its generation, bound by the first admission of that generation; another holder
+-- presenting the same generation is refused (the source issued it twice: its counter
+-- was lost). A row from before the holder was kept (NULL) is bound by its next one.
+INSERT INTO fences (job_id, generation, holder, updated_at)
+SELECT CAST(:job_id AS text), CAST(:generation AS bigint), CAST(:holder AS text), {now}
 WHERE CAST(:expires_at AS double precision) IS NULL
    OR CAST(:expires_at AS double precision) > {now}
 ON CONFLICT (job_id) DO UPDATE
-    SET generation = excluded.generation, updated_at = excluded.updated_at
-    WHERE fences.generation <= excluded.generation
+    SET generation = excluded.generation, holder = excluded.holder,
+        updated_at = excluded.updated_at
+    WHERE fences.generation < excluded.generation
+       OR (fences.generation = excluded.generation
+           AND COALESCE(fences.holder, excluded.holder) = excluded.holder)
 RETURNING generation AS admitted;
-SELECT {now} AS now, f.generation AS fence_generation,
+SELECT {now} AS now, f.generation AS fence_generation, f.holder AS fence_holder,
        {external_older_in_flight} AS older_in_flight,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body

@@ -79,7 +79,7 @@ async def test_two_workers_take_the_lock_in_turn(
     key = lock_key()
     job = f"ddb/{TABLE}/{key}"
     a = taken(ddb, key, ttl=1)
-    assert a.token == f"ddb:{TABLE}/{key}:1"
+    assert a.token == f"ddb:{TABLE}/{key}:1.{a.record_version}"
     await ok(await stack.write("/pay/charges", token(a.token), key="step-1"))
 
     # A pauses past its lock's expiry; B takes the lock (refused while A's is live).
@@ -151,15 +151,17 @@ async def test_forged_and_foreign_tokens_are_invalid(
     )
     key = lock_key()
     holder = taken(ddb, key)
+    v = holder.record_version
     for bad in (
-        f"ddb:{TABLE}/{key}:2",  # a fence the item never reached
-        f"ddb:{TABLE}/never-taken:1",
-        f"ddb:other-table/{key}:1",  # only the configured table is read
-        f"ddb:{TABLE}/{key}:0",
-        f"ddb:{TABLE}/{key}:01",
+        f"ddb:{TABLE}/{key}:2.{v}",  # a fence the item never reached
+        f"ddb:{TABLE}/never-taken:1.{v}",
+        f"ddb:other-table/{key}:1.{v}",  # only the configured table is read
+        f"ddb:{TABLE}/{key}:0.{v}",
+        f"ddb:{TABLE}/{key}:01.{v}",
+        f"ddb:{TABLE}/{key}:1",  # no record version
         f"ddb:{TABLE}/{key}",
-        f"ddb:{key}:1",
-        f"other:{TABLE}/{key}:1",
+        f"ddb:{key}:1.{v}",
+        f"other:{TABLE}/{key}:1.{v}",
     ):
         await problem(
             await stack.write("/pay/x", token(bad), key="k"), 403, "invalid-fencing-token"
@@ -199,7 +201,9 @@ async def test_an_unreachable_dynamodb_forwards_nothing(
         lease_sources=[source(f"http://127.0.0.1:{free_port()}", timeout_seconds=1)],
     )
     await problem(
-        await stack.write("/pay/x", token(f"ddb:{TABLE}/a:1"), key="k"), 503, "store-unavailable"
+        await stack.write("/pay/x", token(f"ddb:{TABLE}/a:1.{'0' * 32}"), key="k"),
+        503,
+        "store-unavailable",
     )
     assert upstream.received == []
 
@@ -207,7 +211,7 @@ async def test_an_unreachable_dynamodb_forwards_nothing(
 def test_the_lock_is_a_context_manager(ddb: Any) -> None:
     key = lock_key()
     with DynamoDbLock(ddb, TABLE, key, ttl_seconds=30, source="q") as lock:
-        assert lock.token == f"q:{TABLE}/{key}:1"
+        assert lock.token == f"q:{TABLE}/{key}:1.{lock.record_version}"
         with pytest.raises(LeaseHeld), DynamoDbLock(ddb, TABLE, key, ttl_seconds=30):
             pass
     assert not lock.release()  # already released

@@ -514,6 +514,7 @@ SPEC_STATUSES = {
     Reason.STALE_GENERATION: 409,
     Reason.LEASE_ENDED: 409,
     Reason.LEASE_EXPIRED: 409,
+    Reason.GENERATION_REISSUED: 409,  # the 2026-12-06 extension "one holder per generation"
     Reason.BODY_TOO_LARGE: 413,
     Reason.IDEMPOTENCY_KEY_REUSED: 422,
     Reason.REQUEST_IN_PROGRESS: 409,
@@ -531,5 +532,10 @@ def test_statuses_are_the_specifications(reason: Reason, status: int) -> None:
 
 def test_the_gateway_names_a_lost_lease_as_the_client_reads_it() -> None:
     """The worker client turns exactly these refusals into ``LeaseLost``."""
-    lost = {Reason.STALE_GENERATION, Reason.LEASE_ENDED, Reason.LEASE_EXPIRED}
+    lost = {
+        Reason.STALE_GENERATION,
+        Reason.LEASE_ENDED,
+        Reason.LEASE_EXPIRED,
+        Reason.GENERATION_REISSUED,
+    }
     assert set(LOST_BY_REASON) == {r.value for r in lost}

@@ -36,6 +36,7 @@ WIRE: dict[str, tuple[int | None, str]] = {
     "stale-generation": (409, "both"),
     "lease-ended": (409, "both"),
     "lease-expired": (409, "both"),
+    "generation-reissued": (409, "gateway"),
     "body-too-large": (413, "gateway"),
     "idempotency-key-reused": (422, "gateway"),
     "request-in-progress": (409, "gateway"),
@@ -138,9 +139,11 @@ def test_each_class_maps_to_a_distinct_reason() -> None:
 
 
 def test_each_lease_api_reason_has_one_class() -> None:
+    """And the gateway's own way of losing a lease (a lease source's generation issued
+    twice), which the client raises as a ``LeaseLost`` too."""
     named = {cls.reason for cls in exception_classes()}
     lease_api = {r for r, info in REASONS.items() if Layer.LEASE_API in info.layers}
-    assert named == lease_api
+    assert named == lease_api | {Reason.GENERATION_REISSUED}
 
 
 @pytest.mark.parametrize("cls", exception_classes(), ids=lambda c: c.__name__)
@@ -165,7 +168,7 @@ def test_a_problem_comes_back_as_its_class(cls: type[errors.LeaseError]) -> None
 
 
 def test_the_lost_lease_reasons() -> None:
-    lost = {"stale-generation", "lease-ended", "lease-expired"}
+    lost = {"stale-generation", "lease-ended", "lease-expired", "generation-reissued"}
     assert set(errors.LOST_BY_REASON) == lost
     for value, cls in errors.LOST_BY_REASON.items():
         assert issubclass(cls, errors.LeaseLost) and cls.reason == value

@@ -82,9 +82,21 @@ def test_redis_lock_values_and_keys() -> None:
 
 def test_dynamodb_token_shapes() -> None:
     source = DynamoDbSource(DynamoDbSourceSettings(**ddb_source()))
-    assert source.well_formed("locks/order-42:1")
-    assert source.well_formed("locks/orders/eu:42:7")  # the key may hold "/" and ":"
-    for bad in ("locks/order-42", "locks:1", "/order-42:1", "locks/:1", "locks/a:0", "locks/a:x"):
+    assert source.well_formed(f"locks/order-42:1.{RANDOM}")
+    assert source.well_formed(f"locks/orders/eu:42:7.{RANDOM}")  # the key may hold "/", ":"
+    # A fence past the database's integer is well formed: refused at intake, saying so.
+    assert source.well_formed(f"locks/a:{2**63}.{RANDOM}")
+    for bad in (
+        "locks/order-42",
+        "locks:1",
+        "/order-42:1",
+        "locks/:1",
+        "locks/a:0",
+        "locks/a:x",
+        "locks/order-42:1",  # no record version (an older client's token)
+        f"locks/a:0.{RANDOM}",
+        f"locks/a:1.{RANDOM[:-1]}",
+    ):
         assert not source.well_formed(bad), bad
 
 
@@ -92,8 +104,8 @@ def test_tokens_name_their_source() -> None:
     sources = build(settings(redis_source(), ddb_source()).lease_sources)
     found = split_token(f"locks:order-42:1.{RANDOM}", sources)
     assert found is not None and found == (sources["locks"], f"order-42:1.{RANDOM}")
-    found = split_token("ddb:locks/order-42:3", sources)
-    assert found is not None and found == (sources["ddb"], "locks/order-42:3")
+    found = split_token(f"ddb:locks/order-42:3.{RANDOM}", sources)
+    assert found is not None and found == (sources["ddb"], f"locks/order-42:3.{RANDOM}")
 
 
 def test_the_helpers_refuse_what_cannot_work() -> None:
