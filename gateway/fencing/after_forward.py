@@ -44,6 +44,41 @@ AFTER_FORWARD: Final[Mapping[Ended, Reason]] = {
 # fmt: on
 
 
-def answer_after(ended: Ended) -> Verdict:
-    """The gateway's answer to an exchange that ended without an answer to stream back."""
-    return Verdict(Outcome.REFUSE, AFTER_FORWARD[ended])
+# What each end means for the worker: nothing was sent (safe to retry, with
+# ``Retry-After``), or it was sent and whether it was applied is unknown.
+NOT_SENT: Final = frozenset({Exchange.CONNECT_TIMEOUT, Exchange.NOT_SENT})
+_FREED = " Nothing of the request was sent{key}: safe to retry."
+_UNKNOWN = " The request was sent: whether the upstream applied it is unknown.{key}"
+_HELD = (
+    " Its key's outcome is held as unknown: a retry with the same key is answered as the "
+    "upstream's unknown_outcome says (GET /admin/unknown-outcomes lists it)."
+)
+# fmt: off
+_DETAILS: Final[Mapping[Exchange, str]] = {
+    Exchange.CONNECT_TIMEOUT:   "The upstream did not accept a connection in time." + _FREED,
+    Exchange.NOT_SENT:          "The upstream could not be reached (the connection was "
+                                "refused, its name did not resolve, or the TLS handshake "
+                                "failed)." + _FREED,
+    Exchange.NO_ANSWER_IN_TIME: "The upstream did not answer in time." + _UNKNOWN,
+    Exchange.NO_ANSWER:         "The connection to the upstream failed before its answer "
+                                "arrived." + _UNKNOWN,
+}
+# fmt: on
+
+
+def answer_after(ended: Ended, *, keyed: bool = False) -> Verdict:
+    """The gateway's answer to an exchange that ended without an answer to stream back;
+    ``keyed``: the write had a key (released when nothing was sent, else held unknown).
+    Nothing sent: ``Retry-After``, the worker may send it again at once."""
+    reason = AFTER_FORWARD[ended]
+    if not isinstance(ended, Exchange):
+        return Verdict(Outcome.REFUSE, reason)
+    if ended in NOT_SENT:
+        key = (
+            ", and its Idempotency-Key is back as it was (free, or an earlier attempt's "
+            "unknown outcome)"
+            if keyed
+            else ""
+        )
+        return Verdict(Outcome.REFUSE, reason, _DETAILS[ended].format(key=key), retry_after=True)
+    return Verdict(Outcome.REFUSE, reason, _DETAILS[ended].format(key=_HELD if keyed else ""))

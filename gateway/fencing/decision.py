@@ -96,6 +96,7 @@ class Verdict:
     detail: str | None = None  # None: the reason's own detail
     close: bool = False  # close the connection after answering
     need: Step | None = None
+    retry_after: bool = False  # answered with ``Retry-After: 1`` (besides the reason's own)
 
 
 FORWARD: Final = Verdict(Outcome.FORWARD)

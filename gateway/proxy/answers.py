@@ -93,8 +93,9 @@ class Answers:
             members["stored_status"] = progress.record.status
         if reason is Reason.BODY_TIMEOUT:
             return await self.body_timeout(incoming, progress)
+        headers = {"Retry-After": "1"} if verdict.retry_after else None
         response = await self.reject(
-            incoming, progress, reason, detail=verdict.detail, members=members
+            incoming, progress, reason, detail=verdict.detail, headers=headers, members=members
         )
         if verdict.close:
             # Malformed or ambiguous framing: nothing sent after it on the connection may

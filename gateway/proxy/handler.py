@@ -81,8 +81,7 @@ class Gateway:
         self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
         self.resolving = _resolving(self.upstreams)
-        # Unknown outcomes of upstreams with unknown_outcome = "resolve" (gateway.proxy.resolve),
-        # re-sent by a background task of ``fencegate serve`` through this session.
+        # Unknown outcomes re-sent by ``fencegate serve``'s resolver (gateway.proxy.resolve).
         self.resolver = Resolver(
             settings.gateway,
             self.store,
@@ -401,8 +400,7 @@ class Gateway:
                     send_by - now,
                 )
             return
-        # The key has a record that is not ours (or it vanished between our claim and
-        # our read): what it answers.
+        # The key has a record not ours (or gone between claim and read): what it answers.
         progress.record = admission.record
         facts.record = fence.record_reason(
             admission.record, progress.fingerprint, admission.now, upstream.unknown_outcome
@@ -558,7 +556,9 @@ class Gateway:
             progress.body,
             key=key,
             send_left=progress.send_left,
-            refuse=lambda ended: self.answers.refuse(incoming, progress, answer_after(ended)),
+            refuse=lambda end: self.answers.refuse(
+                incoming, progress, answer_after(end, keyed=key is not None)
+            ),
             decided_since=progress.started if progress.admission is not None else None,
         )
 

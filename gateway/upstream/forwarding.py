@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from gateway.config import GatewaySettings, UpstreamSettings
 from gateway.fencing.after_forward import Ended, Exchange
@@ -194,6 +195,13 @@ class Forwarder:
             )
         except NotSent as error:
             # Not sent: the key is free again (or back to its earlier unknown state).
+            log.warning(
+                "%s: not sent to %s: %s",
+                upstream.name,
+                _address(url),
+                error,
+                extra={"fields": {"upstream": upstream.name, "sent": False}},
+            )
             if key is not None:
                 await key.release()
             return (
@@ -204,6 +212,14 @@ class Forwarder:
             # Anything unexpected lands here too, so no claim is left in flight.
             if not isinstance(error, UpstreamError):
                 log.exception("forwarding to %s failed unexpectedly", upstream.name)
+            else:
+                log.warning(
+                    "%s: sent to %s, no answer (outcome unknown): %s",
+                    upstream.name,
+                    _address(url),
+                    why_no_answer(error),
+                    extra={"fields": {"upstream": upstream.name, "sent": True}},
+                )
             if key is not None:
                 await key.settle(
                     RecordState.UNKNOWN,
@@ -328,6 +344,12 @@ def answer_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [
         (k, v) for k, v in headers if k.lower() not in DROP_FROM_UPSTREAM and k.lower() not in named
     ]
+
+
+def _address(url: str) -> str:
+    """``host:port`` of an upstream URL for the log (never its credentials or query)."""
+    parsed = URL(url)
+    return f"{parsed.host}:{parsed.port}"
 
 
 def why_no_answer(error: Exception) -> str:

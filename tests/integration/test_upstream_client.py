@@ -620,7 +620,10 @@ async def test_a_fenced_write_to_an_https_upstream(
     untrusting = await make_stack(upstreams=[config])
     lease = await untrusting.lease("job-tls", owner="a", ttl=60)
     resp = await untrusting.write("/pay/charges", lease, key="step-1")
-    assert resp.status == 502 and (await resp.json())["reason"] == "upstream-unavailable"
+    doc = await resp.json()
+    assert resp.status == 502 and doc["reason"] == "upstream-unavailable"
+    assert "TLS handshake failed" in doc["detail"] and "safe to retry" in doc["detail"]
+    assert resp.headers["Retry-After"] == "1"
     assert up.received == []
 
     monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))  # read when a context is made

@@ -196,8 +196,28 @@ def test_a_request_without_a_current_lease_is_refused_before_it_takes_a_slot() -
     ],
 )
 def test_the_answers_after_the_forward(ended: Exchange | Answer, reason: Reason) -> None:
-    assert answer_after(ended) == Verdict(Outcome.REFUSE, reason)
+    verdict = answer_after(ended)
+    assert (verdict.outcome, verdict.reason) == (Outcome.REFUSE, reason)
     assert REASONS[reason].status in (412, 502, 504)
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_an_exchange_that_ended_says_whether_anything_was_sent(keyed: bool) -> None:
+    """Not sent: safe to retry, with Retry-After (the key free again); sent: unknown
+    whether applied (the key held unknown), no Retry-After."""
+    for ended in (Exchange.CONNECT_TIMEOUT, Exchange.NOT_SENT):
+        verdict = answer_after(ended, keyed=keyed)
+        assert verdict.retry_after and verdict.detail is not None
+        assert "Nothing of the request was sent" in verdict.detail
+        assert ("Idempotency-Key is back as it was" in verdict.detail) is keyed
+    for ended in (Exchange.NO_ANSWER_IN_TIME, Exchange.NO_ANSWER):
+        verdict = answer_after(ended, keyed=keyed)
+        assert not verdict.retry_after and verdict.detail is not None
+        assert "whether the upstream applied it is unknown" in verdict.detail
+        assert ("held as unknown" in verdict.detail) is keyed
+    assert answer_after(Answer.PRECONDITION_FAILED) == Verdict(
+        Outcome.REFUSE, Reason.PRECONDITION_FAILED
+    )
 
 
 def test_every_way_an_exchange_ends_without_an_answer_has_its_row() -> None:
