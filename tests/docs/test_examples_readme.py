@@ -5,11 +5,13 @@
   ``PATH``), the path the tests start it from; examples/README.md shows the command that
   starts ZooKeeper for the ZooKeeper example, and the package's own configuration serves
   the port examples/lease_sources.toml names, with the data folder the README says
-  (checked where the package is installed).
+  (checked where the package is installed);
+- examples/README.md's table has one row for every file in examples/, and no other.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import tomllib
 from pathlib import Path
@@ -64,3 +66,34 @@ def test_the_packages_configuration_serves_the_example_configs_port() -> None:
     assert zk["hosts"] == [f"127.0.0.1:{settings['clientPort'].strip()}"]
     readme = (EXAMPLES / "README.md").read_text(encoding="utf-8")
     assert f"data in `{settings['dataDir'].strip()}`" in readme
+
+
+def example_files() -> set[str]:
+    """The files of examples/ (not README.md, nor what .gitignore keeps out of git: a
+    SQLite database the gateway made there, caches)."""
+    ignored = [
+        line.strip().rstrip("/")
+        for line in (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    return {
+        path.name
+        for path in EXAMPLES.iterdir()
+        if path.is_file()
+        and path.name != "README.md"
+        and not any(fnmatch.fnmatch(path.name, pattern) for pattern in ignored)
+    }
+
+
+def test_the_examples_table_lists_every_example() -> None:
+    readme = (EXAMPLES / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| \[`([^`]+)`\]\(([^)]+)\) \| (.+) \|$", readme, re.MULTILINE)
+    listed = [name for name, _, _ in rows]
+    assert len(listed) == len(set(listed)), "a file has two rows"
+    for name, target, what in rows:
+        assert target == name, f"{name}'s row links {target}"
+        assert what.strip(), f"{name}'s row says nothing"
+    assert set(listed) == example_files(), (
+        f"missing from the table: {sorted(example_files() - set(listed))}; "
+        f"not in examples/: {sorted(set(listed) - example_files())}"
+    )
