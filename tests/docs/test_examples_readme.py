@@ -6,7 +6,8 @@
   starts ZooKeeper for the ZooKeeper example, and the package's own configuration serves
   the port examples/lease_sources.toml names, with the data folder the README says
   (checked where the package is installed);
-- examples/README.md's table has one row for every file in examples/, and no other.
+- examples/README.md's table has one row for every file in examples/, and no other;
+- examples/lease_sources.toml's header comment names each of its sources and its kind.
 """
 
 from __future__ import annotations
@@ -97,3 +98,26 @@ def test_the_examples_table_lists_every_example() -> None:
         f"missing from the table: {sorted(example_files() - set(listed))}; "
         f"not in examples/: {sorted(set(listed) - example_files())}"
     )
+
+
+# How the header of lease_sources.toml calls each kind.
+KIND_WORDS = {
+    "etcd": "etcd locks",
+    "zookeeper": "ZooKeeper locks",
+    "jwt": "signed tokens",
+    "redis": "Redis locks",
+    "dynamodb": "DynamoDB lock items",
+}
+
+
+def test_the_lease_sources_example_header_names_every_source() -> None:
+    text = (EXAMPLES / "lease_sources.toml").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    header = " ".join(line.removeprefix("#").strip() for line in lines[:first])
+    sources = tomllib.loads(text)["lease_sources"]
+    assert sources
+    for source in sources:
+        named = KIND_WORDS[source["kind"]]
+        assert named in header, f"the header does not name {source['kind']} ({named!r})"
+        assert f'("{source["name"]}")' in header, f"the header does not name {source['name']}"
