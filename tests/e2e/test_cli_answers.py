@@ -139,6 +139,47 @@ def test_check_config_names_what_serve_will_need(config: Path) -> None:
         assert ADMIN_TOKEN not in output
 
 
+def test_check_config_shows_where_lease_sources_point_without_their_passwords(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "sources.toml"
+    config.write_text(
+        f"""\
+database_url = "sqlite+aiosqlite:///{tmp_path / "fencegate.db"}"
+
+[[lease_sources]]
+name = "locks"
+kind = "redis"
+url = "redis://fencer:{URL_PASSWORD}@127.0.0.1:6379/0"
+
+[[lease_sources]]
+name = "cache"
+kind = "redis"
+url = "redis://127.0.0.1:6379/1?password={URL_PASSWORD}"
+
+[[lease_sources]]
+name = "ddb"
+kind = "dynamodb"
+table = "locks"
+region = "us-east-1"
+endpoint_url = "https://ddb-user:{URL_PASSWORD}@dynamodb.example.com"
+""",
+        encoding="utf-8",
+    )
+    result = run("check-config", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert URL_PASSWORD not in result.stdout + result.stderr
+    lines = [
+        line.split(None, 2)[2] for line in result.stdout.splitlines() if "lease source" in line
+    ]
+    assert lines == [
+        "locks: redis (redis://fencer:***@127.0.0.1:6379/0); tokens locks:...",
+        "cache: redis (redis://127.0.0.1:6379/1); tokens cache:...",
+        "ddb: dynamodb (table locks, us-east-1, https://ddb-user:***@dynamodb.example.com); "
+        "tokens ddb:...",
+    ]
+
+
 def test_check_config_refuses_an_expanded_value_with_a_line_break(config: Path) -> None:
     result = run(
         "check-config", "--config", str(config), env=environment(PAYMENTS_API_KEY="x\r\nX-Evil: 1")
