@@ -14,7 +14,9 @@ sent again) and sends the receipt; A wakes up and sends its receipt: ``409
 stale-generation``. B releases the lock: its token is refused ``409 lease-ended``.
 
 Run against ``fencegate serve --config examples/lease_sources.toml``, an upstream on
-127.0.0.1:9000 (examples/README.md) and ZooKeeper (needs ``fencegate[zookeeper,httpx]``):
+127.0.0.1:9000 (examples/README.md) and ZooKeeper on 127.0.0.1:2181 (on Debian 12, the
+``zookeeper`` package's ``/usr/share/zookeeper/bin/zkServer.sh start-foreground``); it
+needs ``fencegate[zookeeper,httpx]``:
 
     python examples/zookeeper_lock_worker.py [ZOOKEEPER_HOSTS [GATEWAY_URL]]
 """

@@ -131,9 +131,12 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _gen(generation: int | None, highest: int | None) -> str:
-    if generation is None:
-        return "-"
-    return f"{generation}/{highest}" if highest is not None else str(generation)
+    """``GENERATION/HIGHEST`` as the JSON has them, ``-`` for one not known: a lease
+    source's lock that is gone (an etcd key, a ZooKeeper node) took its generation along,
+    yet the highest known still shows (``-/8``)."""
+    if highest is None:
+        return "-" if generation is None else str(generation)
+    return f"{'-' if generation is None else generation}/{highest}"
 
 
 def cmd_upstreams(args: argparse.Namespace, settings: Settings) -> int:

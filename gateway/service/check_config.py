@@ -9,19 +9,10 @@ import sys
 
 import sqlalchemy as sa
 
-from gateway.config import (
-    ConfigError,
-    DynamoDbSourceSettings,
-    JwtSourceSettings,
-    RedisSourceSettings,
-    Settings,
-    ZooKeeperSourceSettings,
-    env_references,
-    for_serving,
-    mask_url,
-)
+from gateway.config import ConfigError, Settings, env_references, for_serving
 from gateway.records import migrate
 from gateway.service.cli_common import EXIT_USAGE, run_loop
+from gateway.service.describe import source_target
 from lease_core.db import create_engine
 
 
@@ -75,18 +66,10 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
             f"unknown outcome: {upstream.unknown_outcome})"
         )
     for source in settings.lease_sources:
-        if isinstance(source, JwtSourceSettings):
-            what = f"issuer {source.issuer!r}, {', '.join(source.algorithms)}"
-        elif isinstance(source, ZooKeeperSourceSettings):
-            what = ", ".join(source.hosts)
-        elif isinstance(source, RedisSourceSettings):
-            what = mask_url(source.url)
-        elif isinstance(source, DynamoDbSourceSettings):
-            what = f"table {source.table}, {source.region}"
-            what += f", {source.endpoint_url}" if source.endpoint_url else ""
-        else:
-            what = ", ".join(mask_url(e) for e in source.endpoints)
-        print(f"  lease source    {source.name}: {source.kind} ({what}); tokens {source.name}:...")
+        print(
+            f"  lease source    {source.name}: {source.kind} ({source_target(source)}); "
+            f"tokens {source.name}:..."
+        )
     for key, name, _ in env_references(settings):
         print(f"  serve needs     {name} (set) for {key}")
     return 0

@@ -27,6 +27,7 @@ from gateway.proxy.handler import Gateway, create_proxy_app
 from gateway.records import migrate, replication
 from gateway.service import admin, dashboard, tasks, tls
 from gateway.service.auth import auth_check
+from gateway.service.describe import source_target
 from gateway.service.parse_errors import ProblemRunner
 from lease_core import api as lease_api
 from lease_core import exceptions as exc
@@ -315,6 +316,7 @@ async def serve(
             addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
         log.info("fencegate listening: %s", " ".join(addresses))
         log_upstreams(settings)
+        log_lease_sources(settings)
         if contexts:
             log.info("TLS on the %s listener(s)", " and ".join(sorted(contexts)))
         if freeze_gc:
@@ -359,6 +361,19 @@ def log_upstreams(settings: Settings) -> None:
             "unknown-upstream. Add an [[upstreams]] table (name, url) to a config file and "
             "start with `fencegate serve --config FILE`; examples/fencegate.toml is a "
             "commented example"
+        )
+
+
+def log_lease_sources(settings: Settings) -> None:
+    """Say at start which lease sources' tokens the gateway accepts: one line per source,
+    its kind and where it points (no password, no key)."""
+    for source in settings.lease_sources:
+        log.info(
+            "accepting lease source %s: %s (%s); Fencing-Token %s:...",
+            source.name,
+            source.kind,
+            source_target(source),
+            source.name,
         )
 
 

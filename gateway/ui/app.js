@@ -325,7 +325,11 @@
   }
 
   function generationText(generation, highest) {
-    if (generation === null || generation === undefined) return "—";
+    // A lease source's refused token may have lost its generation with its lock (an etcd
+    // key, a ZooKeeper node that is gone): the highest known still shows.
+    if (generation === null || generation === undefined) {
+      return highest === null || highest === undefined ? "—" : `— (highest ${highest})`;
+    }
     if (highest === null || highest === undefined || highest === generation) return String(generation);
     return `${generation} (highest ${highest})`;
   }

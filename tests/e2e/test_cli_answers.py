@@ -4,6 +4,7 @@ and answers every mistake in one line that says what to change."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -139,6 +140,47 @@ def test_check_config_names_what_serve_will_need(config: Path) -> None:
         assert ADMIN_TOKEN not in output
 
 
+def test_check_config_shows_where_lease_sources_point_without_their_passwords(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "sources.toml"
+    config.write_text(
+        f"""\
+database_url = "sqlite+aiosqlite:///{tmp_path / "fencegate.db"}"
+
+[[lease_sources]]
+name = "locks"
+kind = "redis"
+url = "redis://fencer:{URL_PASSWORD}@127.0.0.1:6379/0"
+
+[[lease_sources]]
+name = "cache"
+kind = "redis"
+url = "redis://127.0.0.1:6379/1?password={URL_PASSWORD}"
+
+[[lease_sources]]
+name = "ddb"
+kind = "dynamodb"
+table = "locks"
+region = "us-east-1"
+endpoint_url = "https://ddb-user:{URL_PASSWORD}@dynamodb.example.com"
+""",
+        encoding="utf-8",
+    )
+    result = run("check-config", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert URL_PASSWORD not in result.stdout + result.stderr
+    lines = [
+        line.split(None, 2)[2] for line in result.stdout.splitlines() if "lease source" in line
+    ]
+    assert lines == [
+        "locks: redis (redis://fencer:***@127.0.0.1:6379/0); tokens locks:...",
+        "cache: redis (redis://127.0.0.1:6379/1); tokens cache:...",
+        "ddb: dynamodb (table locks, us-east-1, https://ddb-user:***@dynamodb.example.com); "
+        "tokens ddb:...",
+    ]
+
+
 def test_check_config_refuses_an_expanded_value_with_a_line_break(config: Path) -> None:
     result = run(
         "check-config", "--config", str(config), env=environment(PAYMENTS_API_KEY="x\r\nX-Evil: 1")
@@ -250,6 +292,48 @@ def test_audit_source_that_is_not_one(config: Path) -> None:
     listed = run("audit", "--source", "fencegate", "--json", "--config", str(config))
     assert listed.returncode == 0, listed.stderr
     assert '"items"' in listed.stdout
+
+
+def test_audit_table_shows_generation_and_highest_as_the_json_does(config: Path) -> None:
+    """GEN/HIGHEST is the entry's presented and highest known generation, ``-`` for the
+    one not known: a lease source's refusal whose own generation is gone with its lock
+    (an etcd key, a ZooKeeper node) still shows the highest one, as the JSON has it."""
+    from gateway.records.audit import Audit, AuditEntry
+    from lease_core.db import create_engine
+    from lease_core.store import LeaseStore
+
+    assert run("migrate", "--config", str(config)).returncode == 0
+    entries = [  # oldest first
+        AuditEntry("invalid-fencing-token", 403, "POST", "/payments/a"),
+        AuditEntry("idempotent-replay", 201, "POST", "/payments/b", "order-42", 2, 2),
+        AuditEntry("stale-generation", 409, "POST", "/payments/c", "locks/order-7", 2, 3),
+        AuditEntry("stale-generation", 409, "POST", "/payments/d", "zk//locks/o-9", None, 8),
+        AuditEntry("lease-ended", 409, "POST", "/payments/e", "etcd/o-5", 4, None),
+    ]
+
+    async def write() -> None:
+        engine = create_engine(f"sqlite+aiosqlite:///{config.parent / 'fencegate.db'}")
+        audit = Audit(LeaseStore(engine))
+        for entry in entries:
+            audit.record(entry)
+        await audit.close()
+        await engine.dispose()
+
+    asyncio.run(write())
+    as_json = run("audit", "--json", "--config", str(config))
+    table = run("audit", "--config", str(config))
+    assert as_json.returncode == 0 and table.returncode == 0, as_json.stderr + table.stderr
+    items = json.loads(as_json.stdout)["items"]
+    assert [(i["generation"], i["highest_generation"]) for i in items] == [
+        (4, None),
+        (None, 8),
+        (2, 3),
+        (2, 2),
+        (None, None),
+    ]
+    header, *rows = table.stdout.splitlines()
+    start, end = header.index("GEN/HIGHEST"), header.index("UPSTREAM")
+    assert [row[start:end].strip() for row in rows] == ["4", "-/8", "2/3", "2/2", "-"]
 
 
 @pytest.mark.parametrize(

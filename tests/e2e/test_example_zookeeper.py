@@ -112,3 +112,25 @@ def test_zookeeper_worker_two_workers_in_turn(
     )
     assert listed.returncode == 0, listed.stderr
     assert [e["job_id"] for e in json.loads(listed.stdout)["items"]] == [job] * 3
+    # The table shows the generations as the JSON has them: the refused tokens' nodes are
+    # gone, and their generations with them; the highest known is B's.
+    assert [
+        (e["generation"], e["highest_generation"]) for e in json.loads(listed.stdout)["items"]
+    ] == [(None, int(gen_b)), (None, int(gen_b)), (int(gen_b), int(gen_b))]
+    table = subprocess.run(
+        [FENCEGATE, "audit", "--source", "zk", "--config", str(zk_server.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=zk_server.env,
+        cwd=ROOT,
+        check=False,
+    )
+    assert table.returncode == 0, table.stderr
+    header, *rows = table.stdout.splitlines()
+    start, end = header.index("GEN/HIGHEST"), header.index("UPSTREAM")
+    assert [row[start:end].strip() for row in rows] == [
+        f"-/{gen_b}",
+        f"-/{gen_b}",
+        f"{gen_b}/{gen_b}",
+    ]

@@ -1,6 +1,7 @@
 """What ``fencegate serve`` says at start about the upstreams it protects: one line per
 upstream (name -> URL, no password), or, with none, a warning that every proxied request
-gets ``404 unknown-upstream`` and how to add one. Real processes, as a user starts them:
+gets ``404 unknown-upstream`` and how to add one; and one line per lease source (its kind
+and where it points, no password). Real processes, as a user starts them:
 the README's first command (no ``--config``, in a folder without ``fencegate.toml``) and
 a config with upstreams."""
 
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
 LISTENING = re.compile(r"fencegate listening: .*?control=(\S+).*?proxy=(\S+)")
@@ -119,3 +122,82 @@ fenced_methods = ["POST"]
         assert not [m for m in messages(records) if "no upstreams" in m]
         everything = json.dumps(records)
         assert "hunter2-secret" not in everything and "sk_test_start_log" not in everything
+
+
+@pytest.mark.timeout(60)
+def test_serve_names_each_lease_source_with_where_it_points(tmp_path: Path) -> None:
+    """Each lease source gets a line, its kind and where it points; no password (a Redis
+    URL's, in its user part or its query; an etcd endpoint's) and no key ever shows."""
+    config = tmp_path / "fencegate.toml"
+    pem = (
+        Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    config.write_text(
+        f"""\
+[[upstreams]]
+name = "payments"
+url = "http://127.0.0.1:9000"
+
+[[lease_sources]]
+name = "etcd"
+kind = "etcd"
+endpoints = ["http://127.0.0.1:2379", "https://root:etcd-secret@etcd.example.com:2379"]
+
+[[lease_sources]]
+name = "zk"
+kind = "zookeeper"
+hosts = ["127.0.0.1:2181", "zk2.example.com:2181"]
+
+[[lease_sources]]
+name = "locks"
+kind = "redis"
+url = "redis://fencer:redis-secret@127.0.0.1:6379/0"
+
+[[lease_sources]]
+name = "cache"
+kind = "redis"
+url = "rediss://127.0.0.1:6380/1?password=query-secret"
+
+[[lease_sources]]
+name = "ddb"
+kind = "dynamodb"
+table = "locks"
+region = "us-east-1"
+endpoint_url = "http://127.0.0.1:5000"
+
+[[lease_sources]]
+name = "queue"
+kind = "jwt"
+algorithms = ["EdDSA"]
+public_keys = ['''{pem}''']
+issuer = "billing-queue"
+""",
+        encoding="utf-8",
+    )
+    with serving(tmp_path, "--config", str(config)) as (_, records):
+        lines = [m for m in messages(records, "info") if m.startswith("accepting lease source")]
+        assert lines == [
+            "accepting lease source etcd: etcd (http://127.0.0.1:2379, "
+            "https://root:***@etcd.example.com:2379); Fencing-Token etcd:...",
+            "accepting lease source zk: zookeeper (127.0.0.1:2181, zk2.example.com:2181); "
+            "Fencing-Token zk:...",
+            "accepting lease source locks: redis (redis://fencer:***@127.0.0.1:6379/0); "
+            "Fencing-Token locks:...",
+            "accepting lease source cache: redis (rediss://127.0.0.1:6380/1); "
+            "Fencing-Token cache:...",
+            "accepting lease source ddb: dynamodb (table locks, us-east-1, "
+            "http://127.0.0.1:5000); Fencing-Token ddb:...",
+            "accepting lease source queue: jwt (issuer 'billing-queue', EdDSA); "
+            "Fencing-Token queue:...",
+        ]
+        # After the upstreams' lines, as the sources' are after them in the config.
+        started = messages(records, "info")
+        assert started.index(lines[0]) > max(
+            i for i, m in enumerate(started) if m.startswith("protecting upstream")
+        )
+        everything = json.dumps(records)
+        for secret in ("etcd-secret", "redis-secret", "query-secret", pem.splitlines()[1]):
+            assert secret not in everything
