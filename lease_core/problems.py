@@ -75,11 +75,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Check = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 
 
-def problem_middleware(*checks: Check) -> Middleware:
+def problem_middleware(*checks: Check, not_found: str | None = None) -> Middleware:
     """Domain errors and aiohttp's own HTTP errors become problem documents. ``checks``
     run first, in order, inside it: their refusals are answered the same way, and one
     that answers itself ends the request before the handler. One middleware, not one
-    per check: every layer costs each request a coroutine and a hop on each resume."""
+    per check: every layer costs each request a coroutine and a hop on each resume.
+    ``not_found``: the detail of a path that no route serves (the listener's own hint)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -101,7 +102,7 @@ def problem_middleware(*checks: Check) -> Middleware:
                 raise
             cls = _HTTP_REASONS.get(http_error.status)
             if cls is not None:
-                return from_error(cls())
+                return from_error(cls(not_found if cls is exc.NotFound else None))
             text = http_error.text or ""
             if text.startswith(f"{http_error.status}: "):  # aiohttp's default: status, phrase
                 text = ""

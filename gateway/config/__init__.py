@@ -42,6 +42,7 @@ from gateway.config.listeners import (
     parse_listen,
 )
 from gateway.config.load import DEFAULT_CONFIG_FILE, load_settings, sqlite_folder_problem
+from gateway.config.problems import unknown_variables
 from gateway.config.secrets import env_references, for_serving, resolve_secrets
 from gateway.config.settings import ConfigError, Settings
 from gateway.config.sources import (
@@ -103,4 +104,5 @@ __all__ = [
     "resolve_secrets",
     "several_hosts",
     "sqlite_folder_problem",
+    "unknown_variables",
 ]

@@ -22,6 +22,40 @@ _EXAMPLES = {
 }
 
 
+# ``FENCEGATE_*`` variables that are not settings and are never a misspelling of one:
+# Kubernetes' service links of a Service named fencegate, the workers', the examples' and
+# the deployment's own, the test suite's.
+NOT_SETTINGS = ("SERVICE_", "PORT", "TEST_", "FAULTS_")
+NOT_SETTINGS_NAMES = frozenset(
+    {"WORKER_TOKEN", "ADMIN_TOKEN", "HEALTHCHECK_URL", "URL", "CONTROL_URL", "PROXY_URL"}
+)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """``FENCEGATE_*`` variables that name no setting (pydantic-settings reads only the
+    known ones, so a misspelling such as ``FENCEGATE_DATABSE_URL`` was silently unused),
+    each with the nearest valid variable when one is near. Warnings, not errors: other
+    software sets variables with this prefix too. Never a value: it may be a secret."""
+    known = list(Settings.model_fields)
+    found = []
+    for variable in sorted(environ):
+        upper = variable.upper()
+        if not upper.startswith(ENV_PREFIX):
+            continue
+        rest = upper[len(ENV_PREFIX) :]
+        if rest.startswith(NOT_SETTINGS) or rest in NOT_SETTINGS_NAMES:
+            continue
+        top = rest.split("__", 1)[0].lower()
+        if top in known:
+            continue  # nested ones are checked as settings (``_unknown_setting``)
+        message = f"{variable}: not a setting, ignored"
+        near = difflib.get_close_matches(top, known, n=1, cutoff=0.75)
+        if near:
+            message += f"; did you mean {ENV_PREFIX}{near[0].upper()}?"
+        found.append(message)
+    return found
+
+
 def json_variables(environ: Mapping[str, str]) -> list[str]:
     """A ``FENCEGATE_*`` variable for a list or a table must hold JSON of that shape;
     name the variable and the expected form (never its value: it may be a token)."""

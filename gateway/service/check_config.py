@@ -5,11 +5,12 @@ lease sources)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import sqlalchemy as sa
 
-from gateway.config import ConfigError, Settings, env_references, for_serving
+from gateway.config import ConfigError, Settings, env_references, for_serving, unknown_variables
 from gateway.records import migrate
 from gateway.service.cli_common import EXIT_USAGE, run_loop
 from gateway.service.describe import source_target
@@ -35,6 +36,8 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     if refused:
         print(f"fencegate: {refused}", file=sys.stderr)
         return 1
+    for warning in unknown_variables(os.environ):
+        print(f"fencegate: warning: {warning}", file=sys.stderr)
     print("configuration is valid")
     print(f"  database        {_safe_url(settings.database_url)}")
     if replicated:

@@ -45,11 +45,36 @@ def _config_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def version() -> str:
+    """``fencegate <version> (schema <revision>)``: the installed distribution's version
+    and the schema revision this code migrates to and serves."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        number = installed("fencegate")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        from lease_core import __version__ as number
+    return f"fencegate {number} (schema {migrate.head_revision()})"
+
+
+class _Version(argparse.Action):
+    """``--version``: printed and exit 0 (worked out only when asked)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="fencegate",
         description="Lease service and fencing gateway for job workers.",
     )
+    parser.add_argument("--version", "-V", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
-from gateway.config import ConfigError, Settings, for_serving, load_settings
+from gateway.config import ConfigError, Settings, for_serving, load_settings, unknown_variables
 from gateway.records import migrate
 from gateway.service.cli_common import EXIT_USAGE, run_loop
 
@@ -20,6 +22,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         print(f"fencegate: {error}", file=sys.stderr)
         return EXIT_USAGE
     configure(args.log_level, args.log_format, access_log=args.access_log)
+    for warning in unknown_variables(os.environ):
+        logging.getLogger("fencegate.server").warning("%s", warning)
     run_loop(
         serve(
             settings,

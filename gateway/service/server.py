@@ -94,7 +94,15 @@ def create_control_app(
     app = web.Application(
         middlewares=[
             request_id_middleware,
-            problem_middleware(auth_check(settings.auth), body_deadline_check(settings.gateway)),
+            problem_middleware(
+                auth_check(settings.auth),
+                body_deadline_check(settings.gateway),
+                not_found=(
+                    "Nothing lives at this path on the control listener (the lease, admin "
+                    "and health APIs). Fenced writes go to the proxy listener, "
+                    f"{settings.proxy_listen}: /<upstream>/<path>."
+                ),
+            ),
         ],
         client_max_size=CONTROL_MAX_BODY,
     )
@@ -314,7 +322,6 @@ async def serve(
                     runner, sock, backlog=1024, ssl_context=contexts.get(name)
                 ).start()
             addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
-        log.info("fencegate listening: %s", " ".join(addresses))
         log_upstreams(settings)
         log_lease_sources(settings)
         if contexts:
@@ -322,8 +329,13 @@ async def serve(
         if freeze_gc:
             gc.collect()
             gc.freeze()
-        if announce:
-            print("fencegate listening:", " ".join(addresses), flush=True)
+        # One line, the last of the start, in the log's format; on stdout only when the
+        # log would not show it (``--log-level warning``), so a script can still wait for it.
+        listening = "fencegate listening: " + " ".join(addresses)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", listening)
+        elif announce:
+            print(listening, flush=True)
         if on_ready is not None:
             result = on_ready(addresses)
             if result is not None:

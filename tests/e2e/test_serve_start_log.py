@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
-LISTENING = re.compile(r"fencegate listening: .*?control=(\S+).*?proxy=(\S+)")
+LISTENING = re.compile(r"fencegate listening: .*?control=([^\s\",]+).*?proxy=([^\s\",]+)")
 
 
 @contextmanager
@@ -47,8 +47,8 @@ def serving(cwd: Path, *args: str, **env: str) -> Iterator[tuple[str, list[dict[
         )
     try:
         deadline = time.monotonic() + 30
-        # The line on stdout comes after the start log, so the log is complete then.
-        while (match := LISTENING.search(out.read_text(errors="replace"))) is None:
+        # The listening line is the start log's last, so the log is complete then.
+        while (match := LISTENING.search(err.read_text(errors="replace"))) is None:
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"fencegate serve did not start:\n{err.read_text(errors='replace')}")
             time.sleep(0.05)
@@ -201,3 +201,72 @@ issuer = "billing-queue"
         everything = json.dumps(records)
         for secret in ("etcd-secret", "redis-secret", "query-secret", pem.splitlines()[1]):
             assert secret not in everything
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_serve_says_it_listens_once_in_the_chosen_format(tmp_path: Path, fmt: str) -> None:
+    """One listening line, the start's last, in the log's format (it was printed twice:
+    the log's line, and a plain one on stdout); on stdout only when the log level would
+    hide it."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    environment.update(FENCEGATE_PROXY_LISTEN="127.0.0.1:0", FENCEGATE_CONTROL_LISTEN="127.0.0.1:0")
+    for level, expect_stdout in (("INFO", False), ("WARNING", True)):
+        out, err = tmp_path / f"{fmt}-{level}.out", tmp_path / f"{fmt}-{level}.err"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            process = subprocess.Popen(
+                [FENCEGATE, "serve", "--log-format", fmt, "--log-level", level],
+                cwd=tmp_path,
+                env=environment,
+                stdout=stdout,
+                stderr=stderr,
+            )
+        try:
+            deadline = time.monotonic() + 30
+            while not LISTENING.search(out.read_text() + err.read_text()):
+                assert process.poll() is None and time.monotonic() < deadline, err.read_text()
+                time.sleep(0.05)
+            time.sleep(0.3)  # anything printed right behind it
+        finally:
+            process.kill()
+            process.wait(timeout=30)
+        lines = [
+            line
+            for line in (out.read_text() + err.read_text()).splitlines()
+            if "fencegate listening" in line
+        ]
+        assert len(lines) == 1, lines
+        assert (LISTENING.search(out.read_text()) is not None) is expect_stdout
+        if not expect_stdout:
+            assert lines[0].startswith("{") is (fmt == "json"), lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_misspelled_variable_is_named_with_the_one_meant(tmp_path: Path) -> None:
+    """``FENCEGATE_DATABSE_URL`` was ignored in silence (pydantic-settings reads only
+    the variables it knows) while check-config said the configuration was valid. Both
+    name it now, with the nearest valid variable; other FENCEGATE_* variables
+    (Kubernetes' service links, the workers') are left alone."""
+    env = {
+        "FENCEGATE_DATABSE_URL": "sqlite+aiosqlite:///elsewhere.db",
+        "FENCEGATE_SERVICE_HOST": "10.0.0.1",
+        "FENCEGATE_WORKER_TOKEN": "a-worker-token-of-16-characters",
+    }
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    checked = subprocess.run(
+        [FENCEGATE, "check-config"],
+        cwd=tmp_path,
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr.splitlines() == [
+        "fencegate: warning: FENCEGATE_DATABSE_URL: not a setting, ignored; "
+        "did you mean FENCEGATE_DATABASE_URL?"
+    ]
+    assert "elsewhere.db" not in checked.stderr + checked.stdout  # never a value
+    with serving(tmp_path, **env) as (_, records):
+        [warning] = [m for m in messages(records, "warning") if "FENCEGATE_" in m]
+    assert warning.endswith("did you mean FENCEGATE_DATABASE_URL?")

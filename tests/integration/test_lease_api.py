@@ -833,6 +833,16 @@ async def test_unknown_path_and_method_are_problems(control: Client) -> None:
     await expect_problem(await control.patch("/v1/jobs"), 405, "method-not-allowed")
 
 
+async def test_a_write_sent_to_the_control_listener_is_pointed_at_the_proxy(
+    control: Client,
+) -> None:
+    """A newcomer's fenced write on the wrong port: the 404 names the proxy's address."""
+    resp = await control.post("/payments/charges", json={"amount": 1})
+    doc = await expect_problem(resp, 404, "not-found")
+    assert "control listener" in doc["detail"]
+    assert "proxy listener, 127.0.0.1:8080: /<upstream>/<path>" in doc["detail"]
+
+
 # -- the store follows lease_core.rules ----------------------------------------------------------
 
 
