@@ -58,6 +58,10 @@ class Mutant:
     why: str  # the plausible bug it models
     fast: bool = False  # in the fast subset that CI runs on SQLite
     killed_by: str = ""  # an existing test that fails under it (its node id)
+    pending: str = ""
+    """The change whose text the edits replace, when it is not in the tree yet: until it
+    is, ``apply`` refuses the mutant, its tests skip it and ``verify mutants`` lists it
+    without running it. Once merged: fill in the texts and remove ``pending``."""
 
 
 class MutationError(Exception):
@@ -69,6 +73,15 @@ _POSTGRES = "lease_core/sql/postgresql.sql"
 _FENCE = "gateway/fencing/fence.py"
 _HANDLER = "gateway/proxy/handler.py"
 _STORE = "gateway/records/store.py"
+
+# Issue 44: the gateway binds (source, lock, generation) to the first holder admitted,
+# in the conflict clause of ``admit_external`` (lease_core/sql/common.sql), and refuses
+# another holder presenting that generation (409 generation-reissued). The mutant drops
+# the holder's comparison. GUESSED until that change is merged: replace these two texts
+# with the condition as merged (it must occur once in common.sql) and what it becomes
+# without the comparison, then remove ``pending`` from the entry.
+_REISSUE_CHECK = "fences.holder = excluded.holder"
+_REISSUE_CHECK_DROPPED = "TRUE"
 
 MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
@@ -374,13 +387,32 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         ),
         killed_by=("tests/integration/test_source_redis.py::test_an_expired_lock_ends_its_token"),
     ),
+    Mutant(
+        name="source-generation-reissued",
+        rule="lease-source",
+        databases=BOTH,
+        edits=(Edit(_COMMON, _REISSUE_CHECK, _REISSUE_CHECK_DROPPED),),
+        why=(
+            "The admission of another source's lease no longer compares the holder the "
+            "job's fence was first admitted for, so when a Redis lock's counter is lost "
+            "(FLUSHALL, a restart without persistence) the new holder of a generation "
+            "writes alongside the one already admitted under it; the lock workers under "
+            "lock-loss break invariant 12."
+        ),
+        killed_by=(
+            "tests/integration/test_source_redis.py::test_a_generation_handed_out_again_is_refused"
+        ),
+        pending="issue 44: admit_external binds a generation to its first holder",
+    ),
 )
 
 
 def apply(mutant: Mutant, root: Path) -> None:
     """Apply every edit to the tree at root; MutationError if an ``old`` text does not
     occur exactly once. Every edit is checked before any file is written, so a mutant
-    that cannot be applied leaves the tree as it was."""
+    that cannot be applied leaves the tree as it was; a ``pending`` mutant is refused."""
+    if mutant.pending:
+        raise MutationError(f"{mutant.name}: pending ({mutant.pending}): its text is not in")
     texts: dict[Path, str] = {}
     for edit in mutant.edits:
         path = root / edit.path
