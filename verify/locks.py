@@ -201,6 +201,8 @@ class LockWorker:
                 if holding.lost and not reckless:
                     break
                 outcome = await self.write(holding, gateway, step, once=ended != "done")
+                if outcome == "down":  # the replica is down: the lock is left to expire
+                    break
                 if outcome not in ("ok", "gave-up") and ended == "done":
                     ended = outcome
                     if not reckless:
@@ -245,7 +247,8 @@ class LockWorker:
 
     async def write(self, holding: Holding, gateway: str, step: int, *, once: bool) -> str:
         """One step's write until answered: ``ok``; the reason of a 409 (the holding is
-        over: any 409, whatever its reason is called); ``gave-up``."""
+        over: any 409, whatever its reason is called); ``down`` (the replica refused the
+        connection); ``gave-up``."""
         process, history = self.name, self.history
         key = f"{holding.holder[:16]}-step{step}"
         body = lock_body(holding.lock.name, holding.holder, step)
@@ -273,7 +276,7 @@ class LockWorker:
                     content_type = resp.headers.get("Content-Type", "")
             except aiohttp.ClientConnectorError:
                 history.complete(process, "info", reason="connection-refused")
-                return "gave-up"
+                return "down"
             except (aiohttp.ClientError, TimeoutError) as error:
                 history.complete(process, "info", reason=type(error).__name__)
                 timeouts += 1

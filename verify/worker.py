@@ -1,7 +1,7 @@
 """One worker of a verification run, run as its own process::
 
     python -m verify.worker --id w3 --control URL[,URL...] --gateway URL[,URL...]
-        --history FILE --seed S --token T [--direct UPSTREAM_URL]
+        --history FILE --seed S --token T [--direct UPSTREAM_URL | --redis URL]
 
 Until SIGTERM it claims jobs from the queue with the project's worker client
 (``fencegate_client.LeaseClient``, a TTL drawn from 1-3 s), renews the lease in the
@@ -26,6 +26,9 @@ lost lease (the client says so, or the gateway answers 409 ``stale-generation``,
 ``lease-ended``, ``lease-expired``) abandons the job: the lease expires and the next worker
 retries it, as real job queues do. A step held as ``outcome-unknown`` parks the job (its
 lease is failed with a short retry delay) until the operator resolves the key.
+
+``--redis URL``: the worker holds Redis locks instead of the queue's jobs
+(``verify.locks.LockWorker``, the ``lock-loss`` nemesis's workload).
 
 ``--direct``: the same steps go straight to the upstream with ``Fencing-Job``,
 ``Fencing-Generation`` and ``Idempotency-Key`` and no gateway: the baseline.
