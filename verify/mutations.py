@@ -360,8 +360,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "The admission of another source's lease accepts a generation one below the "
             "job's fence and lowers the fence to it, so a signed token of generation 1 "
-            "writes after generation 2 wrote; verify's workload uses only the gateway's "
-            "own leases, so only the tests of the sources reach it."
+            "writes after generation 2 wrote; the judgement before the admission "
+            "(external_reason) still refuses it, so verify's lock workers do not reach it "
+            "(none was found in 60 s under lock-loss and pause), only the sources' tests."
         ),
         killed_by=(
             "tests/integration/test_source_jwt.py"
@@ -382,8 +383,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "A Redis lock whose key has lapsed is taken as still held by the token, so a "
             "token whose lock expired or was released (or was never taken) writes until "
-            "somebody takes the lock again; verify's workload uses only the gateway's own "
-            "leases, so only the tests of the sources reach it."
+            "somebody takes the lock again; verify's lock workers write after their lock "
+            "lapsed only when paused past its TTL, mostly after another took it (none was "
+            "found in 60 s under lock-loss and pause), so only the sources' tests reach it."
         ),
         killed_by=("tests/integration/test_source_redis.py::test_an_expired_lock_ends_its_token"),
     ),
