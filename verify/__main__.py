@@ -12,7 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from verify import check
+from verify.locks import redis_binary
+from verify.nemesis import LOCK_NEMESES
 from verify.run import TAIL_SECONDS, Options, SetupError, choose_nemeses, run
+
+DEFAULT_LOCK_WORKERS = 3
 
 
 def _share(text: str) -> float:
@@ -45,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--nemesis",
         default="all",
-        help="comma list of pause, kill, freeze, partition, clock, upstream, db-restart, failover; "
-        "or all (every one the database allows) or none (default all)",
+        help="comma list of pause, kill, freeze, partition, clock, upstream, db-restart, "
+        "failover, lock-loss; or all (every one the database allows; lock-loss where "
+        "redis-server is installed) or none (default all)",
     )
     r.add_argument(
         "--direct",
@@ -62,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds to settle after the faults (default {TAIL_SECONDS:g})",
     )
     r.add_argument("--workers", type=int, default=8)
+    r.add_argument(
+        "--lock-workers",
+        type=int,
+        default=None,
+        help="workers of Redis locks (verify/locks.py), besides --workers (default "
+        f"{DEFAULT_LOCK_WORKERS} with lock-loss, else 0)",
+    )
     r.add_argument("--replicas", type=int, default=None, help="default 1 (sqlite), 3 (pg, patroni)")
     r.add_argument(
         "--min-completed",
@@ -106,6 +118,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SetupError as error:
         print(f"verify: {error}")
         return 2
+    lock_workers = args.lock_workers
+    if lock_workers is None:
+        lock_workers = DEFAULT_LOCK_WORKERS if LOCK_NEMESES & set(nemeses) else 0
+    if args.direct and lock_workers:
+        if args.lock_workers or args.nemesis != "all":
+            print("verify: the lock workers and lock-loss need the gateway (not --direct)")
+            return 2
+        nemeses = [n for n in nemeses if n not in LOCK_NEMESES]
+        lock_workers = 0
+    if not 0 <= lock_workers <= 64:
+        print("verify: --lock-workers 0..64")
+        return 2
+    if lock_workers and not args.direct and redis_binary() is None:
+        print("verify: the lock workers need redis-server: apt-get install redis-server")
+        return 2
     for note in notes:
         print(note)
     out = args.out or Path("verify-runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -125,10 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_completed=args.min_completed,
         tail=args.tail,
         stop_on_violation=args.stop_on_violation,
+        lock_workers=lock_workers,
     )
     print(
         f"run: --db {args.db} --seconds {args.seconds:g} --nemesis {','.join(nemeses) or 'none'}"
-        f"{' --direct' if args.direct else ''} --workers {args.workers} --replicas {replicas}"
+        f"{' --direct' if args.direct else ''} --workers {args.workers}"
+        f"{f' --lock-workers {lock_workers}' if lock_workers else ''} --replicas {replicas}"
         f" --out {options.out}",
         flush=True,
     )

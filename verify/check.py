@@ -38,6 +38,14 @@ expired or completed (11). The violation is named by the latest such write.
     invoked before it, or a replica's clock was skewed (``skewed``) when the lease was
     granted or renewed or the write invoked.
 
+12. ``two-holders-one-generation``: per job and generation, the applied writes come from
+    one holder only. A lease source whose fence counter is lost (a Redis ``FLUSHALL``, a
+    restart without persistence) hands out a generation again, to a new holder; the
+    history names each holder (``holder``) and an applied write's holder is that of its
+    causes. Leases are ``(job, generation, holder)`` for 8 and 11: a grant of a higher
+    generation made before a write's own lease was asked for is of the counter's earlier
+    life, and does not exclude the write (8).
+
 ``python -m verify check HISTORY LEDGER [--min-completed X] [--expiry-margin S]
 [--clock-skew FROM,TO ...] [--json]``: 0 no violation, 1 violation, 2 a file cannot be
 read.
@@ -77,7 +85,12 @@ NAMES = {
     9: "refused-but-applied",
     10: "body-not-sent",
     11: "applied-after-lease-over",
+    12: "two-holders-one-generation",
 }
+
+REISSUED: Final = "generation-reissued"
+"""The refusal of a lease source's generation presented by a holder other than the one it
+was first admitted for (the source lost its counter and handed the generation out again)."""
 
 NOT_FORWARDED: Final = frozenset(
     {
@@ -95,6 +108,7 @@ NOT_FORWARDED: Final = frozenset(
         "request-in-progress",
         "ordering-timeout",
         "gateway-overloaded",
+        REISSUED,
     }
 )
 """The gateway's refusals that say the write was not forwarded (docs/protocol.md): a write
@@ -217,7 +231,7 @@ def check(
     expiry_margin: float = EXPIRY_MARGIN,
     skewed: Sequence[tuple[float, float]] = (),
 ) -> Report:
-    """Check invariants 1-11 of a run; the violations in invariant order, then ledger order.
+    """Check invariants 1-12 of a run; the violations in invariant order, then ledger order.
 
     ``skewed``: the spans of time (``time.time()``, from, to) in which a replica that
     judges leases by its own clock (SQLite) ran with a skewed clock; invariant 11 does
@@ -268,6 +282,7 @@ def check(
     for entries in ordered.values():
         v.extend(stale_writes(entries, grants))
     v.extend(causes.violations(ledger))
+    v.extend(causes.two_holders(ledger))
     v.extend(liveness(history, report))
     v.sort(key=lambda violation: violation.invariant)
     return report
@@ -385,8 +400,14 @@ def stale_writes(
             firsts.append(entry)
 
 
-Lease = tuple[str, int]
-"""``(job, generation)``: one lease."""
+Lease = tuple[str, int, str]
+"""``(job, generation, holder)``: one lease (holder ``""``: a lease of the gateway's own,
+whose generation is never handed out twice)."""
+
+
+def lease_of(event: HistoryEvent) -> Lease:
+    assert event.generation is not None
+    return event.job, event.generation, event.holder or ""
 
 
 class Causes:
@@ -415,6 +436,7 @@ class Causes:
         self.grants_of: dict[Lease, list[HistoryEvent]] = defaultdict(list)
         self.ended: dict[Lease, HistoryEvent] = {}
         self.unknown_renew: dict[Lease, HistoryEvent] = {}
+        self.asked: dict[Lease, float] = {}  # a holder's lease: when its claim was invoked
         outstanding: dict[str, HistoryEvent] = {}
         for event in history:
             if event.type == "invoke":
@@ -425,6 +447,8 @@ class Causes:
             invoke = outstanding.pop(event.process, None)
             if invoke is not None:
                 self.completion[id(invoke)] = event
+                if invoke.f == "claim" and event.type == "ok" and event.holder is not None:
+                    self.asked.setdefault(lease_of(event), invoke.time)
                 if invoke.f == "renew" and event.type == "info":
                     self._renew_unknown(invoke)
             if event.type == "ok" and event.generation is not None:
@@ -436,14 +460,13 @@ class Causes:
     def _renew_unknown(self, invoke: HistoryEvent) -> None:
         if invoke.generation is None:
             return
-        lease = (invoke.job, invoke.generation)
+        lease = lease_of(invoke)
         known = self.unknown_renew.get(lease)
         if known is None or invoke.time < known.time:
             self.unknown_renew[lease] = invoke
 
     def _ok(self, event: HistoryEvent) -> None:
-        assert event.generation is not None
-        lease = (event.job, event.generation)
+        lease = lease_of(event)
         if event.f == "claim":
             self.granted[event.job].append(event)
         if event.f in ("claim", "renew"):
@@ -469,12 +492,19 @@ class Causes:
         ):
             return 9, f"refused {completion.status} {completion.reason}", (completion,)
         assert invoke.generation is not None
+        # A holder's lease (a lease source's): only the grants made after its own was
+        # asked for; a higher generation granted before it is of the counter's earlier
+        # life (lost since), which the gateway cannot know of unless it wrote.
+        since = float("-inf")
+        if invoke.holder is not None:
+            asked = self.asked.get(lease_of(invoke))
+            since = float("inf") if asked is None else asked
         newer = [
             grant
             for grant in self.granted.get(invoke.job, [])
             if grant.generation is not None
             and grant.generation > invoke.generation
-            and grant.time < invoke.time
+            and since < grant.time < invoke.time
         ]
         if newer:
             grant = min(newer, key=lambda g: g.time)
@@ -483,8 +513,7 @@ class Causes:
 
     def over(self, invoke: HistoryEvent) -> tuple[int, str, tuple[Record, ...]] | None:
         """Invariant 11: the write was invoked after its lease was over."""
-        assert invoke.generation is not None
-        lease = (invoke.job, invoke.generation)
+        lease = lease_of(invoke)
         ended = self.ended.get(lease)
         if ended is not None and invoke.time > ended.time + self.margin:
             return 11, "invoked after its lease was completed", (ended,)
@@ -550,6 +579,52 @@ class Causes:
                     if exclusion is not None
                 ),
                 (entry, causes[latest], *evidence),
+            )
+
+    def holder_of(self, entry: LedgerEntry) -> tuple[str, HistoryEvent] | None:
+        """The one holder of an applied write's causes, with its latest cause; None when
+        the causes name none, or more than one."""
+        causes = self.causes_of(entry)[1]
+        holders = {cause.holder for cause in causes}
+        if len(holders) != 1 or None in holders:
+            return None
+        latest = max(causes, key=lambda cause: cause.time)
+        assert latest.holder is not None
+        return latest.holder, latest
+
+    def two_holders(self, ledger: Iterable[LedgerEntry]) -> Iterable[Violation]:
+        """12: per job and generation, the applied writes of one holder only. Reported
+        once per generation: each holder's first applied write, its cause and its grant."""
+        firsts: dict[tuple[str, int], dict[str, tuple[LedgerEntry, HistoryEvent]]] = {}
+        for entry in ledger:
+            found = self.holder_of(entry)
+            if found is not None:
+                holder, cause = found
+                firsts.setdefault((entry.job, entry.generation), {}).setdefault(
+                    holder, (entry, cause)
+                )
+        for (job, generation), holders in firsts.items():
+            if len(holders) < 2:
+                continue
+            records: list[Record] = []
+            for holder, (entry, cause) in holders.items():
+                grant = next(
+                    (
+                        g
+                        for g in self.grants_of.get((job, generation, holder), [])
+                        if g.f == "claim"
+                    ),
+                    None,
+                )
+                records += [entry, cause, *([grant] if grant is not None else [])]
+            names = ", ".join(
+                f"{holder[:8]} (key {entry.key!r})" for holder, (entry, _) in holders.items()
+            )
+            yield Violation(
+                12,
+                job,
+                f"generation {generation} writes applied from {len(holders)} holders: {names}",
+                tuple(records),
             )
 
 

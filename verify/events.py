@@ -31,6 +31,10 @@ the times of the two files compare.
   ``info``.
 - ``ttl`` (optional, after the others): on a ``claim`` or ``renew`` ``ok``, the lease's
   TTL in seconds as granted, so that a checker can tell when the lease expired.
+- ``holder`` (optional, last): who holds the lease of a source whose generations can be
+  handed out twice (a Redis lock whose fence counter was lost): the lock value's random
+  part. On the ``claim`` ``ok`` that granted it and on the events of its ``renew``,
+  ``write`` and ``complete``; a lease is then ``(job, generation, holder)``.
 
 ``ledger.jsonl``: one line per write the upstream applied, in the order applied
 (``LedgerEntry``): ``time``, ``job`` and ``generation`` (the ``Fencing-Job`` and
@@ -143,12 +147,18 @@ class HistoryEvent:
     ttl: float | None = None
     """``claim``/``renew`` ``ok``: the lease's TTL in seconds, as granted (optional: older
     files have none, and an expiry cannot be judged without it)."""
+    holder: str | None = None
+    """The holder of a lease source's lease (a Redis lock value's random part): one
+    generation of a lock can be handed to two holders when the source loses its counter."""
     line: int | None = field(default=None, compare=False, repr=False)
     """Line number in the file it was read from (not written)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "time", _time(self.time))
         _str("process", self.process)
+        _str("holder", self.holder, nullable=True)
+        if self.holder == "":
+            raise ValueError("holder: not empty (null when there is none)")
         if self.type not in TYPES:
             raise ValueError(f"type: one of {sorted(TYPES)}, not {self.type!r}")
         if self.f not in FS:
@@ -189,10 +199,13 @@ class HistoryEvent:
         return self.f == "write" and self.type == "ok"
 
     def to_json(self) -> dict[str, Any]:
-        """The line's object, fields in the file's order (``ttl`` last, where it has one)."""
+        """The line's object, fields in the file's order (then ``ttl`` and ``holder``, where
+        it has them)."""
         obj = {name: getattr(self, name) for name in HISTORY_FIELDS}
         if self.ttl is not None:
             obj["ttl"] = self.ttl
+        if self.holder is not None:
+            obj["holder"] = self.holder
         return obj
 
     @classmethod
@@ -201,7 +214,12 @@ class HistoryEvent:
         missing = [name for name in HISTORY_FIELDS if name not in obj]
         if missing:
             raise ValueError(f"missing field(s): {', '.join(missing)}")
-        return cls(**{name: obj[name] for name in HISTORY_FIELDS}, ttl=obj.get("ttl"), line=line)
+        return cls(
+            **{name: obj[name] for name in HISTORY_FIELDS},
+            ttl=obj.get("ttl"),
+            holder=obj.get("holder"),
+            line=line,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

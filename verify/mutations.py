@@ -58,6 +58,10 @@ class Mutant:
     why: str  # the plausible bug it models
     fast: bool = False  # in the fast subset that CI runs on SQLite
     killed_by: str = ""  # an existing test that fails under it (its node id)
+    pending: str = ""
+    """The change whose text the edits replace, when it is not in the tree yet: until it
+    is, ``apply`` refuses the mutant, its tests skip it and ``verify mutants`` lists it
+    without running it. Once merged: fill in the texts and remove ``pending``."""
 
 
 class MutationError(Exception):
@@ -69,6 +73,13 @@ _POSTGRES = "lease_core/sql/postgresql.sql"
 _FENCE = "gateway/fencing/fence.py"
 _HANDLER = "gateway/proxy/handler.py"
 _STORE = "gateway/records/store.py"
+
+# Issue 44: the gateway binds (source, lock, generation) to the first holder admitted,
+# in the conflict clause of ``admit_external`` (lease_core/sql/common.sql), and refuses
+# another holder presenting that generation (409 generation-reissued). The mutant drops
+# the holder's comparison.
+_REISSUE_CHECK = "AND COALESCE(fences.holder, excluded.holder) = excluded.holder)"
+_REISSUE_CHECK_DROPPED = "AND TRUE)"
 
 MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
@@ -347,8 +358,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "The admission of another source's lease accepts a generation one below the "
             "job's fence and lowers the fence to it, so a signed token of generation 1 "
-            "writes after generation 2 wrote; verify's workload uses only the gateway's "
-            "own leases, so only the tests of the sources reach it."
+            "writes after generation 2 wrote; the judgement before the admission "
+            "(external_reason) still refuses it, so verify's lock workers do not reach it "
+            "(none was found in 60 s under lock-loss and pause), only the sources' tests."
         ),
         killed_by=(
             "tests/integration/test_source_jwt.py"
@@ -369,10 +381,28 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "A Redis lock whose key has lapsed is taken as still held by the token, so a "
             "token whose lock expired or was released (or was never taken) writes until "
-            "somebody takes the lock again; verify's workload uses only the gateway's own "
-            "leases, so only the tests of the sources reach it."
+            "somebody takes the lock again; verify's lock workers write after their lock "
+            "lapsed only when paused past its TTL, mostly after another took it (none was "
+            "found in 60 s under lock-loss and pause), so only the sources' tests reach it."
         ),
         killed_by=("tests/integration/test_source_redis.py::test_an_expired_lock_ends_its_token"),
+    ),
+    Mutant(
+        name="source-generation-reissued",
+        rule="lease-source",
+        databases=BOTH,
+        edits=(Edit(_COMMON, _REISSUE_CHECK, _REISSUE_CHECK_DROPPED),),
+        why=(
+            "The admission of another source's lease no longer compares the holder the "
+            "job's fence was first admitted for, so when a Redis lock's counter is lost "
+            "(FLUSHALL, a restart without persistence) the new holder of a generation "
+            "writes alongside the one already admitted under it; the lock workers under "
+            "lock-loss break invariant 12."
+        ),
+        killed_by=(
+            "tests/integration/test_source_holders.py::"
+            "test_redis_a_regrown_counter_reissues_a_generation_and_its_holder_is_refused"
+        ),
     ),
 )
 
@@ -380,7 +410,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
 def apply(mutant: Mutant, root: Path) -> None:
     """Apply every edit to the tree at root; MutationError if an ``old`` text does not
     occur exactly once. Every edit is checked before any file is written, so a mutant
-    that cannot be applied leaves the tree as it was."""
+    that cannot be applied leaves the tree as it was; a ``pending`` mutant is refused."""
+    if mutant.pending:
+        raise MutationError(f"{mutant.name}: pending ({mutant.pending}): its text is not in")
     texts: dict[Path, str] = {}
     for edit in mutant.edits:
         path = root / edit.path

@@ -22,6 +22,10 @@ the whole plan first (``"phase": "plan"``), then a line when each fault starts a
   cluster that can lose nothing.
 - ``upstream``: the upstream cuts answers after applying, answers slowly, or answers 503
   without applying, for a share (0.2-0.5) of the writes, for 1-8 s.
+- ``lock-loss`` (the lock workers' Redis, ``verify.locks``): Redis loses every lock and
+  every fence counter, by ``FLUSHALL`` or by a kill -9 of the ``redis-server`` (no
+  persistence), started again after 0.3-2 s; at any moment, so before, while (a share of
+  the lock workers' writes is held at the upstream) and after writes of the holders.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ from verify.procs import Child, StartError
 from verify.stack import Replica, Stack
 
 NEMESES = (
-    "pause", "kill", "partition", "clock", "upstream", "db-restart", "failover", "freeze"
+    "pause", "kill", "partition", "clock", "upstream", "db-restart", "failover", "freeze",
+    "lock-loss",
 )  # fmt: skip
 # The nemeses of one database only: db-restart restarts the one PostgreSQL of --db pg,
 # failover moves the primary of --db patroni's cluster.
 DATABASE_NEMESES = {"db-restart": "pg", "failover": "patroni"}
+# The nemeses of the lock workers' Redis (verify.locks): they need redis-server.
+LOCK_NEMESES = frozenset({"lock-loss"})
 MAX_TTL = 3.0
 # Seconds a target rests after a fault of this kind before the plan gives it another (a
 # failover's cluster needs about ten to be whole again).
@@ -155,6 +162,13 @@ def _draw(
         mode = rng.choice(["cut", "slow", "5xx"])
         probability = round(rng.uniform(0.2, 0.5), 2)
         return Fault(index, at, kind, "upstream", span, {"mode": mode, "probability": probability})
+    if kind == "lock-loss":
+        if busy.get("lock-loss:redis", 0.0) > at:
+            return None
+        if rng.random() < 0.5:
+            return Fault(index, at, kind, "redis", 0.5, {"how": "flush"})
+        down = round(rng.uniform(0.3, 2.0), 2)
+        return Fault(index, at, kind, "redis", down, {"how": "restart"})
     raise ValueError(f"unknown nemesis {kind!r}")
 
 
@@ -264,6 +278,13 @@ class Nemesis:
         elif kind == "upstream":
             assert self.stack.upstream is not None
             await self.stack.upstream.set_faults(params["mode"], params["probability"])
+        elif kind == "lock-loss":
+            store = self.stack.lock_store
+            assert store is not None
+            if params["how"] == "flush":
+                await asyncio.to_thread(store.flush)
+            else:
+                await asyncio.to_thread(store.kill)
 
     async def end(self, fault: Fault) -> None:
         kind = fault.kind
@@ -296,6 +317,10 @@ class Nemesis:
         elif kind == "upstream":
             assert self.stack.upstream is not None
             await self.stack.upstream.set_faults("none")
+        elif kind == "lock-loss" and fault.params["how"] == "restart":
+            store = self.stack.lock_store
+            assert store is not None
+            await asyncio.to_thread(store.start)
 
     async def _fail_over(self, fault: Fault) -> None:
         """Move the primary; note when it went and how long the cluster had none."""

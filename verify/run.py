@@ -24,7 +24,8 @@ from verify import netns
 from verify.check import Report, Violation, check, check_files
 from verify.cluster import PG_BIN, ClusterError
 from verify.events import HistoryEvent, JsonlWriter, LedgerEntry, UnreadableFile, read_history
-from verify.nemesis import DATABASE_NEMESES, NEMESES, Nemesis, plan
+from verify.locks import redis_binary
+from verify.nemesis import DATABASE_NEMESES, LOCK_NEMESES, NEMESES, Nemesis, plan
 from verify.patroni import PATRONI
 from verify.procs import Child, StartError
 from verify.roles import Control, Feeder, Observer, Operator, Tail
@@ -54,6 +55,7 @@ class Options:
     min_completed: float
     tail: float = TAIL_SECONDS
     stop_on_violation: bool = False
+    lock_workers: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -79,6 +81,12 @@ def choose_nemeses(text: str, db: str) -> tuple[list[str], list[str]]:
                 raise SetupError(f"partition is not available here: {why}")
             words.remove("partition")
             notes.append(f"note: partition left out of `all`: {why}")
+    if LOCK_NEMESES & set(words) and redis_binary() is None:
+        why = "no redis-server on PATH (apt-get install redis-server)"
+        if not everything:
+            raise SetupError(f"lock-loss needs the lock workers' Redis: {why}")
+        words = [w for w in words if w not in LOCK_NEMESES]
+        notes.append(f"note: lock-loss left out of `all`: {why}")
     if "clock" in words and shutil.which("faketime") is None:
         raise SetupError("the clock nemesis needs libfaketime: apt-get install faketime")
     if db == "patroni" and shutil.which(PATRONI) is None:
@@ -104,10 +112,13 @@ async def run(options: Options) -> int:
         replicas=options.replicas,
         seed=options.seed,
         use_netns=await asyncio.to_thread(netns.unavailable) is None,
+        locks=options.lock_workers > 0,
     )
     nemesis: Nemesis | None = None
     helpers: list[asyncio.Task[None]] = []
     names = [f"w{i}" for i in range(options.workers)]
+    lock_names = [f"l{i}" for i in range(options.lock_workers)]
+    names += lock_names
     operator: Operator | None = None
     window_opened = time.time()
     try:
@@ -119,7 +130,8 @@ async def run(options: Options) -> int:
         print(
             f"started: {len(stack.replicas)} replica(s) on {options.db}"
             f"{' in network namespaces' if stack.namespaces else ' on 127.0.0.1'}, "
-            f"upstream on port {stack.upstream.port if stack.upstream else '?'}",
+            f"upstream on port {stack.upstream.port if stack.upstream else '?'}"
+            + (f", Redis on port {stack.lock_store.port}" if stack.lock_store else ""),
             flush=True,
         )
         control = Control(stack.replicas, stack.admin_token)
@@ -130,7 +142,10 @@ async def run(options: Options) -> int:
         except ConnectionError as error:
             print(f"verify: {error}")
             return 2
-        workers = {n: stack.spawn_worker(n, options.seed, options.direct) for n in names}
+        workers = {
+            n: stack.spawn_worker(n, options.seed, options.direct, lock=n in lock_names)
+            for n in names
+        }
         faults = plan(
             options.seed,
             options.nemesis,

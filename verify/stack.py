@@ -24,6 +24,7 @@ import aiohttp
 
 from verify import netns
 from verify.cluster import ClusterError, PgCluster, execute, free_port
+from verify.locks import SOURCE, LockStore, redis_binary
 from verify.patroni import PatroniCluster
 from verify.procs import FENCEGATE, Child, Children, StartError, child_env, wait_for_line
 
@@ -133,8 +134,19 @@ def _read(path: Path) -> str:
 class Stack:
     """Everything the run starts; ``close`` ends it all (also after a failed start)."""
 
-    def __init__(self, out: Path, *, db: str, replicas: int, seed: int, use_netns: bool) -> None:
+    def __init__(
+        self,
+        out: Path,
+        *,
+        db: str,
+        replicas: int,
+        seed: int,
+        use_netns: bool,
+        locks: bool = False,
+    ) -> None:
         self.out = out
+        self.locks = locks
+        self.lock_store: LockStore | None = None
         self.db = db
         self.count = replicas
         self.seed = seed
@@ -160,6 +172,13 @@ class Stack:
             for namespace in self.namespaces:
                 await asyncio.to_thread(namespace.create)
         urls = await self._database()
+        if self.locks:
+            binary = redis_binary()
+            if binary is None:
+                raise StartError("the lock workers need redis-server: apt-get install redis-server")
+            hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
+            self.lock_store = LockStore(binary, self.children, hosts)
+            await asyncio.to_thread(self.lock_store.start)
         upstream_port = free_port()
         self.replicas = [self._replica(i, url, upstream_port) for i, url in enumerate(urls)]
         upstream_task = asyncio.ensure_future(self._upstream(upstream_port))
@@ -213,6 +232,15 @@ class Stack:
             bind, upstream_host = "127.0.0.1", "127.0.0.1"
             proxy_port, control_port = free_port(), free_port()
         config = self.out / f"{name}.toml"
+        sources = ""
+        if self.lock_store is not None:
+            sources = (
+                "[[lease_sources]]\n"
+                f'name = "{SOURCE}"\n'
+                'kind = "redis"\n'
+                f'url = "{self.lock_store.url_for(upstream_host)}"\n'
+                "timeout_seconds = 1\n"
+            )
         config.write_text(
             f"database_url = {json.dumps(database_url)}\n"
             f'proxy_listen = "{bind}:{proxy_port}"\n'
@@ -232,7 +260,7 @@ class Stack:
             f'url = "http://{upstream_host}:{upstream_port}"\n'
             'unknown_outcome = "hold"\n'
             f"timeout_seconds = {UPSTREAM_TIMEOUT}\n"
-            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n",
+            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n" + sources,
             encoding="utf-8",
         )
         return Replica(name, config, bind, proxy_port, control_port, namespace, self.children)
@@ -248,7 +276,8 @@ class Stack:
         await wait_for_line(child, UPSTREAM_LISTENING, 30)
         return Upstream(child, port, f"http://127.0.0.1:{port}")
 
-    def spawn_worker(self, name: str, seed: int, direct: bool) -> Child:
+    def spawn_worker(self, name: str, seed: int, direct: bool, lock: bool = False) -> Child:
+        """A worker of the queue's jobs, or (``lock``) of the Redis locks (verify.locks)."""
         assert self.upstream is not None
         argv = [
             sys.executable, "-m", "verify.worker", "--id", name,
@@ -257,7 +286,10 @@ class Stack:
             "--history", str(self.out / f"history-{name}.jsonl"),
             "--seed", str(seed), "--token", self.worker_token,
         ]  # fmt: skip
-        if direct:
+        if lock:
+            assert self.lock_store is not None
+            argv += ["--redis", self.lock_store.url]
+        elif direct:
             argv += ["--direct", self.upstream.url]
         return self.children.spawn(name, argv, env=python_env(), log=f"worker-{name}")
 

@@ -1,7 +1,7 @@
 """One worker of a verification run, run as its own process::
 
     python -m verify.worker --id w3 --control URL[,URL...] --gateway URL[,URL...]
-        --history FILE --seed S --token T [--direct UPSTREAM_URL]
+        --history FILE --seed S --token T [--direct UPSTREAM_URL | --redis URL]
 
 Until SIGTERM it claims jobs from the queue with the project's worker client
 (``fencegate_client.LeaseClient``, a TTL drawn from 1-3 s), renews the lease in the
@@ -27,6 +27,9 @@ lost lease (the client says so, or the gateway answers 409 ``stale-generation``,
 retries it, as real job queues do. A step held as ``outcome-unknown`` parks the job (its
 lease is failed with a short retry delay) until the operator resolves the key.
 
+``--redis URL``: the worker holds Redis locks instead of the queue's jobs
+(``verify.locks.LockWorker``, the ``lock-loss`` nemesis's workload).
+
 ``--direct``: the same steps go straight to the upstream with ``Fencing-Job``,
 ``Fencing-Generation`` and ``Idempotency-Key`` and no gateway: the baseline.
 
@@ -49,6 +52,7 @@ import sys
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -57,6 +61,9 @@ from fencegate_client import Lease, LeaseClient, RemoteError
 from fencegate_client import errors as exc
 from fencegate_client import protocol as p
 from verify.events import F, HistoryEvent, JsonlWriter, Type, sha256_hex
+
+if TYPE_CHECKING:
+    from verify.locks import LockWorker
 
 QUEUE = "verify"
 UPSTREAM = "pay"  # the upstream's name at the gateway
@@ -130,7 +137,7 @@ class History:
 
     def __init__(self, path: str) -> None:
         self.writer = JsonlWriter(path)
-        self.open: dict[str, tuple[F, str, int | None, str | None]] = {}
+        self.open: dict[str, tuple[F, str, int | None, str | None, str | None]] = {}
 
     def invoke(
         self,
@@ -140,9 +147,13 @@ class History:
         generation: int | None = None,
         key: str | None = None,
         body_sha256: str | None = None,
+        *,
+        holder: str | None = None,
     ) -> None:
-        self.open[process] = (f, job, generation, key)
-        self._write(process, "invoke", f, job, generation, key, None, None, body_sha256, None)
+        self.open[process] = (f, job, generation, key, holder)
+        self._write(
+            process, "invoke", f, job, generation, key, None, None, body_sha256, None, holder
+        )
 
     def complete(
         self,
@@ -155,11 +166,15 @@ class History:
         reason: str | None = None,
         body_sha256: str | None = None,
         ttl: float | None = None,
+        holder: str | None = None,
     ) -> None:
-        f, invoked_job, invoked_generation, key = self.open.pop(process)
+        f, invoked_job, invoked_generation, key, invoked_holder = self.open.pop(process)
         job = invoked_job if job is None else job
         generation = invoked_generation if generation is None else generation
-        self._write(process, type_, f, job, generation, key, status, reason, body_sha256, ttl)
+        holder = invoked_holder if holder is None else holder
+        self._write(
+            process, type_, f, job, generation, key, status, reason, body_sha256, ttl, holder
+        )
 
     def outstanding(self, process: str) -> bool:
         return process in self.open
@@ -176,6 +191,7 @@ class History:
         reason: str | None,
         body_sha256: str | None,
         ttl: float | None,
+        holder: str | None,
     ) -> None:
         event = HistoryEvent(
             time=time.time(),
@@ -189,6 +205,7 @@ class History:
             reason=reason,
             body_sha256=body_sha256,
             ttl=ttl,
+            holder=holder,
         )
         self.writer.write(event)
 
@@ -659,11 +676,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", default="0")
     parser.add_argument("--token", default=None)
     parser.add_argument("--direct", default=None, metavar="UPSTREAM_URL")
+    parser.add_argument(
+        "--redis", default=None, metavar="URL", help="work Redis locks (verify.locks) instead"
+    )
     return parser.parse_args(argv)
 
 
 async def amain(args: argparse.Namespace) -> None:
-    worker = Worker(args)
+    worker: Worker | LockWorker
+    if args.redis:
+        from verify.locks import LockWorker
+
+        history = History(args.history)
+        worker = LockWorker(args.id, args.seed, history, args.redis, args.gateway.split(","))
+    else:
+        worker = Worker(args)
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)

@@ -2,7 +2,10 @@
 
 (a) the baseline (workers straight to the upstream) under ``pause`` breaks the invariants;
 (b, c) through the gateway, every nemesis the database allows breaks none, on SQLite and
-on PostgreSQL with three replicas; (d) ``--seed`` repeats the fault plan.
+on PostgreSQL with three replicas; (d) ``--seed`` repeats the fault plan; (e) the lock
+workers under ``lock-loss``: the gateway binds a generation to its first holder (issue 44)
+and breaks nothing (without the binding, invariant 12 breaks: the mutant
+``source-generation-reissued``).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import postgres_unavailable
+from tests.support import postgres_unavailable, redis_unavailable
 from verify.cluster import PG_BIN
+from verify.locks import redis_binary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,8 +68,8 @@ def test_direct_baseline_under_pause_breaks_the_invariants(tmp_path: Path) -> No
 def test_gateway_under_every_nemesis_on_sqlite(tmp_path: Path) -> None:
     out = tmp_path / "sqlite"
     result = verify(out, "--db", "sqlite", "--seconds", "20", "--nemesis", "all")
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
     doc = summary(out)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
     assert doc["violations"] == []
     assert sum(doc["faults"].values()) > 0 and doc["jobs_completed"] > 0
 
@@ -76,8 +80,8 @@ def test_gateway_under_every_nemesis_on_postgres(tmp_path: Path) -> None:
         postgres_unavailable(f"no initdb in {PG_BIN} (set FENCEGATE_FAULTS_PG_BIN)")
     out = tmp_path / "pg"
     result = verify(out, "--db", "pg", "--seconds", "20", "--nemesis", "all")
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
     doc = summary(out)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
     assert doc["violations"] == []
     assert doc["options"]["replicas"] == 3
     assert sum(doc["faults"].values()) > 0 and doc["jobs_completed"] > 0
@@ -94,3 +98,16 @@ def test_the_seed_repeats_the_fault_plan(tmp_path: Path) -> None:
     plan = planned(tmp_path / "one")
     assert plan and plan == planned(tmp_path / "two")
     assert plan != planned(tmp_path / "three")
+
+
+def test_lock_workers_under_lock_loss(tmp_path: Path) -> None:
+    if redis_binary() is None:
+        redis_unavailable("no redis-server (apt-get install redis-server)")
+    out = tmp_path / "locks"
+    result = verify(out, "--db", "sqlite", "--seconds", "20", "--nemesis", "lock-loss,pause")
+    doc = summary(out)
+    assert doc["options"]["lock_workers"] == 3
+    assert doc["faults"].get("lock-loss", 0) > 0
+    assert doc["jobs_completed"] > 0
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
+    assert doc["violations"] == []

@@ -1,0 +1,307 @@
+"""Workers whose jobs are Redis locks: the lease source ``locks`` (``kind = "redis"``) of
+the gateway replicas, Fencegate's lock recipe (``fencegate_client.redis_lock``), and the
+``redis-server`` of the run that the ``lock-loss`` nemesis makes lose its fence counters.
+
+``LockStore``: one ``redis-server`` on a free port, in memory only (no RDB, no AOF: a
+restart loses every key, as a Redis run without persistence does), listening on 127.0.0.1
+and on the host's side of each replica's network namespace. ``flush`` (``FLUSHALL``),
+``kill`` and ``start`` are the nemesis's.
+
+``LockWorker`` (``python -m verify.worker --redis URL``): until SIGTERM it takes one of a
+few shared locks (``lock-0`` ..., a TTL drawn from 1-3 s, extended in the background at a
+third of it), does 2-4 steps through a gateway replica with ``Fencing-Token:
+locks:<lock>:<value>``, then releases the lock. The gateway's job is ``locks/<lock>``,
+the generation the lock's fence. Each holding's keys and bodies are its own (its key
+``<holder>-step<i>``, the holder being the value's random part), so the checker can tell
+which holder an applied write came from. A share of the writes is held at the upstream
+(``Verify-Apply-Delay``) so that a lost counter often falls while one is in flight. A
+write refused 409 ends the holding: a careful holder releases the lock, a reckless one
+first sends its remaining steps once each (a zombie); a holding refused
+``stale-generation`` (its fence below the job's: the counter was lost) is followed at
+once by another acquire of the same lock, so the counter climbs back to the fence, where
+the gateway must tell the new holder of a generation from the one it admitted before.
+
+Recorded like the queue workers' jobs (``verify.events``): the acquire is a ``claim``
+(``ok`` with the generation, the TTL and ``holder``), the extends ``renew``, the release
+``complete``; every event of a holding carries ``holder``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import shutil
+import socket
+import time
+
+import aiohttp
+import redis
+import redis.asyncio
+from redis.exceptions import RedisError
+
+from fencegate_client import protocol as p
+from fencegate_client.redis_lock import VALUE, AsyncRedisLock
+from verify.cluster import free_port
+from verify.events import Type, sha256_hex
+from verify.procs import Child, Children, StartError
+from verify.worker import History
+
+SOURCE = "locks"  # the lease source's name at the gateway: tokens "locks:<lock>:<value>"
+LOCKS = 4
+IN_FLIGHT_SHARE = 0.3
+RECKLESS_SHARE = 0.5
+WRITE_TIMEOUT = 5.0
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+MAX_SENDS = 20
+
+
+def job_of(lock: str) -> str:
+    """The job the gateway forwards for a lock of the source (``Fencing-Job``)."""
+    return f"{SOURCE}/{lock}"
+
+
+def holder_of(value: str) -> str:
+    """A lock value's random part: who holds this generation."""
+    match = VALUE.fullmatch(value)
+    assert match is not None, value
+    return match.group(2)
+
+
+def lock_body(lock: str, holder: str, step: int) -> bytes:
+    return json.dumps({"holder": holder, "lock": lock, "step": step}, sort_keys=True).encode()
+
+
+class LockStore:
+    """The run's ``redis-server`` (blocking methods; the nemesis calls them in a thread)."""
+
+    def __init__(self, binary: str, children: Children, hosts: list[str]) -> None:
+        self.binary = binary
+        self.children = children
+        self.hosts = hosts  # 127.0.0.1 first, then each namespace's host address
+        self.port = free_port()
+        self.child: Child | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def url_for(self, host: str) -> str:
+        return f"redis://{host}:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> None:
+        argv = [
+            self.binary, "--port", str(self.port), "--bind", *self.hosts,
+            "--save", "", "--appendonly", "no", "--dir", str(self.children.folder),
+            "--protected-mode", "no",
+        ]  # fmt: skip
+        self.child = self.children.spawn("redis", argv)
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if not self.child.alive() or time.monotonic() > deadline:
+                raise StartError(f"redis-server did not start:\n{self.child.tail()}")
+            time.sleep(0.05)
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def flush(self) -> None:
+        """``FLUSHALL``: every lock and every fence counter gone at once."""
+        with redis.Redis.from_url(self.url, socket_timeout=2) as client:
+            client.flushall()
+
+    def kill(self) -> None:
+        """kill -9: with no persistence, it comes back empty."""
+        if self.child is not None:
+            self.child.kill()
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop(timeout=5.0)
+
+
+class Holding:
+    """One lock held: its job, generation and holder, as the history records them."""
+
+    def __init__(self, lock: AsyncRedisLock) -> None:
+        self.lock = lock
+        self.job = job_of(lock.name)
+        self.generation = lock.fence
+        assert lock.value is not None
+        self.holder = holder_of(lock.value)
+        self.lost = False
+
+
+class LockWorker:
+    """The lock workload of one worker process (see the module's doc)."""
+
+    def __init__(
+        self, worker_name: str, seed: str, history: History, url: str, gateways: list[str]
+    ) -> None:
+        self.name = worker_name
+        self.random = random.Random(f"{seed}/{worker_name}/locks")
+        self.history = history
+        self.redis = redis.asyncio.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=1)
+        self.gateways = [g.rstrip("/") for g in gateways]
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        self.locks = [f"lock-{i}" for i in range(LOCKS)]
+
+    async def close(self) -> None:
+        await self.session.close()
+        await self.redis.aclose()
+        self.history.writer.close()
+
+    async def run(self) -> None:
+        again: str | None = None
+        while True:
+            name = again or self.random.choice(self.locks)
+            ttl = round(self.random.uniform(1.0, 3.0), 2)
+            lock = AsyncRedisLock(self.redis, name, ttl_seconds=ttl, source=SOURCE)
+            holding = await self.acquire(lock)
+            if holding is None:
+                again = None
+                await asyncio.sleep(self.random.uniform(0.05, 0.15))
+                continue
+            outcome = await self.hold(holding, self.random.choice(self.gateways))
+            again = name if outcome == "stale-generation" else None
+
+    async def acquire(self, lock: AsyncRedisLock) -> Holding | None:
+        process, history = self.name, self.history
+        history.invoke(process, "claim", job_of(lock.name))
+        try:
+            got = await lock.acquire()
+        except (RedisError, OSError) as error:
+            history.complete(process, "info", reason=type(error).__name__)
+            return None
+        if not got:
+            history.complete(process, "fail", reason="lock-held")
+            return None
+        holding = Holding(lock)
+        history.complete(
+            process,
+            "ok",
+            generation=holding.generation,
+            status=200,
+            ttl=lock.ttl_ms / 1000,
+            holder=holding.holder,
+        )
+        return holding
+
+    async def hold(self, holding: Holding, gateway: str) -> str:
+        """The holding's steps, then its release; the refusal that ended it, or ``done``."""
+        renewer = asyncio.get_running_loop().create_task(self.extend_forever(holding))
+        reckless = self.random.random() < RECKLESS_SHARE
+        ended = "done"
+        try:
+            for step in range(2 + self.random.randrange(3)):
+                await asyncio.sleep(self.random.uniform(0.02, 0.3))
+                if holding.lost and not reckless:
+                    break
+                outcome = await self.write(holding, gateway, step, once=ended != "done")
+                if outcome == "down":  # the replica is down: the lock is left to expire
+                    break
+                if outcome not in ("ok", "gave-up") and ended == "done":
+                    ended = outcome
+                    if not reckless:
+                        break
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            if self.history.outstanding(f"{self.name}/renew"):
+                self.history.complete(f"{self.name}/renew", "info", reason="abandoned")
+        await self.release(holding)
+        return ended
+
+    async def extend_forever(self, holding: Holding) -> None:
+        process, history, lock = f"{self.name}/renew", self.history, holding.lock
+        while not holding.lost:
+            await asyncio.sleep(p.renew_interval(lock.ttl_ms / 1000))
+            history.invoke(process, "renew", holding.job, holding.generation, holder=holding.holder)
+            try:
+                extended = await lock.extend()
+            except (RedisError, OSError) as error:
+                history.complete(process, "info", reason=type(error).__name__)
+                continue
+            if not extended:
+                history.complete(process, "fail", status=409, reason="lock-lost")
+                holding.lost = True
+                return
+            history.complete(process, "ok", status=200, ttl=lock.ttl_ms / 1000)
+
+    async def release(self, holding: Holding) -> None:
+        process, history = self.name, self.history
+        history.invoke(process, "complete", holding.job, holding.generation, holder=holding.holder)
+        try:
+            released = await holding.lock.release()
+        except (RedisError, OSError) as error:
+            history.complete(process, "info", reason=type(error).__name__)
+            return
+        if released:
+            history.complete(process, "ok", status=200)
+        else:
+            history.complete(process, "fail", status=409, reason="lock-lost")
+
+    async def write(self, holding: Holding, gateway: str, step: int, *, once: bool) -> str:
+        """One step's write until answered: ``ok``; the reason of a 409 (the holding is
+        over: any 409, whatever its reason is called); ``down`` (the replica refused the
+        connection); ``gave-up``."""
+        process, history = self.name, self.history
+        key = f"{holding.holder[:16]}-step{step}"
+        body = lock_body(holding.lock.name, holding.holder, step)
+        headers = {
+            "Content-Type": "application/json",
+            p.FENCING_TOKEN: holding.lock.token,
+            p.IDEMPOTENCY_KEY: key,
+        }
+        if self.random.random() < IN_FLIGHT_SHARE:
+            headers["Verify-Apply-Delay"] = f"{self.random.uniform(0.2, 0.7):.3f}"
+        timeouts = 0
+        for _ in range(1 if once else MAX_SENDS):
+            history.invoke(
+                process, "write", holding.job, holding.generation, key, sha256_hex(body),
+                holder=holding.holder,
+            )  # fmt: skip
+            try:
+                async with self.session.post(
+                    f"{gateway}/pay/charges",
+                    data=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=WRITE_TIMEOUT),
+                ) as resp:
+                    raw, status = await resp.read(), resp.status
+                    content_type = resp.headers.get("Content-Type", "")
+            except aiohttp.ClientConnectorError:
+                history.complete(process, "info", reason="connection-refused")
+                return "down"
+            except (aiohttp.ClientError, TimeoutError) as error:
+                history.complete(process, "info", reason=type(error).__name__)
+                timeouts += 1
+                if timeouts >= 3:
+                    return "gave-up"
+                continue
+            problem = p.problem_of(content_type, raw)
+            reason = str(problem["reason"]) if problem else None
+            type_: Type = "ok" if 200 <= status <= 299 else "fail"
+            history.complete(
+                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw)
+            )
+            if type_ == "ok":
+                return "ok"
+            if status == 409:
+                holding.lost = True
+                return reason or "refused"
+            if reason == "outcome-unknown":
+                return "gave-up"
+            if status not in RETRYABLE_STATUSES and status != 425:
+                return "gave-up"
+            await asyncio.sleep(self.random.uniform(0.05, 0.2))
+        return "gave-up"
+
+
+def redis_binary() -> str | None:
+    """Debian's redis-server on PATH, or None."""
+    return shutil.which("redis-server")
