@@ -392,6 +392,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         rule="lease-source",
         databases=BOTH,
         edits=(Edit(_COMMON, _REISSUE_CHECK, _REISSUE_CHECK_DROPPED),),
+        fast=True,
         why=(
             "The admission of another source's lease no longer compares the holder the "
             "job's fence was first admitted for, so when a Redis lock's counter is lost "
