@@ -295,3 +295,43 @@ async def test_a_fence_from_before_the_holder_was_kept_is_bound_by_its_next_admi
     )
     await ok(await stack.write("/pay/x", token(grant("first")), key="c"))
     assert sent(upstream) == [("a", "7"), ("c", "7")]
+
+
+async def test_two_holders_racing_on_two_replicas_one_is_forwarded(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """Two holders of one generation, each through its own replica at the same moment,
+    ten jobs: the conditional upsert of the fence row decides, one holder per job."""
+    private, public = signing_key()
+    config = {"upstreams": [upstream_config(upstream)], "lease_sources": [jwt_source(public)]}
+    one = await make_stack(use_clock=False, **config)
+    two = await make_stack(use_clock=False, **config)
+
+    def grant(job: str, grant_id: str) -> str:
+        return mint_token(
+            private,
+            source="queue",
+            issuer="q",
+            job=job,
+            generation=1,
+            ttl_seconds=30,
+            grant_id=grant_id,
+        )
+
+    jobs = [f"race-{n}" for n in range(10)]
+    answers = await asyncio.gather(
+        *(
+            stack.write("/pay/x", token(grant(job, holder)), key=f"{job}-{holder}")
+            for job in jobs
+            for stack, holder in ((one, "a"), (two, "c"))
+        )
+    )
+    statuses = sorted(resp.status for resp in answers)
+    assert statuses == [201] * 10 + [409] * 10, statuses
+    for resp in answers:
+        if resp.status == 409:
+            assert (await resp.json())["reason"] == "generation-reissued"
+    # One holder per job reached the upstream.
+    assert sorted(r["headers"]["Fencing-Job"] for r in upstream.received) == sorted(
+        f"queue/{job}" for job in jobs
+    )
