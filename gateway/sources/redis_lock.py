@@ -11,6 +11,8 @@ settings, ``REDIS_CLUSTER`` at start): a failover to a replica can lose the fenc
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ssl
 from typing import Any
 
@@ -29,7 +31,7 @@ from gateway.config import RedisSourceSettings
 from gateway.config.sources import REDIS_CLUSTER
 from gateway.fencing.fence import Lost
 from gateway.sources.base import ExternalLease, log, namespaced
-from gateway.sources.secured import SourceRefused, tls_advice
+from gateway.sources.secured import SourceRefused, client_context, tls_advice
 from lease_core import exceptions as lease_exc
 
 BEHIND_FENCE = (
@@ -115,6 +117,9 @@ class RedisSource:
             cause = error.__cause__ or error.__context__
             if _tls_failure(error) or _tls_failure(cause):
                 raise SourceRefused(tls_advice(self.name, cause or error)) from error
+            refused = await self._handshake_refusal()
+            if refused is not None:
+                raise SourceRefused(tls_advice(self.name, refused)) from error
             log.warning("%s: Redis did not answer at start: %s", self.name, error)
             return
         try:
@@ -123,6 +128,39 @@ class RedisSource:
             return
         if cluster.get("cluster_enabled") in (1, "1"):
             raise SourceRefused(f"lease source {self.name}: {REDIS_CLUSTER}")
+
+    async def _handshake_refusal(self) -> ssl.SSLError | None:
+        """Whether the server refuses the TLS handshake (rediss:// only). With TLS 1.3 a
+        server that wants a client certificate says so after the client has finished
+        its handshake; a client that has already sent a command then often reads a
+        connection reset instead of the alert. Connecting again and sending nothing
+        reads the alert itself."""
+        settings = self.settings
+        url = URL(settings.url)
+        if url.scheme != "rediss" or url.host is None:
+            return None
+        context = client_context(settings.ca_file, settings.cert_file, settings.key_file)
+        wait = min(1.0, settings.timeout_seconds)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(url.host, url.port or 6379, ssl=context),
+                settings.timeout_seconds,
+            )
+        except ssl.SSLError as error:
+            return error
+        except (OSError, TimeoutError):
+            return None
+        try:
+            await asyncio.wait_for(reader.read(1), wait)
+        except ssl.SSLError as error:
+            return error
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError, ssl.SSLError):
+                await writer.wait_closed()
+        return None
 
     async def close(self) -> None:
         client, self.client = self.client, None
