@@ -60,13 +60,19 @@ class Pki:
         self.ca = folder / f"{name.replace(' ', '-').lower()}.pem"
         self.ca.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str, *, server: bool) -> Issued:
+    def issue(
+        self, name: str, *, server: bool, client_too: bool = False, common_name: bool = True
+    ) -> Issued:
+        """A certificate for a server (``127.0.0.1``, ``localhost``) or a client;
+        ``client_too``: a server's that is also a client's (etcd's JSON gateway presents
+        it to etcd's own gRPC server); without ``common_name`` the subject is empty (etcd's
+        JSON gateway refuses a client certificate with one once its auth is on)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         serial = x509.random_serial_number()
         builder = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)] * common_name))
             .issuer_name(self._name)
             .public_key(key.public_key())
             .serial_number(serial)
@@ -75,7 +81,8 @@ class Pki:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+                    [ExtendedKeyUsageOID.SERVER_AUTH] * server
+                    + [ExtendedKeyUsageOID.CLIENT_AUTH] * (client_too or not server)
                 ),
                 critical=False,
             )

@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from lease_core.schema import metadata
+from tests.certs import Issued, Pki
 from verify.etcd import EtcdMember
 
 PG_URL = os.environ.get(
@@ -77,10 +78,21 @@ class ServiceProcess:
     binary_name = ""
     package = ""
 
-    def start(self, folder: Path, argv: list[str], ready: Callable[[], bool]) -> None:
+    def start(
+        self,
+        folder: Path,
+        argv: list[str],
+        ready: Callable[[], bool],
+        env: dict[str, str] | None = None,
+    ) -> None:
         log_name = f"{self.binary_name}.log"
         self.log = (folder / log_name).open("wb")
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            argv,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
+        )
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -131,66 +143,236 @@ class EtcdServer(ServiceProcess):
         self.start(folder, etcd.argv(binary), etcd.healthy)
 
 
+class SecureEtcdServer(ServiceProcess):
+    """A real ``etcd`` serving its clients over TLS only (``https://``, a certificate of
+    ``pki``), asking every client for a certificate of the same CA
+    (``--client-cert-auth``); ``enable_auth`` turns its users on. Its simple tokens last
+    ``token_ttl`` seconds unused."""
+
+    service, binary_name, package = "etcd", "etcd", "etcd-server"
+
+    def __init__(self, folder: Path, pki: Pki, token_ttl: int = 300) -> None:
+        import dataclasses
+
+        binary = self.binary()
+        member = EtcdMember.on_free_ports("secure", folder / "data")
+        member = dataclasses.replace(
+            member, client_url=member.client_url.replace("http://", "https://")
+        )
+        self.url = member.client_url
+        server = pki.issue("etcd-server", server=True, client_too=True)
+        self.client = pki.issue("etcd-client", server=False, common_name=False)
+        self.context = pki.client_context(self.client)
+        argv = [
+            *member.argv(binary),
+            f"--cert-file={server.cert}",
+            f"--key-file={server.key}",
+            f"--trusted-ca-file={pki.ca}",
+            "--client-cert-auth",
+            "--auth-token=simple",
+            f"--auth-token-ttl={token_ttl}",
+        ]
+
+        def ready() -> bool:
+            with urllib.request.urlopen(
+                self.url + "/health", timeout=1, context=self.context
+            ) as answer:
+                return b"true" in answer.read()
+
+        self.start(folder, argv, ready)
+
+    def call(self, path: str, body: dict[str, Any], token: str | None = None) -> Any:
+        """One call to the JSON gateway over TLS (with the client certificate)."""
+        import json
+
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Authorization": token} if token else {},
+        )
+        with urllib.request.urlopen(request, timeout=5, context=self.context) as answer:
+            return json.loads(answer.read())
+
+    def enable_auth(self, users: dict[str, str], readers: list[str]) -> None:
+        """``root`` (password ``users["root"]``) and the other users; ``readers`` may
+        read every key (a role ``reader``); then ``auth enable``."""
+        self.call("/v3/auth/role/add", {"name": "root"})
+        self.call("/v3/auth/role/add", {"name": "reader"})
+        self.call(
+            "/v3/auth/role/grant",
+            {"name": "reader", "perm": {"permType": "READ", "key": "AA==", "range_end": "AA=="}},
+        )
+        for user, password in users.items():
+            self.call("/v3/auth/user/add", {"name": user, "password": password})
+        self.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        for user in readers:
+            self.call("/v3/auth/user/grant", {"user": user, "role": "reader"})
+        self.call("/v3/auth/enable", {})
+
+
 class RedisServer(ServiceProcess):
     """A real ``redis-server`` (Debian's redis-server) on a free port, in memory only (no
-    RDB or AOF files), with its own working directory; ``url`` is its address."""
+    RDB or AOF files), with its own working directory; ``url`` is its address.
+
+    Secured: with ``pki`` it speaks TLS only (``rediss://``, a certificate of that CA;
+    ``client_certs`` is its ``tls-auth-clients``: ``"no"``, ``"optional"``, ``"yes"``);
+    ``users`` are ACL rules (``"worker on >pw ~* +@all"``), the default user turned off
+    when there are some; ``cluster`` makes it a Redis Cluster node."""
 
     service, binary_name, package = "Redis", "redis-server", "redis-server"
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        pki: Pki | None = None,
+        client_certs: str = "no",
+        users: list[str] | None = None,
+        cluster: bool = False,
+    ) -> None:
         binary = self.binary()
         port = free_port()
-        self.url = f"redis://127.0.0.1:{port}"
+        while cluster and not (port < 55536 and _port_free(port + 10000)):
+            port = free_port()  # a cluster node listens on port + 10000 too (its bus)
+        argv = [
+            *(binary, "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--dir", str(folder)),
+        ]
+        if pki is None:
+            self.url = f"redis://127.0.0.1:{port}"
+            argv += ["--port", str(port)]
+            self.client = None
+        else:
+            self.url = f"rediss://127.0.0.1:{port}"
+            server = pki.issue("redis-server", server=True)
+            self.client = pki.issue("redis-client", server=False)
+            argv += ["--port", "0", "--tls-port", str(port)]
+            argv += ["--tls-cert-file", str(server.cert), "--tls-key-file", str(server.key)]
+            argv += ["--tls-ca-cert-file", str(pki.ca), "--tls-auth-clients", client_certs]
+        for rule in users or []:
+            argv += ["--user", *rule.split()]
+        if users:
+            argv += ["--user", "default", "off"]
+        if cluster:
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        self.admin: dict[str, Any] = {}
+        if users:
+            name, _, rest = users[0].partition(" ")
+            password = next(w[1:] for w in rest.split() if w.startswith(">"))
+            self.admin = {"username": name, "password": password}
+        if pki is not None:
+            self.admin |= {
+                "ssl_ca_certs": str(pki.ca),
+                "ssl_certfile": str(self.client.cert) if self.client else None,
+                "ssl_keyfile": str(self.client.key) if self.client else None,
+            }
 
         def ready() -> bool:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")
+            import redis
 
-        self.start(
-            folder,
-            [
-                *(binary, "--port", str(port), "--bind", "127.0.0.1"),
-                *("--save", "", "--appendonly", "no", "--dir", str(folder)),
-            ],
-            ready,
-        )
+            try:
+                with redis.Redis.from_url(self.url, socket_timeout=1, **self.admin) as client:
+                    return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        self.start(folder, argv, ready)
 
 
 class ZooKeeperServer(ServiceProcess):
     """A real standalone ZooKeeper (Debian's zookeeper package: ``zkServer.sh``, off
     PATH, which execs the JVM) on a free port, with its own config and data directory;
-    ``hosts`` is its address for kazoo. Java takes seconds: one per test session."""
+    ``hosts`` is its address for kazoo. Java takes seconds: one per test session.
+
+    With ``pki`` it also serves TLS on ``secure_hosts`` (``secureClientPort``, Netty,
+    PEM key and trust stores of that CA, client certificates required: ZooKeeper's
+    ``ssl.clientAuth`` default)."""
 
     service, binary_name, package = "ZooKeeper", "zkServer.sh", "zookeeper"
     SCRIPT = "/usr/share/zookeeper/bin/zkServer.sh"
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, pki: Pki | None = None) -> None:
         binary = self.binary()
         port = free_port()
         self.hosts = f"127.0.0.1:{port}"
         (folder / "data").mkdir()
         config = folder / "zoo.cfg"
-        config.write_text(
-            "tickTime=500\n"  # sessions of 1 to 10 s (min/max: 2 and 20 ticks)
-            f"dataDir={folder / 'data'}\n"
-            f"clientPort={port}\n"
-            "clientPortAddress=127.0.0.1\n"
-            "admin.enableServer=false\n"
-            "4lw.commands.whitelist=srvr\n"
-        )
+        lines = [
+            "tickTime=500",  # sessions of 1 to 10 s (min/max: 2 and 20 ticks)
+            f"dataDir={folder / 'data'}",
+            f"clientPort={port}",
+            "clientPortAddress=127.0.0.1",
+            "admin.enableServer=false",
+            "4lw.commands.whitelist=srvr",
+        ]
+        self.client: Issued | None = None
+        if pki is not None:
+            secure = free_port()
+            self.secure_hosts = f"127.0.0.1:{secure}"
+            server = pki.issue("zookeeper-server", server=True)
+            self.client = pki.issue("zookeeper-client", server=False)
+            keystore = folder / "keystore.pem"
+            keystore.write_bytes(server.key.read_bytes() + server.cert.read_bytes())
+            lines += [
+                f"secureClientPort={secure}",
+                "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+                f"ssl.keyStore.location={keystore}",
+                "ssl.keyStore.type=PEM",
+                f"ssl.trustStore.location={pki.ca}",
+                "ssl.trustStore.type=PEM",
+            ]
+        config.write_text("\n".join(lines) + "\n")
 
         def ready() -> bool:
+            if pki is not None:  # Netty answers no four-letter word here: a session
+                return _kazoo_connects(self.hosts)
             with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
                 sock.sendall(b"srvr")
                 return b"Mode: standalone" in sock.recv(512)
 
-        self.start(folder, [binary, "start-foreground", str(config)], ready)
+        # Debian's zookeeper.jar names netty-handler on its Class-Path but not
+        # netty-codec (whose ByteToMessageDecoder Netty's SslHandler extends) nor
+        # netty-resolver: NettyServerCnxnFactory, which TLS needs, dies on its first
+        # connection without them. They are added here (a later -cp wins), with slf4j's
+        # simple logger so that the log says why when the server does not start.
+        env = None
+        if pki is not None:
+            jars = ["netty-codec", "netty-resolver", "netty-transport-native-unix-common"]
+            classpath = ":".join(
+                ["/etc/zookeeper/conf", "/usr/share/java/zookeeper.jar"]
+                + [f"/usr/share/java/{jar}.jar" for jar in [*jars, "slf4j-simple"]]
+            )
+            env = {"SERVER_JVMFLAGS": f"-cp {classpath}"}
+        self.start(folder, [binary, "start-foreground", str(config)], ready, env)
 
     def binary(self) -> str:
         if not os.access(self.SCRIPT, os.X_OK):
             unavailable(self.service, f"no {self.SCRIPT} (apt-get install {self.package})")
         return self.SCRIPT
+
+
+def _kazoo_connects(hosts: str) -> bool:
+    from kazoo.client import KazooClient
+    from kazoo.handlers.threading import KazooTimeoutError
+
+    client = KazooClient(hosts=hosts, connection_retry={"max_tries": 0})
+    try:
+        client.start(timeout=1)
+    except KazooTimeoutError:
+        return False
+    finally:
+        client.stop()
+        client.close()
+    return True
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class MotoServer(ServiceProcess):

@@ -34,15 +34,18 @@ except ModuleNotFoundError as error:
 __all__ = ["lock_token"]
 
 
-def lock_token(lock: Any, *, source: str) -> str:
-    """``<source>:<the lock node's path>`` of a held kazoo ``Lock``; ValueError when the
-    lock is not held (a contender still waiting has a node too, and is refused) or its
-    client has a chroot (the gateway reads paths from ZooKeeper's root)."""
+def lock_token(lock: Any, *, source: str, chroot: str = "") -> str:
+    """``<source>:<the lock node's path>`` of a held kazoo ``Lock``, the path as the
+    gateway reads it: below ``chroot``, the chroot its ``hosts`` end in (none: from
+    ZooKeeper's root), whatever chroot the worker's own client has. ValueError when the
+    lock is not held (a contender still waiting has a node too, and is refused) or lies
+    outside the gateway's chroot."""
     if not getattr(lock, "is_acquired", False) or not getattr(lock, "node", None):
         raise ValueError("the lock is not held: acquire it first")
-    if getattr(lock.client, "chroot", ""):
-        raise ValueError(
-            f"the client has a chroot ({lock.client.chroot!r}): "
-            "the gateway reads lock paths from ZooKeeper's root"
-        )
-    return f"{source}:{lock.path.rstrip('/')}/{lock.node}"
+    path = (getattr(lock.client, "chroot", "") or "").rstrip("/") + lock.path.rstrip("/")
+    prefix = chroot.rstrip("/")
+    if prefix:
+        if not path.startswith(prefix + "/"):
+            raise ValueError(f"the lock {path!r} is outside the gateway's chroot {chroot!r}")
+        path = path[len(prefix) :]
+    return f"{source}:{path}/{lock.node}"

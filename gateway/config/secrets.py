@@ -12,13 +12,20 @@ from pydantic import SecretStr
 
 from gateway.config.env import ENV_REF
 from gateway.config.settings import ConfigError, Settings
-from gateway.config.sources import JwtSourceSettings, LeaseSourceSettings, check_public_key
+from gateway.config.source_files import file_problems
+from gateway.config.sources import (
+    JwtSourceSettings,
+    LeaseSourceSettings,
+    SecuredSource,
+    check_public_key,
+)
 
 
 def env_references(
     settings: Settings, environ: Mapping[str, str] | None = None
 ) -> list[tuple[str, str, bool]]:
-    """``(key, NAME, set now)`` for every ``${NAME}`` in the upstreams' headers: what
+    """``(key, NAME, set now)`` for every ``${NAME}`` in the upstreams' headers and
+    signing credentials, the JWT sources' public keys and the other sources' passwords: what
     ``serve`` will read from its environment. A variable set to the empty string is not
     set: an empty secret would go out as ``Authorization: Bearer `` with nothing after it."""
     environ = os.environ if environ is None else environ
@@ -43,6 +50,12 @@ def env_references(
             for number, key in enumerate(source.public_keys)
             for ref in ENV_REF.findall(key)
         ),
+        *(
+            (f"lease_sources.{index}.password", ref, bool(environ.get(ref)))
+            for index, source in enumerate(settings.lease_sources)
+            if isinstance(source, SecuredSource) and source.password is not None
+            for ref in ENV_REF.findall(source.password.get_secret_value())
+        ),
     ]
 
 
@@ -66,6 +79,7 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None
         for key, name, is_set in env_references(settings, environ)
         if not is_set
     ]
+    missing += file_problems(settings)
     if missing:
         raise ConfigError(missing)
     upstreams = []
@@ -102,5 +116,10 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str] | None = None
                         [f"lease_sources.{index}.public_keys.{number}: {error}"]
                     ) from error
             source = source.model_copy(update={"public_keys": keys})
+        elif isinstance(source, SecuredSource) and source.password is not None:
+            password = ENV_REF.sub(
+                lambda m: environ[m.group(1)], source.password.get_secret_value()
+            )
+            source = source.model_copy(update={"password": SecretStr(password)})
         sources.append(source)
     return settings.model_copy(update={"upstreams": upstreams, "lease_sources": sources})

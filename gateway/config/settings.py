@@ -97,8 +97,9 @@ class Settings(BaseSettings):
         return sa.make_url(self.database_url).get_backend_name() == "sqlite"
 
     def secret_values(self) -> list[str]:
-        """Every secret of this configuration: control tokens and upstream header values
-        (kept out of every log line, see ``gateway.observe.logs.protect``)."""
+        """Every secret of this configuration: control tokens, upstream header values and
+        the lease sources' passwords (kept out of every log line, see
+        ``gateway.observe.logs.protect``)."""
         auth = self.auth
         values = [
             t.get_secret_value()
@@ -108,6 +109,10 @@ class Settings(BaseSettings):
             values.extend(v.get_secret_value() for v in upstream.set_headers.values())
             if upstream.signing is not None:
                 values.extend(v.get_secret_value() for v in upstream.signing.secrets().values())
+        for source in self.lease_sources:
+            secrets = getattr(source, "secrets", None)
+            if secrets is not None:
+                values.extend(v.get_secret_value() for v in secrets().values())
         return values
 
     def upstream(self, name: str) -> UpstreamSettings | None:

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 
 import sqlalchemy as sa
 
-from gateway.config import ConfigError, Settings, env_references, for_serving, unknown_variables
+from gateway.config import (
+    ConfigError,
+    DynamoDbSourceSettings,
+    Settings,
+    env_references,
+    for_serving,
+    unknown_variables,
+)
 from gateway.records import migrate
 from gateway.service.cli_common import EXIT_USAGE, run_loop
 from gateway.service.describe import source_target
@@ -22,13 +30,22 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
     # and this command read them), named with whether this shell has them, never shown.
     from gateway.service import tls
 
+    # Every problem at once: the secrets, the lease sources' files, the listeners'
+    # certificates, the AWS credentials of a DynamoDB source.
+    problems: list[str] = []
+    contexts: dict[str, ssl.SSLContext] = {}
     try:
         for_serving(settings)
+    except ConfigError as error:
+        problems += error.problems
+    try:
         contexts = tls.contexts(settings)  # the certificate files load, keys fit
     except ConfigError as error:
+        problems += error.problems
+    if problems:
         problems = [
             f"{p} (serve needs it; the other commands do not)" if p.endswith("is not set") else p
-            for p in error.problems
+            for p in problems
         ]
         print(f"fencegate: {ConfigError(problems)}", file=sys.stderr)
         return EXIT_USAGE
@@ -75,7 +92,30 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
         )
     for key, name, _ in env_references(settings):
         print(f"  serve needs     {name} (set) for {key}")
+    for line in _source_credentials(settings):
+        print(f"  serve needs     {line}")
     return 0
+
+
+def _source_credentials(settings: Settings) -> list[str]:
+    """The AWS credentials of the DynamoDB sources, as botocore's chain finds them in this
+    shell: a line each. Not a refusal: check-config often runs where serve does not (CI,
+    a laptop); serve refuses to start without them (``DynamoDbSource.start``)."""
+    if not any(isinstance(s, DynamoDbSourceSettings) for s in settings.lease_sources):
+        return []
+    from gateway.sources.dynamodb import credentials_problem
+
+    problem = credentials_problem()
+    found = (
+        "AWS credentials (botocore's chain found them in this shell)"
+        if problem is None
+        else f"AWS credentials, which this shell lacks: {problem}"
+    )
+    return [
+        f"{found} for lease_sources.{index}"
+        for index, source in enumerate(settings.lease_sources)
+        if isinstance(source, DynamoDbSourceSettings)
+    ]
 
 
 def _replication_line(settings: Settings) -> tuple[str, str]:

@@ -29,6 +29,7 @@ from gateway.service import admin, dashboard, tasks, tls
 from gateway.service.auth import auth_check
 from gateway.service.describe import source_target
 from gateway.service.parse_errors import ProblemRunner
+from gateway.sources.secured import SourceRefused
 from lease_core import api as lease_api
 from lease_core import exceptions as exc
 from lease_core.db import Clock, create_engine
@@ -315,7 +316,10 @@ async def serve(
                 auto_decompress=name != "proxy",
             )
             tracing.instrument(app, name)
-            await runner.setup()
+            try:
+                await runner.setup()  # the proxy's: the lease sources start
+            except SourceRefused as error:
+                raise SystemExit(f"fencegate: {error}") from None
             runners.append(runner)
             for sock in sockets[name]:
                 await web.SockSite(

@@ -7,7 +7,11 @@ version (a lock item deleted and acquired again starts at fence 1 with another).
 reads the item with a consistent read through botocore (its own credentials, botocore's
 default chain), the call run in a worker thread so the event loop never blocks; the
 item's ``expires_at`` is judged by the admission with the database's clock. Nothing is
-cached."""
+cached.
+
+At start the credentials are resolved once (``credentials_problem``): when botocore's
+chain finds none, ``serve`` stops with a message that says where it looked, instead of
+every check answering 503 later."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gateway.config import DynamoDbSourceSettings
 from gateway.fencing.fence import Lost
 from gateway.sources.base import ExternalLease, log, namespaced
+from gateway.sources.secured import SourceRefused
 from lease_core import exceptions as lease_exc
 
 # DynamoDB's numbers have 38 digits: a fence past the database's integer is read, then
@@ -62,7 +67,11 @@ class DynamoDbSource:
         config = Config(
             connect_timeout=timeout, read_timeout=timeout, retries={"total_max_attempts": 1}
         )
-        self.client = botocore.session.get_session().create_client(
+        session = botocore.session.get_session()
+        problem = await asyncio.to_thread(credentials_problem, session)
+        if problem is not None:
+            raise SourceRefused(f"lease source {self.name}: {problem}")
+        self.client = session.create_client(
             "dynamodb",
             region_name=self.settings.region,
             endpoint_url=self.settings.endpoint_url,
@@ -70,8 +79,9 @@ class DynamoDbSource:
         )
 
     async def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
 
     async def check(self, token: str) -> ExternalLease | None:
         item_name, _, held_text = token.rpartition(":")
@@ -129,6 +139,29 @@ class DynamoDbSource:
             ) from error
         item: dict[str, Any] = answer.get("Item") or {}
         return item
+
+
+NO_CREDENTIALS = (
+    "botocore found no AWS credentials for DynamoDB. It looked at "
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a web identity token "
+    "(AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN), the profile AWS_PROFILE (else "
+    "default) of the shared credentials and config files (AWS_SHARED_CREDENTIALS_FILE, "
+    "AWS_CONFIG_FILE; ~/.aws/credentials, ~/.aws/config), the container's credentials "
+    "(AWS_CONTAINER_CREDENTIALS_RELATIVE_URI or _FULL_URI) and the EC2 instance "
+    "metadata service (unless AWS_EC2_METADATA_DISABLED=true). Give the gateway's process "
+    "one of them"
+)
+
+
+def credentials_problem(session: Any = None) -> str | None:
+    """None when botocore's default chain finds credentials; else what it lacks. Blocking
+    (it may ask the instance metadata service): run it in a thread."""
+    session = session or botocore.session.get_session()
+    try:
+        credentials = session.get_credentials()
+    except BotoCoreError as error:
+        return f"botocore could not read the AWS credentials: {error}"
+    return NO_CREDENTIALS if credentials is None else None
 
 
 def _number(value: Any) -> Any:

@@ -6,22 +6,29 @@ The gateway reads the lock's children (after a ``sync``, so a follower that lags
 not answer for the leader) and the node (its ``czxid``, and the lock's identifier as the
 owner) through kazoo's asynchronous calls, each bridged to an asyncio future: nothing
 blocks the event loop. Nothing is cached.
+
+A secured ensemble: ``hosts`` may end in a chroot (``zk1:2181,zk2:2181/fencegate``, the
+lock paths then below it); digest credentials (``addauth digest user:password``) or SASL
+(``sasl_mechanism``, through pure-sasl); TLS to the secure client port (``use_tls``,
+``ca_file``, ``cert_file``, ``key_file``; host names checked).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.exceptions import KazooException, NoAuthError, NoNodeError
 from kazoo.retry import KazooRetry
 
 from gateway.config import ZooKeeperSourceSettings
 from gateway.fencing.fence import Lost
 from gateway.sources.base import ExternalLease, log, namespaced
+from gateway.sources.secured import SourceRefused
 from lease_core import exceptions as lease_exc
 
 COUNTER_LOST = (
@@ -78,13 +85,46 @@ class ZooKeeperSource:
     async def start(self) -> None:
         # Connecting happens in kazoo's thread and never ends while the source lives:
         # until ZooKeeper answers, a check waits timeout_seconds and answers 503.
-        self.client = KazooClient(
-            hosts=",".join(self.settings.hosts),
-            timeout=self.settings.session_timeout_seconds,
-            connection_retry=KazooRetry(max_tries=-1, max_delay=5),
-            read_only=False,
-        )
-        self.client.start_async()
+        self.client = KazooClient(**self.client_options())
+        connected = self.client.start_async()
+        if not await asyncio.to_thread(connected.wait, self.settings.timeout_seconds):
+            log.warning(
+                "%s: not connected to ZooKeeper (%s) yet%s; checks answer 503 until it is",
+                self.name,
+                ",".join(self.settings.hosts),
+                " (use_tls: is this the secureClientPort, its certificate signed by "
+                "ca_file, the gateway's cert_file accepted?)"
+                if self.settings.use_tls
+                else "",
+            )
+
+    def client_options(self) -> dict[str, Any]:
+        """``KazooClient``'s arguments from the settings."""
+        settings = self.settings
+        options: dict[str, Any] = {
+            "hosts": ",".join(settings.hosts),
+            "timeout": settings.session_timeout_seconds,
+            "connection_retry": KazooRetry(max_tries=-1, max_delay=5),
+            "read_only": False,
+        }
+        password = None if settings.password is None else settings.password.get_secret_value()
+        if settings.sasl_mechanism is not None:
+            if importlib.util.find_spec("puresasl") is None:
+                raise SourceRefused(
+                    f"lease source {self.name}: sasl_mechanism needs the pure-sasl package "
+                    "(pip install pure-sasl; GSSAPI also needs kerberos)"
+                )
+            sasl: dict[str, Any] = {"mechanism": settings.sasl_mechanism}
+            if settings.username is not None:
+                sasl.update(username=settings.username, password=password)
+            options["sasl_options"] = sasl
+        elif settings.username is not None:
+            options["auth_data"] = [("digest", f"{settings.username}:{password}")]
+        if settings.use_tls:
+            options.update(use_ssl=True, verify_certs=True, check_hostname=True)
+            options.update(ca=settings.ca_file, certfile=settings.cert_file)
+            options.update(keyfile=settings.key_file)
+        return options
 
     async def close(self) -> None:
         client, self.client = self.client, None
@@ -167,6 +207,16 @@ class ZooKeeperSource:
             return await asyncio.wait_for(future, self.settings.timeout_seconds)
         except NoNodeError:
             raise
+        except NoAuthError as error:
+            who = self.settings.username
+            log.warning(
+                "%s: ZooKeeper refused the read (NoAuth): the lock's ACL does not admit %s",
+                self.name,
+                f"user {who!r} with this password" if who else "the gateway (no username)",
+            )
+            raise lease_exc.StoreUnavailable(
+                f"lease source {self.name}: ZooKeeper's ACL refused the gateway's read"
+            ) from error
         except (KazooException, TimeoutError) as error:
             log.warning("%s: ZooKeeper did not answer: %r", self.name, error)
             raise lease_exc.StoreUnavailable(

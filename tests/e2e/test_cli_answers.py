@@ -28,6 +28,11 @@ def free_port() -> int:
     return port
 
 
+# Both listeners on ports of the system's choosing: a ``fencegate serve`` the developer
+# left on 8080/8081 is no matter.
+ANY_PORTS = {"FENCEGATE_PROXY_LISTEN": "127.0.0.1:0", "FENCEGATE_CONTROL_LISTEN": "127.0.0.1:0"}
+
+
 def environment(**extra: str) -> dict[str, str]:
     """No FENCEGATE_* variable and no PAYMENTS_API_KEY from the developer's shell."""
     env = {
@@ -414,7 +419,10 @@ def refused_url() -> Iterator[str]:
 @pytest.mark.parametrize("command", ["migrate", "audit", "serve"])
 def test_database_refusing_connections(tmp_path: Path, refused_url: str, command: str) -> None:
     result = run(
-        command, cwd=tmp_path, env=environment(FENCEGATE_DATABASE_URL=refused_url), timeout=30
+        command,
+        cwd=tmp_path,
+        env=environment(FENCEGATE_DATABASE_URL=refused_url, **ANY_PORTS),
+        timeout=30,
     )
     assert result.returncode == 1
     line = one_line(result)
@@ -437,7 +445,9 @@ def test_postgres_database_that_does_not_exist(
     server = sa.make_url(pg_database_url)
     name = f"fg_nope_{os.getpid()}"
     url = server.set(database=name).render_as_string(hide_password=False)
-    result = run(command, cwd=tmp_path, env=environment(FENCEGATE_DATABASE_URL=url), timeout=30)
+    result = run(
+        command, cwd=tmp_path, env=environment(FENCEGATE_DATABASE_URL=url, **ANY_PORTS), timeout=30
+    )
     assert result.returncode == 1
     line = one_line(result)
     where = f"{server.host}:{server.port or 5432}"

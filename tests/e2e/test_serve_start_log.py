@@ -144,7 +144,9 @@ url = "http://127.0.0.1:9000"
 [[lease_sources]]
 name = "etcd"
 kind = "etcd"
-endpoints = ["http://127.0.0.1:2379", "https://root:etcd-secret@etcd.example.com:2379"]
+endpoints = ["http://127.0.0.1:2379", "https://etcd.example.com:2379"]
+username = "root"
+password = "etcd-secret"
 
 [[lease_sources]]
 name = "zk"

@@ -169,3 +169,108 @@ async def test_no_secret_in_logs_answers_audit_or_metrics(
     for secret in [*secrets, *lease_tokens]:
         for answer in answers:
             assert secret not in answer, (secret, answer[:300])
+
+
+ZK_PASSWORD = "zk-digest-secret-77777777"
+REDIS_PASSWORD = "redis-acl-secret-88888888"
+REDIS_URL_PASSWORD = "redis-url-secret-99999999"
+ETCD_PASSWORD = "etcd-user-secret-10101010"
+
+
+async def test_no_lease_source_password_in_logs_answers_audit_or_readyz(
+    make_stack: Any,
+    upstream: Upstream,
+    engine: AsyncEngine,
+    caplog: pytest.LogCaptureFixture,
+    zookeeper_hosts: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The lease sources' passwords (ZooKeeper's digest, a Redis ACL user's in the
+    settings and in a URL, an etcd user's), with every logger at its lowest level (kazoo
+    logs the packets it sends): a source that answers and admits a write, one that
+    refuses the credentials, one that does not answer."""
+    from kazoo.client import KazooClient
+
+    from fencegate_client.zookeeper import lock_token
+    from tests.support import RedisServer, free_port
+
+    caplog.set_level(1)
+    redis_server = RedisServer(
+        tmp_path_factory.mktemp("redis-acl"),
+        users=[f"gateway on >{REDIS_PASSWORD} ~* +@all"],
+    )
+    try:
+        stack = await make_stack(
+            upstreams=[upstream_config(upstream)],
+            lease_sources=[
+                {
+                    "name": "zk",
+                    "kind": "zookeeper",
+                    "hosts": [zookeeper_hosts],
+                    "username": "gateway",
+                    "password": ZK_PASSWORD,
+                },
+                {
+                    "name": "locks",
+                    "kind": "redis",
+                    "url": redis_server.url,
+                    "username": "gateway",
+                    "password": REDIS_PASSWORD,
+                },
+                {
+                    "name": "etcd",
+                    "kind": "etcd",
+                    "endpoints": [f"http://127.0.0.1:{free_port()}"],
+                    "username": "gateway",
+                    "password": ETCD_PASSWORD,
+                    "timeout_seconds": 0.5,
+                },
+            ],
+        )
+        worker = KazooClient(hosts=zookeeper_hosts)
+        await asyncio.to_thread(worker.start, 10)
+        try:
+            lock = worker.Lock("/locks/secret-test", "w")
+            assert await asyncio.to_thread(lock.acquire, True, 10)
+            answers = []
+            resp = await stack.write("/pay/charges", {"lease_token": lock_token(lock, source="zk")})
+            assert resp.status == 201, await resp.text()
+            for token in ("locks:order-1:1.abcdefabcdefabcdef", "etcd:/locks/x/694d7c1e2a3b4c5d"):
+                resp = await stack.write("/pay/charges", {"lease_token": token}, key="k2")
+                answers.append(await resp.text())
+            await asyncio.to_thread(lock.release)
+        finally:
+            worker.stop()
+            worker.close()
+        for path in ("/readyz", "/healthz", "/admin/upstreams", "/metrics"):
+            resp = await stack.control.get(path)
+            answers.append(await resp.text())
+        await stack.written()
+    finally:
+        redis_server.stop()
+
+    async with engine.connect() as conn:
+        audited = "\n".join(repr(tuple(r)) for r in (await conn.execute(sa.select(audit))).all())
+    logged = "\n".join(record_text(r) for r in caplog.records)
+    assert any(r.name.startswith("kazoo") for r in caplog.records)
+    assert "etcd" in logged  # the unreachable etcd was logged, without its password
+    for secret in (ZK_PASSWORD, REDIS_PASSWORD, ETCD_PASSWORD):
+        assert secret not in logged, [line for line in logged.splitlines() if secret in line][:3]
+        assert secret not in audited
+        for answer in answers:
+            assert secret not in answer, answer[:300]
+
+    # A Redis URL with a password in it is a secret of the configuration too.
+    from gateway.config import Settings
+
+    settings = Settings(
+        database_url="sqlite+aiosqlite:////tmp/x.db",
+        lease_sources=[
+            {
+                "name": "locks",
+                "kind": "redis",
+                "url": f"redis://gateway:{REDIS_URL_PASSWORD}@127.0.0.1:1/0",
+            }
+        ],
+    )
+    assert REDIS_URL_PASSWORD in settings.secret_values()

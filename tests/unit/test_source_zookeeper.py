@@ -33,8 +33,9 @@ def test_settings_and_defaults() -> None:
     [
         ({"hosts": []}, "hosts"),
         ({"hosts": ["127.0.0.1"]}, "host:port"),
-        ({"hosts": ["127.0.0.1:2181/chroot"]}, "host:port"),
-        ({"hosts": ["a:2181,b:2181"]}, "host:port"),
+        ({"hosts": ["127.0.0.1:2181/chroot/"]}, "chroot"),
+        ({"hosts": ["a:2181/x", "b:2181"]}, "only the last"),
+        ({"hosts": ["a:2181,b"]}, "host:port"),
         ({"hosts": ["a:0"]}, "host:port"),
         ({"hosts": ["a:70000"]}, "host:port"),
         ({"timeout_seconds": 0}, "timeout_seconds"),
@@ -99,5 +100,11 @@ def test_the_client_helper_names_a_held_lock_only() -> None:
     chrooted = SimpleNamespace(
         is_acquired=True, node=NODE, path="/locks/x", client=SimpleNamespace(chroot="/app")
     )
-    with pytest.raises(ValueError, match="chroot"):
-        lock_token(chrooted, source="zk")
+    # The path as the gateway reads it: from the root, or below the gateway's chroot.
+    assert lock_token(chrooted, source="zk") == f"zk:/app/locks/x/{NODE}"
+    assert lock_token(chrooted, source="zk", chroot="/app") == f"zk:/locks/x/{NODE}"
+    assert lock_token(held, source="zk", chroot="/locks") == f"zk:/order-42/{NODE}"
+    with pytest.raises(ValueError, match="outside the gateway's chroot"):
+        lock_token(chrooted, source="zk", chroot="/other")
+    with pytest.raises(ValueError, match="outside the gateway's chroot"):
+        lock_token(chrooted, source="zk", chroot="/ap")

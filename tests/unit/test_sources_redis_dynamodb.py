@@ -42,7 +42,7 @@ def test_the_kinds_are_told_apart() -> None:
         (redis_source(url="http://127.0.0.1:6379"), "url"),
         (redis_source(url=""), "url"),
         (redis_source(timeout_seconds=0), "timeout"),
-        (redis_source(password="x"), "password"),
+        (redis_source(user="x"), "user"),  # not a key (username is)
         (ddb_source(table="x"), "table"),
         (ddb_source(table="a b c"), "table"),
         (ddb_source(region="US East"), "region"),
