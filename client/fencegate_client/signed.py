@@ -16,17 +16,16 @@ timeout, a scheduler starting an attempt) signs one token per grant::
     headers = {"Fencing-Token": token, "Idempotency-Key": "charge"}
 
 The claims are ``iss``, ``sub`` (the job), ``gen`` (an integer that grows with every grant
-of that job), ``jti`` (the grant: random unless ``grant_id`` names it), ``iat`` and
-``exp``; any JOSE library of another language can mint the same (docs/lease-sources.md).
-The gateway fences by the highest ``gen`` that has written for the job: a token of a
-lower generation is refused ``stale-generation``, and a token of another grant (another
-``jti``) under a generation that has written, ``generation-reissued``. Re-signing one
-grant (a later expiry): pass the same ``grant_id``.
+of that job), ``iat``, ``exp``, and ``jti`` when ``grant_id`` names the grant; any JOSE
+library of another language can mint the same (docs/lease-sources.md). The gateway
+fences by the highest ``gen`` that has written for the job: a token of a lower
+generation is refused ``stale-generation``, and a token of another grant (another
+``jti``) under a generation that has written, ``generation-reissued``. Name each grant
+(a message id, an attempt id) with ``grant_id``, the same in every token of that grant.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
@@ -64,7 +63,7 @@ def claims(
     grant_id: str | None = None,
 ) -> dict[str, Any]:
     """The claims of one grant (``owner``: shown in the gateway's audit; ``grant_id``:
-    its ``jti``, random when not given)."""
+    its ``jti``, which tells the gateway two grants of one generation apart)."""
     if type(generation) is not int or generation < 0:
         raise ValueError("generation must be a non-negative integer")
     if not job:
@@ -78,8 +77,9 @@ def claims(
         "gen": generation,
         "iat": int(issued),
         "exp": int(issued + ttl_seconds),
-        "jti": grant_id if grant_id is not None else secrets.token_hex(16),
     }
+    if grant_id is not None:
+        body["jti"] = grant_id
     if owner is not None:
         body["owner"] = owner
     if audience is not None:

@@ -429,11 +429,18 @@ def _deploy_and_exercise(
     workdir = tmp_path / "data"  # the image's WORKDIR
     workdir.mkdir()
 
+    # The image's 0.0.0.0:8080/8081 moved to free ports, as the replicas below are: a
+    # developer's own `fencegate serve` may hold 8080/8081.
+    ports = {
+        "FENCEGATE_PROXY_LISTEN": f"127.0.0.1:{_free_port()}",
+        "FENCEGATE_CONTROL_LISTEN": f"127.0.0.1:{_free_port()}",
+    }
+
     def fencegate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return _run(
             [image.fencegate, *args, "--config", str(config)],
             timeout=timeout,
-            env=image.env(**env),
+            env=image.env(**env, **ports),
             cwd=workdir,
         )
 
