@@ -18,7 +18,7 @@ from urllib.parse import unquote_plus
 
 import sqlalchemy as sa
 
-from gateway.config import SOURCE_NAME, GatewaySettings
+from gateway.config import REPLICA_NAME, SOURCE_NAME, GatewaySettings
 from gateway.fencing.fence import GATEWAY_REASONS, source_of
 from gateway.records.schema import audit
 from lease_core import exceptions as lease_exc
@@ -69,6 +69,8 @@ class AuditQuery:
     upstream: str | None = None
     # "fencegate" (the gateway's own leases) or a [[lease_sources]] name
     source: str | None = None
+    # the replica that answered (``gateway.replica_name``)
+    replica: str | None = None
     since: float | None = None
     until: float | None = None
     limit: int = 100
@@ -81,15 +83,22 @@ class Audit:
     An entry with a job behind it (a real lease's refusal or replay) is one row. An entry
     without (no token, a made-up one, an unknown upstream: anything anyone can send) is
     counted in a grouped row instead, one per (reason, status, upstream, method, path
-    prefix, client) and time bucket, so what unauthenticated traffic makes the database
-    hold is bounded: per bucket and replica at most ``audit_unauthenticated_groups`` rows,
-    and then one overflow row per reason and status, kept for
-    ``audit_unauthenticated_retention_days``. The row keeps the first request's details.
+    prefix, client, replica) and time bucket, so what unauthenticated traffic makes the
+    database hold is bounded: per bucket and replica at most
+    ``audit_unauthenticated_groups`` rows, and then one overflow row per reason and
+    status, kept for ``audit_unauthenticated_retention_days``. The row keeps the first
+    request's details.
+
+    Every entry names the replica that answered (``gateway.replica_name``). The replica
+    is part of a grouped row's group: a row counts only its own replica's requests, so
+    the ``replica`` filter is exact, at the price of one row per group and replica (the
+    bound above was per replica already).
     """
 
     def __init__(self, lease_store: LeaseStore, settings: GatewaySettings | None = None) -> None:
         self.backend = lease_store.backend  # the database handle the lease store uses
         self.settings = settings or GatewaySettings()
+        self.replica = self.settings.replica  # resolved once: the hostname may change
         self._bucket: int | None = None
         self._groups: set[str] = set()  # this bucket's group keys, as many as allowed
         # What the previous purge removed everything older than (``purge``).
@@ -151,6 +160,7 @@ class Audit:
         values = asdict(entry)
         values["now"] = at
         values["path"] = values["path"][:MAX_PATH]
+        values["replica"] = self.replica
         operation = "audit"
         if entry.job_id is None:
             operation = "audit_grouped"
@@ -179,7 +189,7 @@ class Audit:
         if bucket != self._bucket:
             self._bucket, self._groups = bucket, set()
         values["path"] = values["path"][:MAX_GROUP_PATH]
-        fields = ("reason", "status", "upstream", "method", "path", "client")
+        fields = ("reason", "status", "upstream", "method", "path", "client", "replica")
         key = _digest(bucket, *(values[f] for f in fields))
         if key in self._groups:
             return key
@@ -194,7 +204,7 @@ class Audit:
             idempotency_key=None,
             fingerprint=None,
         )
-        return _digest(bucket, values["reason"], values["status"], OVERFLOW)
+        return _digest(bucket, values["reason"], values["status"], values["replica"], OVERFLOW)
 
     async def query(
         self,
@@ -209,6 +219,7 @@ class Audit:
         in the audit (one removed since), a source neither ``fencegate``, nor in
         ``sources`` (the configured lease sources), nor in the audit."""
         check_reason(q.reason)
+        check_replica(q.replica)
         await self.flush()  # this process's entries given so far are in
         if q.upstream is not None and upstreams is not None:
             await self.check_upstream(q.upstream, upstreams)
@@ -219,6 +230,7 @@ class Audit:
             (audit.c.job_id, q.job_id),
             (audit.c.reason, q.reason),
             (audit.c.upstream, q.upstream),
+            (audit.c.replica, q.replica),
         ):
             if value is not None:
                 stmt = stmt.where(column == value)
@@ -328,6 +340,18 @@ def check_reason(value: str | None) -> None:
         )
 
 
+def check_replica(value: str | None) -> None:
+    """A replica filter must be a name a replica can have. Any such name is accepted:
+    replicas are not configured anywhere, so one that has not answered yet cannot be told
+    from a typo (the dashboard offers the names in the audit)."""
+    if value is not None and re.fullmatch(REPLICA_NAME, value) is None:
+        raise lease_exc.InvalidRequest(
+            f"replica: {value[:100]!r} is not a replica name (1 to 100 letters, digits and "
+            "._:-, starting with a letter or a digit).",
+            field="replica",
+        )
+
+
 def entry_json(row: Any) -> dict[str, Any]:
     body = row["body"]
     return {
@@ -347,6 +371,8 @@ def entry_json(row: Any) -> dict[str, Any]:
         "path": row["path"],
         "idempotency_key": row["idempotency_key"],
         "client": row["client"],
+        # The replica that answered (``gateway.replica_name``); None before migration 0011.
+        "replica": row["replica"],
         "fingerprint": row["fingerprint"],
         "count": row["count"],
         "last_at": rfc3339(row["last_at"] if row["last_at"] is not None else row["at"]),

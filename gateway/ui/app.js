@@ -334,6 +334,20 @@
     return `${generation} (highest ${highest})`;
   }
 
+  // The replica that answered: a click keeps only its entries.
+  function replicaButton(replica) {
+    if (!replica) return "—";
+    const filter = () => {
+      $("filter-replica").value = replica;
+      loadRefusals(true).catch(report);
+    };
+    return el(
+      "button",
+      { type: "button", className: "link", title: "Show only this replica's entries", on: { click: filter } },
+      replica,
+    );
+  }
+
   async function loadRefusals(reset) {
     if (reset) {
       state.cursor = null;
@@ -343,7 +357,9 @@
     const reason = $("filter-reason").value;
     const upstream = $("filter-upstream").value.trim();
     const job = $("filter-job").value.trim();
+    const replica = $("filter-replica").value.trim();
     if (reason) params.set("reason", reason);
+    if (replica) params.set("replica", replica);
     if (upstream) params.set("upstream", upstream);
     if (job) params.set("job_id", job);
     if (state.cursor) params.set("cursor", state.cursor);
@@ -377,13 +393,14 @@
           el("td", { className: "mono" }, `${item.method} ${item.path}`),
           el("td", { className: "mono" }, show(item.idempotency_key)),
           el("td", { className: "mono" }, show(item.client)),
+          el("td", { className: "replica mono" }, replicaButton(item.replica)),
         ),
       );
     }
     state.rows += page.items.length;
     state.cursor = page.next_cursor;
     if (state.rows === 0) {
-      body.append(el("tr", {}, el("td", { colSpan: 11, className: "empty" }, "No entries match.")));
+      body.append(el("tr", {}, el("td", { colSpan: 12, className: "empty" }, "No entries match.")));
     }
     $("refusals-count").textContent = `${state.rows} shown, newest first`;
     $("refusals-more").hidden = !state.cursor;
@@ -566,6 +583,7 @@
       $("filter-reason").value = "";
       $("filter-upstream").value = "";
       $("filter-job").value = "";
+      $("filter-replica").value = "";
       renderLegend();
       loadRefusals(true).catch(report);
     });

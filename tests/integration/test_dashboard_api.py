@@ -190,9 +190,11 @@ async def test_the_audit_table_shows_the_owner(
     ui = dashboard.UI
     header = re.findall(r"<th>([^<]+)</th>", (ui / "index.html").read_text(encoding="utf-8"))
     script = (ui / "app.js").read_text(encoding="utf-8")
-    # The refusals table: one header per cell app.js fills in, the owner among them.
-    table = header[: header.index("Client") + 1]
+    # The refusals table: one header per cell app.js fills in, the owner and the replica
+    # among them.
+    table = header[: header.index("Replica") + 1]
     assert "Owner" in table and "show(item.owner)" in script
+    assert "replicaButton(item.replica)" in script
     row = script[script.index("async function loadRefusals") :]
     row = row[: row.index("state.rows +=")]
     assert len(re.findall(r'el\(\s*"td"', row)) == len(table)

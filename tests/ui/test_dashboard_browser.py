@@ -87,12 +87,14 @@ async def upstream_server() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-def write_config(folder: Path, upstream_url: str) -> Path:
+def write_config(folder: Path, upstream_url: str, replica: str) -> Path:
     path = folder / "fencegate.toml"
     path.write_text(
         'database_url = "sqlite+aiosqlite:///fencegate.db"\n'
         'proxy_listen = "127.0.0.1:0"\n'
         'control_listen = "127.0.0.1:0"\n'
+        "[gateway]\n"
+        f'replica_name = "{replica}"\n'
         "[auth]\n"
         f'admin_tokens = ["{ADMIN}"]\n'
         f'worker_tokens = ["{WORKER}"]\n'
@@ -162,6 +164,13 @@ class Gate:
         ) as resp:
             await resp.read()
             return resp.status
+
+    async def audit(self) -> list[dict[str, Any]]:
+        """The audit as the replica reads it (its own entries written first)."""
+        async with self.session.get(self.control + "/admin/rejections", headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+            items: list[dict[str, Any]] = (await r.json())["items"]
+            return items
 
     async def unknown(self) -> list[dict[str, Any]]:
         async with self.session.get(self.control + "/admin/unknown-outcomes", headers=AUTH) as r:
@@ -290,14 +299,20 @@ async def rows_of(page: Page, selector: str, attribute: str) -> list[str]:
 
 
 async def test_dashboard_in_chromium(tmp_path: Path, chromium: str) -> None:
-    async with upstream_server() as upstream_url:
-        async with fencegate(write_config(tmp_path, upstream_url)) as (control, proxy):
-            async with aiohttp.ClientSession() as session:
-                gate = Gate(session, control, proxy)
-                await make_history(gate)
-                assert [(i["job_id"], i["key"]) for i in await gate.unknown()] == [("job-2", "u1")]
-                await drive_browser(chromium, control, gate, tmp_path)
-                assert await gate.unknown() == []
+    """Two replicas, one after the other on one database: gw-a makes the history, gw-b
+    refuses one request more and serves the page."""
+    async with upstream_server() as upstream_url, aiohttp.ClientSession() as session:
+        async with fencegate(write_config(tmp_path, upstream_url, "gw-a")) as (control, proxy):
+            gate = Gate(session, control, proxy)
+            await make_history(gate)
+            assert [(i["job_id"], i["key"]) for i in await gate.unknown()] == [("job-2", "u1")]
+            assert {e["replica"] for e in await gate.audit()} == {"gw-a"}
+        async with fencegate(write_config(tmp_path, upstream_url, "gw-b")) as (control, proxy):
+            gate = Gate(session, control, proxy)
+            assert await gate.write("/pay/charges", None, "k4") == 428  # missing-fencing-token
+            assert Counter(e["replica"] for e in await gate.audit()) == {"gw-a": 6, "gw-b": 1}
+            await drive_browser(chromium, control, gate, tmp_path)
+            assert await gate.unknown() == []
 
 
 async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path) -> None:
@@ -327,8 +342,9 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
 
             # The refusals table lists every reason; a filter shrinks it.
             rows = page.locator("#refusals-table tbody tr[data-reason]")
-            await expect(rows).to_have_count(len(REASONS))
+            await expect(rows).to_have_count(len(REASONS) + 1)  # gw-b's refusal too
             assert set(await rows_of(page, "#refusals-table tbody tr", "reason")) == REASONS
+            await check_replicas(page, rows)
             await page.select_option("#filter-reason", "stale-generation")
             await expect(rows).to_have_count(1)
             assert await rows_of(page, "#refusals-table tbody tr", "reason") == ["stale-generation"]
@@ -370,6 +386,28 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             await context.close()
 
 
+async def check_replicas(page: Page, rows: Any) -> None:
+    """The Replica column names the replica that answered; the filter keeps one
+    replica's entries, typed or by a click on a name."""
+    header = await page.locator("#refusals-table thead th").all_inner_texts()
+    column = header.index("Replica")
+    names = await rows.evaluate_all(
+        f"rows => rows.map(r => r.querySelectorAll('td')[{column}].textContent)"
+    )
+    assert Counter(names) == {"gw-a": len(REASONS), "gw-b": 1}
+    await page.fill("#filter-replica", "gw-b")
+    await page.click("#filters button[type=submit]")
+    await expect(rows).to_have_count(1)
+    assert await rows_of(page, "#refusals-table tbody tr", "reason") == ["missing-fencing-token"]
+    await page.click("#filter-clear")
+    await expect(rows).to_have_count(len(REASONS) + 1)
+    await page.locator("td.replica button", has_text="gw-a").first.click()
+    await expect(rows).to_have_count(len(REASONS))
+    await expect(page.locator("#filter-replica")).to_have_value("gw-a")
+    await page.click("#filter-clear")
+    await expect(rows).to_have_count(len(REASONS) + 1)
+
+
 async def check_chart(page: Page, tmp_path: Path) -> None:
     chart = page.locator("#chart")
     await expect(chart).not_to_have_attribute("data-drawn", "0")
@@ -381,7 +419,7 @@ async def check_chart(page: Page, tmp_path: Path) -> None:
     assert set(colours) == CHARTED  # no replay among the refusals
     assert len(set(colours.values())) == len(CHARTED)  # one colour per reason
     summary = page.locator("#chart-summary")
-    await expect(summary).to_contain_text(f"{len(CHARTED)} refusal(s); 1 replay(s)")
+    await expect(summary).to_contain_text(f"{len(CHARTED) + 1} refusal(s); 1 replay(s)")
     # The replay's colour (app.js COLOURS) is painted nowhere on the canvas.
     replay_colour = "#7f7f7f"
     assert replay_colour in (ROOT / "gateway" / "ui" / "app.js").read_text(encoding="utf-8")
