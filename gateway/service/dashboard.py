@@ -78,9 +78,9 @@ async def asset(request: web.Request) -> web.StreamResponse:
 
 async def refusals_over_time(request: web.Request) -> web.Response:
     """``GET /admin/ui/api/refusals-over-time?since=&until=&window_seconds=&bucket_seconds=
-    &upstream=&job_id=``: refusals per bucket and reason, replays counted apart.
-    ``until`` defaults to the database's now, ``since`` to ``window_seconds`` (default a
-    day) before it."""
+    &upstream=&job_id=``: refusals per bucket and reason, replays counted apart, and per
+    upstream the writes forwarded, replayed and refused. ``until`` defaults to the
+    database's now, ``since`` to ``window_seconds`` (default a day) before it."""
     backend = request.app[DASHBOARD_GATEWAY].audit.backend
     q = request.query
     since, until = _time(q, "since"), _time(q, "until")
@@ -91,11 +91,22 @@ async def refusals_over_time(request: web.Request) -> web.Response:
         gateway = request.app[DASHBOARD_GATEWAY]
         await gateway.audit.check_upstream(upstream, gateway.upstreams)
     job_id = _optional_id(q, "job_id")
+    now = await backend.database_now()
     if until is None:
-        until = await backend.database_now()
+        until = now
     window = _window(since, until, seconds, bucket)
-    await request.app[DASHBOARD_GATEWAY].audit.flush()  # this replica's entries are in
-    doc = await queries.refusals_over_time(backend, window, upstream=upstream, job_id=job_id)
+    gateway = request.app[DASHBOARD_GATEWAY]
+    await gateway.audit.flush()  # this replica's entries are in
+    # Admissions since then are all still in the idempotency records (forwarded counts).
+    retention = gateway.settings.gateway.idempotency_retention_seconds
+    doc = await queries.refusals_over_time(
+        backend,
+        window,
+        upstream=upstream,
+        job_id=job_id,
+        configured=list(gateway.upstreams),
+        records_since=now - retention,
+    )
     return web.json_response(doc)
 
 

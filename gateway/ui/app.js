@@ -296,6 +296,43 @@
       `buckets of ${series.bucket_seconds} s (UTC)`;
     drawChart();
     renderLegend();
+    renderUpstreams(series);
+    fillReplicas(series.replicas);
+  }
+
+  // Forwarded (fenced writes admitted, every replica's: read from the idempotency
+  // records), replayed and refused (the audit) per upstream, for the chart's window.
+  function renderUpstreams(series) {
+    const body = $("upstream-table").tBodies[0];
+    body.replaceChildren();
+    for (const row of series.upstream_counts) {
+      const name = row.upstream === null ? "(no configured upstream)" : row.upstream;
+      body.append(
+        el(
+          "tr",
+          { dataset: { upstream: row.upstream === null ? "" : row.upstream } },
+          el("td", {}, name),
+          el("td", { className: "forwarded" }, row.forwarded),
+          el("td", { className: "replayed" }, row.replayed),
+          el("td", { className: "refused" }, row.refused),
+        ),
+      );
+    }
+    if (series.upstream_counts.length === 0) {
+      body.append(el("tr", {}, el("td", { colSpan: 4, className: "empty" }, "No upstreams.")));
+    }
+    // The records of forwarded writes are kept gateway.idempotency_retention_seconds.
+    const partial = Date.parse(series.forwarded_since) > Date.parse(series.since);
+    $("upstream-note").textContent = partial
+      ? `Forwarded: writes admitted since ${fmtTime(series.forwarded_since)} only ` +
+        "(their records are kept gateway.idempotency_retention_seconds)."
+      : "";
+  }
+
+  function fillReplicas(replicas) {
+    const list = $("replicas");
+    const have = new Set(Array.from(list.options, (o) => o.value));
+    for (const name of replicas) if (!have.has(name)) list.append(el("option", { value: name }));
   }
 
   // -- refusals table ----------------------------------------------------------------------

@@ -345,6 +345,7 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             await expect(rows).to_have_count(len(REASONS) + 1)  # gw-b's refusal too
             assert set(await rows_of(page, "#refusals-table tbody tr", "reason")) == REASONS
             await check_replicas(page, rows)
+            await check_upstreams(page)
             await page.select_option("#filter-reason", "stale-generation")
             await expect(rows).to_have_count(1)
             assert await rows_of(page, "#refusals-table tbody tr", "reason") == ["stale-generation"]
@@ -384,6 +385,26 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             assert problems == []
         finally:
             await context.close()
+
+
+async def check_upstreams(page: Page) -> None:
+    """Per upstream in the window: pay had two writes forwarded (k1, then u1 whose outcome
+    is unknown), by gw-a, one replay, and every refusal of the history."""
+    pay = page.locator('#upstream-table tbody tr[data-upstream="pay"]')
+    await expect(pay).to_have_count(1)
+    cells = await pay.locator("td").all_inner_texts()
+    assert cells == ["pay", "2", "1", str(len(CHARTED) + 1)]
+    await expect(page.locator("#upstream-table tbody tr")).to_have_count(1)
+    await expect(page.locator("#upstream-note")).to_have_text("")
+    # A window longer than the records are kept: the forwarded counts say from when.
+    await page.select_option("#window", "604800")
+    await expect(page.locator("#upstream-note")).to_contain_text("writes admitted since")
+    assert await pay.locator("td").all_inner_texts() == cells
+    await page.select_option("#window", "86400")
+    await expect(page.locator("#upstream-note")).to_have_text("")
+    # The replicas of the window are offered to the table's filter.
+    offered = await page.locator("#replicas option").evaluate_all("os => os.map(o => o.value)")
+    assert offered == ["gw-a", "gw-b"]
 
 
 async def check_replicas(page: Page, rows: Any) -> None:
