@@ -1,8 +1,9 @@
 """The dashboard at ``/admin/ui`` (admin token). Served by the gateway itself.
 
-One static page, one script and one stylesheet from ``gateway/ui/`` (no build step, no
-third-party code), and two JSON reads of their own under ``/admin/ui/api/``; the page
-also uses the admin API (``/admin/rejections``, ``/admin/unknown-outcomes``).
+One static page, two scripts (the page's and its chart's) and one stylesheet from
+``gateway/ui/`` (no build step, no third-party code), and two JSON reads of their own
+under ``/admin/ui/api/``; the page also uses the admin API (``/admin/rejections``,
+``/admin/unknown-outcomes``).
 
 Everything lives under ``/admin/``, so the auth middleware asks for an admin token on
 every request, the page included. The page holds no data; its script sends the token
@@ -34,6 +35,7 @@ UI = Path(str(resources.files("gateway") / "ui"))
 # Only these files are served; a request names one of them, never a path on disk.
 ASSETS = {
     "app.js": "text/javascript",
+    "chart.js": "text/javascript",
     "style.css": "text/css",
 }
 # The latest time RFC 3339 can write with four year digits.

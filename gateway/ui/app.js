@@ -132,96 +132,9 @@
 
   // -- chart ---------------------------------------------------------------------------
 
-  function niceStep(raw) {
-    const power = Math.pow(10, Math.floor(Math.log10(Math.max(raw, 1))));
-    for (const m of [1, 2, 5, 10]) if (m * power >= raw) return Math.max(1, m * power);
-    return 10 * power;
-  }
-
-  function axisLabel(iso, bucketSeconds, spanSeconds) {
-    const text = iso.replace("T", " ").replace(/\.\d+Z$/, "").replace(/Z$/, "");
-    if (bucketSeconds >= 86400) return text.slice(5, 10);
-    if (spanSeconds > 86400) return text.slice(5, 16);
-    if (bucketSeconds < 60) return text.slice(11, 19);
-    return text.slice(11, 16);
-  }
-
+  // The drawing is chart.js's (window.FencegateChart), time labels at round times.
   function drawChart() {
-    const series = state.series;
-    const canvas = $("chart");
-    const scale = window.devicePixelRatio || 1;
-    const width = Math.max(1, Math.round(canvas.clientWidth * scale));
-    const height = Math.max(1, Math.round(canvas.clientHeight * scale));
-    canvas.width = width;
-    canvas.height = height;
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(1, 0, 0, 1, 0, 0);
-    ctx.fillStyle = "#ffffff";
-    ctx.fillRect(0, 0, width, height);
-    if (!series) return;
-
-    const left = Math.round(48 * scale);
-    const right = Math.round(12 * scale);
-    const top = Math.round(12 * scale);
-    const bottom = Math.round(30 * scale);
-    const plotW = width - left - right;
-    const plotH = height - top - bottom;
-    const base = top + plotH;
-    const buckets = series.buckets;
-    const n = buckets.length;
-    const maxTotal = buckets.reduce((m, b) => Math.max(m, b.total), 0);
-    const step = niceStep(Math.max(maxTotal, 1) / 4);
-    const ymax = Math.max(step, Math.ceil(maxTotal / step) * step);
-
-    // Grid and y labels.
-    ctx.font = `${Math.round(11 * scale)}px system-ui, sans-serif`;
-    ctx.textBaseline = "middle";
-    ctx.textAlign = "right";
-    for (let v = 0; v <= ymax; v += step) {
-      const y = base - Math.round((v / ymax) * plotH);
-      ctx.fillStyle = "#e4e7eb";
-      ctx.fillRect(left, y, plotW, Math.max(1, Math.round(scale)));
-      ctx.fillStyle = "#52606d";
-      ctx.fillText(String(v), left - Math.round(6 * scale), y);
-    }
-
-    // Stacked bars: one per bucket, one segment per reason.
-    const slot = plotW / n;
-    const barW = Math.max(1, Math.floor(Math.min(slot * 0.8, 48 * scale)));
-    buckets.forEach((bucket, i) => {
-      const x = Math.round(left + i * slot + (slot - barW) / 2);
-      let sum = 0;
-      for (const reason of series.reasons) {
-        const count = bucket.counts[reason];
-        if (!count) continue;
-        const y0 = base - Math.round((sum / ymax) * plotH);
-        sum += count;
-        const y1 = base - Math.round((sum / ymax) * plotH);
-        ctx.fillStyle = colour(reason);
-        ctx.fillRect(x, y1, barW, Math.max(1, y0 - y1));
-      }
-    });
-
-    // X axis and time labels (UTC), spaced so they never overlap.
-    ctx.fillStyle = "#9aa5b1";
-    ctx.fillRect(left, base, plotW, Math.max(1, Math.round(scale)));
-    ctx.fillStyle = "#52606d";
-    ctx.textAlign = "center";
-    ctx.textBaseline = "top";
-    const every = Math.max(1, Math.ceil((90 * scale) / slot));
-    const span = Date.parse(series.until) / 1000 - Date.parse(series.since) / 1000;
-    for (let i = 0; i < n; i += every) {
-      const x = Math.round(left + i * slot + slot / 2);
-      ctx.fillText(axisLabel(buckets[i].start, series.bucket_seconds, span), x, base + Math.round(8 * scale));
-    }
-
-    if (maxTotal === 0) {
-      ctx.fillStyle = "#616e7c";
-      ctx.textBaseline = "middle";
-      ctx.fillText("No refusals in this window", left + plotW / 2, top + plotH / 2);
-    }
-    state.geometry = { left, top, plotH, slot, scale, n };
-    canvas.dataset.drawn = String(buckets.filter((b) => b.total > 0).length);
+    state.geometry = window.FencegateChart.draw($("chart"), state.series, colour);
   }
 
   function renderLegend() {

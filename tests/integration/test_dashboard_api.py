@@ -464,7 +464,12 @@ async def test_page_and_its_files(make_stack: Any) -> None:
     assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
     assert resp.headers["Cache-Control"] == "no-store"
     assert resp.headers["X-Content-Type-Options"] == "nosniff"
-    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+    assert html.index("/admin/ui/chart.js") < html.index("/admin/ui/app.js")  # app.js uses it
+    for name, kind in (
+        ("app.js", "text/javascript"),
+        ("chart.js", "text/javascript"),
+        ("style.css", "text/css"),
+    ):
         resp = await stack.control.get(f"/admin/ui/{name}")
         assert resp.status == 200 and resp.content_type == kind
         assert len(await resp.read()) > 500
@@ -476,11 +481,13 @@ async def test_page_and_its_files(make_stack: Any) -> None:
         assert resp.content_type == PROBLEM
 
 
-@pytest.mark.parametrize("path", ["/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"])
+@pytest.mark.parametrize(
+    "path", ["/admin/ui", "/admin/ui/app.js", "/admin/ui/chart.js", "/admin/ui/style.css"]
+)
 async def test_the_static_files_hold_no_data_and_open_without_a_token(
     make_stack: Any, path: str
 ) -> None:
-    """A browser cannot send a bearer header when it opens a page: the page and its two
+    """A browser cannot send a bearer header when it opens a page: the page and its three
     files are open; every call for data needs the admin token the user types in."""
     stack = await make_stack(auth={"admin_tokens": [ADMIN], "worker_tokens": [WORKER]})
     resp = await stack.control.get(path)

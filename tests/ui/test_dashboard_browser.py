@@ -10,6 +10,7 @@ how an operator behind a header-adding proxy uses it. The token field stays empt
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import struct
@@ -20,6 +21,7 @@ import zlib
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +384,7 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             await expect(page.locator("#unknown-table tbody")).to_contain_text("Nothing held")
 
             await check_chart(page, tmp_path)
+            await check_time_labels(page)
             assert problems == []
         finally:
             await context.close()
@@ -427,6 +430,62 @@ async def check_replicas(page: Page, rows: Any) -> None:
     await expect(page.locator("#filter-replica")).to_have_value("gw-a")
     await page.click("#filter-clear")
     await expect(rows).to_have_count(len(REASONS) + 1)
+
+
+# (window, bucket, plot width in CSS pixels) -> the step between two time labels: the
+# smallest round step whose labels are 90 px apart at least. A day of 15-minute buckets
+# over 1,160 px had a label every 7 buckets (1 h 45 min): now every 2 hours.
+TICK_CASES = [
+    (86400, 900, 1160, 2 * 3600),
+    (86400, 900, 600, 6 * 3600),
+    (86400, 900, 3000, 3600),
+    (900, 10, 1160, 120),
+    (3600, 30, 1160, 300),
+    (21600, 300, 1160, 1800),
+    (604800, 3600, 1160, 86400),
+    (2592000, 21600, 1160, 7 * 86400),
+    (60, 1, 1160, 5),
+]
+ROUND_STEPS = {1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800}
+ROUND_STEPS |= {3600 * h for h in (1, 2, 3, 6, 12)} | {86400 * d for d in (1, 2, 7, 14, 28)}
+
+
+async def check_time_labels(page: Page) -> None:
+    """Time labels at round UTC times: chart.js's choice for windows and widths, then
+    the labels the canvas was drawn with."""
+    until = 1_800_003_700  # not a round time: the labels are, whatever the window's end
+    for window, bucket, width, expected in TICK_CASES:
+        ticks = await page.evaluate(
+            "([s, e, w, b]) => window.FencegateChart.timeTicks(s, e, w, 90, b)",
+            [until - window, until, width, bucket],
+        )
+        assert ticks["step"] == expected, (window, bucket, width, ticks["step"])
+        times = ticks["times"]
+        assert times and all(t % expected == 0 for t in times)
+        assert all(b - a == expected for a, b in itertools.pairwise(times))
+        assert until - window <= times[0] < until - window + expected
+        assert expected * width / window >= 90  # never crowded
+    label = "([t, step, span]) => window.FencegateChart.tickLabel(t, step, span)"
+    assert await page.evaluate(label, [1_800_010_800, 10800, 86400]) == "11:00"
+    assert await page.evaluate(label, [1_800_000_000 - 1_800_000_000 % 86400, 10800, 86400]) == (
+        "01-15 00:00"
+    )
+    assert await page.evaluate(label, [1_800_000_030, 15, 900]) == "08:00:30"
+    assert await page.evaluate(label, [1_800_057_600, 86400, 604800]) == "01-16"
+
+    # The drawn chart: its labels at multiples of one round step, in order.
+    chart = page.locator("#chart")
+    step = int(await chart.get_attribute("data-tick-step") or "0")
+    assert step in ROUND_STEPS
+    drawn = (await chart.get_attribute("data-ticks") or "").split()
+    assert len(drawn) >= 3
+    seconds = [epoch_of(t) for t in drawn]
+    assert all(t % step == 0 for t in seconds)
+    assert all(b - a == step for a, b in itertools.pairwise(seconds))
+
+
+def epoch_of(iso: str) -> int:
+    return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp())
 
 
 async def check_chart(page: Page, tmp_path: Path) -> None:
