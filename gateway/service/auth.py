@@ -21,6 +21,7 @@ OPEN_PATHS = frozenset(
         "/admin/ui",
         "/admin/ui/app.js",
         "/admin/ui/chart.js",
+        "/admin/ui/refresh.js",
         "/admin/ui/style.css",
     }
 )

@@ -1,9 +1,9 @@
 """The dashboard at ``/admin/ui`` (admin token). Served by the gateway itself.
 
-One static page, two scripts (the page's and its chart's) and one stylesheet from
-``gateway/ui/`` (no build step, no third-party code), and two JSON reads of their own
-under ``/admin/ui/api/``; the page also uses the admin API (``/admin/rejections``,
-``/admin/unknown-outcomes``).
+One static page, three scripts (the page's, its chart's, its auto-refresh) and one
+stylesheet from ``gateway/ui/`` (no build step, no third-party code), and two JSON reads
+of their own under ``/admin/ui/api/``; the page also uses the admin API
+(``/admin/rejections``, ``/admin/unknown-outcomes``).
 
 Everything lives under ``/admin/``, so the auth middleware asks for an admin token on
 every request, the page included. The page holds no data; its script sends the token
@@ -36,6 +36,7 @@ UI = Path(str(resources.files("gateway") / "ui"))
 ASSETS = {
     "app.js": "text/javascript",
     "chart.js": "text/javascript",
+    "refresh.js": "text/javascript",
     "style.css": "text/css",
 }
 # The latest time RFC 3339 can write with four year digits.

@@ -13,6 +13,7 @@
 (() => {
   const TOKEN_KEY = "fencegate.adminToken";
   const PAGE_SIZE = 50;
+  const REFRESH_SECONDS = 30;
 
   // One colour per reason, stable across reloads (the legend and the table use them too).
   const COLOURS = {
@@ -44,6 +45,9 @@
     rows: 0,
     timelineJob: null,
     geometry: null,
+    refresh: null, // refresh.js's controller
+    loading: false,
+    edited: false, // a field typed in since the last load: an automatic one waits
   };
 
   const $ = (id) => document.getElementById(id);
@@ -488,11 +492,16 @@
     setStatus(explain(error), "error");
   }
 
-  async function loadAll() {
+  // `auto`: an automatic refresh, which keeps the pages of the table loaded beyond the
+  // first (it would throw them away) instead of reloading it.
+  async function loadAll(auto) {
+    state.loading = true;
+    state.edited = false;
     setStatus("Loading…");
+    const keepTable = auto === true && state.rows > PAGE_SIZE;
     const results = await Promise.allSettled([
       loadChart(),
-      loadRefusals(true),
+      keepTable ? Promise.resolve() : loadRefusals(true),
       loadUnknown(),
       loadTimeline(),
     ]);
@@ -500,6 +509,15 @@
     if (failed) report(failed.reason);
     else setStatus(`Updated ${new Date().toISOString().replace("T", " ").slice(0, 19)} UTC`, "ok");
     document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);
+    state.loading = false;
+    if (state.refresh) state.refresh.loaded();
+  }
+
+  // An automatic refresh waits while a load runs, and while the operator has typed into
+  // a field (a filter, the token, a status for an unknown outcome) without using it yet.
+  function busy() {
+    if (state.loading || state.edited) return true;
+    return Array.from(document.querySelectorAll(".resolve-status")).some((i) => i.value !== "");
   }
 
   function start() {
@@ -519,9 +537,24 @@
       loadAll();
     });
     $("refresh").addEventListener("click", () => loadAll());
+    document.addEventListener("input", (event) => {
+      // (A status typed for an unknown outcome counts while it is there: busy().)
+      const field = event.target;
+      if (field instanceof HTMLInputElement && !field.classList.contains("resolve-status")) {
+        state.edited = true;
+      }
+    });
+    state.refresh = window.FencegateRefresh.create({
+      seconds: REFRESH_SECONDS,
+      load: () => loadAll(true),
+      busy,
+      button: $("auto-refresh"),
+      label: $("auto-refresh-state"),
+    });
     $("window").addEventListener("change", () => loadChart().catch(report));
     $("filters").addEventListener("submit", (event) => {
       event.preventDefault();
+      state.edited = false;
       renderLegend();
       loadRefusals(true).catch(report);
     });
@@ -530,6 +563,7 @@
       loadRefusals(true).catch(report);
     });
     $("filter-clear").addEventListener("click", () => {
+      state.edited = false;
       $("filter-reason").value = "";
       $("filter-upstream").value = "";
       $("filter-job").value = "";
@@ -540,6 +574,7 @@
     $("refusals-more").addEventListener("click", () => loadRefusals(false).catch(report));
     $("timeline-form").addEventListener("submit", (event) => {
       event.preventDefault();
+      state.edited = false;
       const jobId = $("timeline-job").value.trim();
       if (jobId) openTimeline(jobId);
     });

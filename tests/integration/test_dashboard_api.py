@@ -468,6 +468,7 @@ async def test_page_and_its_files(make_stack: Any) -> None:
     for name, kind in (
         ("app.js", "text/javascript"),
         ("chart.js", "text/javascript"),
+        ("refresh.js", "text/javascript"),
         ("style.css", "text/css"),
     ):
         resp = await stack.control.get(f"/admin/ui/{name}")
@@ -482,12 +483,19 @@ async def test_page_and_its_files(make_stack: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/admin/ui", "/admin/ui/app.js", "/admin/ui/chart.js", "/admin/ui/style.css"]
+    "path",
+    [
+        "/admin/ui",
+        "/admin/ui/app.js",
+        "/admin/ui/chart.js",
+        "/admin/ui/refresh.js",
+        "/admin/ui/style.css",
+    ],
 )
 async def test_the_static_files_hold_no_data_and_open_without_a_token(
     make_stack: Any, path: str
 ) -> None:
-    """A browser cannot send a bearer header when it opens a page: the page and its three
+    """A browser cannot send a bearer header when it opens a page: the page and its four
     files are open; every call for data needs the admin token the user types in."""
     stack = await make_stack(auth={"admin_tokens": [ADMIN], "worker_tokens": [WORKER]})
     resp = await stack.control.get(path)

@@ -21,7 +21,7 @@ import zlib
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +337,11 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
                     problems.append(f"console: {msg.text}") if msg.type == "error" else None
                 ),
             )
+            # The page's clock is Playwright's, stopped: its auto-refresh runs only when
+            # the test moves the clock on (check_auto_refresh), never in the middle of a
+            # check, however slow the machine.
+            await page.clock.install()
+            await page.clock.pause_at(datetime.now(UTC) + timedelta(seconds=1))
             response = await page.goto(control + "/admin/ui")
             assert response is not None and response.status == 200
             await expect(page.locator("body[data-loaded]")).to_have_count(1)
@@ -385,9 +390,69 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
 
             await check_chart(page, tmp_path)
             await check_time_labels(page)
+            await check_auto_refresh(page, gate)
             assert problems == []
         finally:
             await context.close()
+
+
+async def loads(page: Page) -> int:
+    """How many times the page has loaded its data (app.js counts them)."""
+    return int(await page.locator("body").get_attribute("data-loaded") or "0")
+
+
+async def check_auto_refresh(page: Page, gate: Gate) -> None:
+    """On by default: new entries show without a click, every 30 s (the page's clock is
+    Playwright's, stopped, moved on by the test). Paused by the control, and still paused after a
+    reload; resumed, it loads at once. A field typed in and not used holds it back."""
+    await page.reload()
+    control = page.locator("#auto-refresh")
+    rows = page.locator("#refusals-table tbody tr[data-reason]")
+    await expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+    await expect(control).to_have_attribute("data-state", "on")
+    await expect(control).to_be_visible()
+    await expect(page.locator("#auto-refresh-state")).to_have_text("Refreshing every 30 s")
+    before = await rows.count()
+
+    assert await gate.write("/pay/refunds", None, "r1") == 428  # a new grouped entry
+    await page.clock.fast_forward(29_000)
+    await asyncio.sleep(0.3)
+    assert await loads(page) == 1  # not yet
+    await page.clock.fast_forward(2_000)
+    await expect(page.locator("body[data-loaded='2']")).to_have_count(1)
+    await expect(rows).to_have_count(before + 1)
+    await expect(page.locator("#refusals-table tbody")).to_contain_text("/pay/refunds")
+
+    # Paused: kept across a reload, nothing loads however long one waits.
+    await control.click()
+    await expect(control).to_have_attribute("data-state", "paused")
+    await expect(control).to_have_text("Resume auto-refresh")
+    await expect(page.locator("#auto-refresh-state")).to_have_text("Auto-refresh paused")
+    await page.reload()
+    await expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+    await expect(control).to_have_attribute("data-state", "paused")
+    assert await page.evaluate("() => localStorage.getItem('fencegate.autoRefresh')") == "paused"
+    assert await gate.write("/pay/returns", None, "r2") == 428
+    await page.clock.fast_forward(120_000)
+    await asyncio.sleep(0.5)
+    assert await loads(page) == 1
+    await expect(rows).to_have_count(before + 1)
+
+    # Resumed: at once, and every 30 s again.
+    await control.click()
+    await expect(control).to_have_attribute("data-state", "on")
+    await expect(page.locator("body[data-loaded='2']")).to_have_count(1)
+    await expect(rows).to_have_count(before + 2)
+    assert await page.evaluate("() => localStorage.getItem('fencegate.autoRefresh')") is None
+
+    # A filter typed and not applied: the refresh waits rather than apply it half-typed.
+    await page.fill("#filter-job", "job-")
+    await page.clock.fast_forward(31_000)
+    await asyncio.sleep(0.5)
+    assert await loads(page) == 2
+    await page.click("#filter-clear")  # used (cleared): the next period refreshes
+    await page.clock.fast_forward(31_000)
+    await expect(page.locator("body[data-loaded='3']")).to_have_count(1)
 
 
 async def check_upstreams(page: Page) -> None:
