@@ -31,6 +31,7 @@ FENCEGATE_SOURCE = "fencegate"  # the gateway's own leases (``source_of``)
 log = logging.getLogger("fencegate.audit")
 
 MAX_PAGE = 500
+MAX_NAMED_REPLICAS = 20  # replicas a refused replica filter names at most
 REASONS = tuple(sorted(r.value for r in GATEWAY_REASONS))
 MAX_PATH = 2000  # characters of an entry's path
 MAX_GROUP_PATH = 200  # characters of a grouped entry's path: the group's path prefix
@@ -217,7 +218,8 @@ class Audit:
         can never match is refused (``InvalidRequest`` naming the valid values): a reason
         that is not one, an upstream neither in ``upstreams`` (the configured ones) nor
         in the audit (one removed since), a source neither ``fencegate``, nor in
-        ``sources`` (the configured lease sources), nor in the audit."""
+        ``sources`` (the configured lease sources), nor in the audit, a replica that no
+        entry names."""
         check_reason(q.reason)
         check_replica(q.replica)
         await self.flush()  # this process's entries given so far are in
@@ -225,6 +227,8 @@ class Audit:
             await self.check_upstream(q.upstream, upstreams)
         if q.source is not None:
             await self.check_source(q.source, sources)
+        if q.replica is not None:
+            await self.check_replica_audited(q.replica)
         stmt = sa.select(audit).order_by(audit.c.id.desc()).limit(q.limit + 1)
         for column, value in (
             (audit.c.job_id, q.job_id),
@@ -260,6 +264,31 @@ class Audit:
             f"upstream: {name[:100]!r} is not a configured upstream and is not in the audit; "
             f"configured: {', '.join(sorted(configured)) or 'none'}.",
             field="upstream",
+        )
+
+    async def check_replica_audited(self, name: str) -> None:
+        """A replica filter that can never match is refused, naming the replicas the
+        audit holds: replicas are configured nowhere, so one that no entry names is a
+        typo or has answered nothing (yet). Like ``check_upstream``'s, the look-up is the
+        filtered query's own read (no index on the column: every entry would pay for
+        it), and the list of names is read only to answer a mistake."""
+        stmt = sa.select(audit.c.id).where(audit.c.replica == name).limit(1)
+        async with self.backend.transaction() as conn:
+            if (await conn.execute(stmt)).first() is not None:
+                return
+            names_q = (
+                sa.select(audit.c.replica)
+                .where(audit.c.replica.is_not(None))
+                .distinct()
+                .order_by(audit.c.replica)
+                .limit(MAX_NAMED_REPLICAS + 1)
+            )
+            names = list((await conn.execute(names_q)).scalars())
+        more = ", …" if len(names) > MAX_NAMED_REPLICAS else ""
+        raise lease_exc.InvalidRequest(
+            f"replica: {name[:100]!r} answered nothing in the audit; replicas in the audit: "
+            f"{', '.join(names[:MAX_NAMED_REPLICAS]) or 'none'}{more}.",
+            field="replica",
         )
 
     async def check_source(self, name: str, configured: Collection[str] | None) -> None:
@@ -341,9 +370,8 @@ def check_reason(value: str | None) -> None:
 
 
 def check_replica(value: str | None) -> None:
-    """A replica filter must be a name a replica can have. Any such name is accepted:
-    replicas are not configured anywhere, so one that has not answered yet cannot be told
-    from a typo (the dashboard offers the names in the audit)."""
+    """A replica filter must be a name a replica can have (before the database is read;
+    ``Audit.check_replica_audited`` then asks the audit)."""
     if value is not None and re.fullmatch(REPLICA_NAME, value) is None:
         raise lease_exc.InvalidRequest(
             f"replica: {value[:100]!r} is not a replica name (1 to 100 letters, digits and "

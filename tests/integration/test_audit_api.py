@@ -252,7 +252,14 @@ async def test_each_entry_names_the_replica_that_answered(
     only_a = await b.audit(replica="gw-a")
     assert {e["replica"] for e in only_a} == {"gw-a"} and len(only_a) == 2
     assert [e["idempotency_key"] for e in only_a if e["job_id"]] == ["s1"]
-    assert await a.audit(replica="gw-c") == []  # a name no replica wrote: nothing
+    # A name no entry holds cannot match: refused, naming those the audit holds.
+    resp = await a.control.get("/admin/rejections", params={"replica": "gw-c"})
+    assert resp.status == 400
+    doc = await resp.json(content_type=None)
+    assert doc["field"] == "replica"
+    assert doc["detail"] == (
+        "replica: 'gw-c' answered nothing in the audit; replicas in the audit: gw-a, gw-b."
+    )
     assert await a.audit(replica="gw-b", reason="stale-generation", job_id="job-1") == [
         e for e in items if e["replica"] == "gw-b" and e["job_id"] == "job-1"
     ]
