@@ -30,7 +30,7 @@ from __future__ import annotations
 from gateway.config.auth import AuthSettings
 from gateway.config.database import WRITABLE_SESSIONS, DatabaseSettings, several_hosts
 from gateway.config.env import ENV_PREFIX, ENV_REF
-from gateway.config.gateway import GatewaySettings
+from gateway.config.gateway import REPLICA_NAME, GatewaySettings
 from gateway.config.listeners import (
     LISTENERS,
     ClientCerts,
@@ -70,6 +70,7 @@ __all__ = [
     "ENV_PREFIX",
     "ENV_REF",
     "LISTENERS",
+    "REPLICA_NAME",
     "SOURCE_NAME",
     "TOKEN_CHARS",
     "WRITABLE_SESSIONS",

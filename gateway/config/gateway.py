@@ -3,7 +3,14 @@ limits, concurrency, timeouts, replay and resolution)."""
 
 from __future__ import annotations
 
+import re
+import socket
+
 from pydantic import BaseModel, ConfigDict, Field
+
+# A replica's name, as the audit keeps it: letters, digits and ``._:-``.
+REPLICA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
+MAX_REPLICA_NAME = 100
 
 
 class GatewaySettings(BaseModel):
@@ -60,3 +67,21 @@ class GatewaySettings(BaseModel):
     # meanwhile waits for the settle), or before its last byte goes out (True: a
     # duplicate sent to any replica after the answer finds it stored).
     settle_before_answer: bool = False
+    # The name this replica writes into the audit entries it makes (the ``replica``
+    # column): None, the default, is the machine's hostname (a container's: its pod's).
+    replica_name: str | None = Field(None, pattern=REPLICA_NAME)
+
+    @property
+    def replica(self) -> str:
+        """``replica_name``, or the hostname made into one."""
+        if self.replica_name is not None:
+            return self.replica_name
+        return hostname_replica(socket.gethostname())
+
+
+def hostname_replica(host: str) -> str:
+    """A hostname as a replica name: characters the name cannot hold become ``-``, at
+    most its first 100 characters; ``fencegate`` when nothing is left."""
+    name = re.sub(r"[^A-Za-z0-9._:-]", "-", host)[:MAX_REPLICA_NAME]
+    name = name.lstrip("._:-")
+    return name or "fencegate"

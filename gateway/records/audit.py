@@ -18,7 +18,7 @@ from urllib.parse import unquote_plus
 
 import sqlalchemy as sa
 
-from gateway.config import SOURCE_NAME, GatewaySettings
+from gateway.config import REPLICA_NAME, SOURCE_NAME, GatewaySettings
 from gateway.fencing.fence import GATEWAY_REASONS, source_of
 from gateway.records.schema import audit
 from lease_core import exceptions as lease_exc
@@ -31,6 +31,7 @@ FENCEGATE_SOURCE = "fencegate"  # the gateway's own leases (``source_of``)
 log = logging.getLogger("fencegate.audit")
 
 MAX_PAGE = 500
+MAX_NAMED_REPLICAS = 20  # replicas a refused replica filter names at most
 REASONS = tuple(sorted(r.value for r in GATEWAY_REASONS))
 MAX_PATH = 2000  # characters of an entry's path
 MAX_GROUP_PATH = 200  # characters of a grouped entry's path: the group's path prefix
@@ -69,6 +70,8 @@ class AuditQuery:
     upstream: str | None = None
     # "fencegate" (the gateway's own leases) or a [[lease_sources]] name
     source: str | None = None
+    # the replica that answered (``gateway.replica_name``)
+    replica: str | None = None
     since: float | None = None
     until: float | None = None
     limit: int = 100
@@ -81,15 +84,22 @@ class Audit:
     An entry with a job behind it (a real lease's refusal or replay) is one row. An entry
     without (no token, a made-up one, an unknown upstream: anything anyone can send) is
     counted in a grouped row instead, one per (reason, status, upstream, method, path
-    prefix, client) and time bucket, so what unauthenticated traffic makes the database
-    hold is bounded: per bucket and replica at most ``audit_unauthenticated_groups`` rows,
-    and then one overflow row per reason and status, kept for
-    ``audit_unauthenticated_retention_days``. The row keeps the first request's details.
+    prefix, client, replica) and time bucket, so what unauthenticated traffic makes the
+    database hold is bounded: per bucket and replica at most
+    ``audit_unauthenticated_groups`` rows, and then one overflow row per reason and
+    status, kept for ``audit_unauthenticated_retention_days``. The row keeps the first
+    request's details.
+
+    Every entry names the replica that answered (``gateway.replica_name``). The replica
+    is part of a grouped row's group: a row counts only its own replica's requests, so
+    the ``replica`` filter is exact, at the price of one row per group and replica (the
+    bound above was per replica already).
     """
 
     def __init__(self, lease_store: LeaseStore, settings: GatewaySettings | None = None) -> None:
         self.backend = lease_store.backend  # the database handle the lease store uses
         self.settings = settings or GatewaySettings()
+        self.replica = self.settings.replica  # resolved once: the hostname may change
         self._bucket: int | None = None
         self._groups: set[str] = set()  # this bucket's group keys, as many as allowed
         # What the previous purge removed everything older than (``purge``).
@@ -151,6 +161,7 @@ class Audit:
         values = asdict(entry)
         values["now"] = at
         values["path"] = values["path"][:MAX_PATH]
+        values["replica"] = self.replica
         operation = "audit"
         if entry.job_id is None:
             operation = "audit_grouped"
@@ -179,7 +190,7 @@ class Audit:
         if bucket != self._bucket:
             self._bucket, self._groups = bucket, set()
         values["path"] = values["path"][:MAX_GROUP_PATH]
-        fields = ("reason", "status", "upstream", "method", "path", "client")
+        fields = ("reason", "status", "upstream", "method", "path", "client", "replica")
         key = _digest(bucket, *(values[f] for f in fields))
         if key in self._groups:
             return key
@@ -194,7 +205,7 @@ class Audit:
             idempotency_key=None,
             fingerprint=None,
         )
-        return _digest(bucket, values["reason"], values["status"], OVERFLOW)
+        return _digest(bucket, values["reason"], values["status"], values["replica"], OVERFLOW)
 
     async def query(
         self,
@@ -207,18 +218,23 @@ class Audit:
         can never match is refused (``InvalidRequest`` naming the valid values): a reason
         that is not one, an upstream neither in ``upstreams`` (the configured ones) nor
         in the audit (one removed since), a source neither ``fencegate``, nor in
-        ``sources`` (the configured lease sources), nor in the audit."""
+        ``sources`` (the configured lease sources), nor in the audit, a replica that no
+        entry names."""
         check_reason(q.reason)
+        check_replica(q.replica)
         await self.flush()  # this process's entries given so far are in
         if q.upstream is not None and upstreams is not None:
             await self.check_upstream(q.upstream, upstreams)
         if q.source is not None:
             await self.check_source(q.source, sources)
+        if q.replica is not None:
+            await self.check_replica_audited(q.replica)
         stmt = sa.select(audit).order_by(audit.c.id.desc()).limit(q.limit + 1)
         for column, value in (
             (audit.c.job_id, q.job_id),
             (audit.c.reason, q.reason),
             (audit.c.upstream, q.upstream),
+            (audit.c.replica, q.replica),
         ):
             if value is not None:
                 stmt = stmt.where(column == value)
@@ -248,6 +264,31 @@ class Audit:
             f"upstream: {name[:100]!r} is not a configured upstream and is not in the audit; "
             f"configured: {', '.join(sorted(configured)) or 'none'}.",
             field="upstream",
+        )
+
+    async def check_replica_audited(self, name: str) -> None:
+        """A replica filter that can never match is refused, naming the replicas the
+        audit holds: replicas are configured nowhere, so one that no entry names is a
+        typo or has answered nothing (yet). Like ``check_upstream``'s, the look-up is the
+        filtered query's own read (no index on the column: every entry would pay for
+        it), and the list of names is read only to answer a mistake."""
+        stmt = sa.select(audit.c.id).where(audit.c.replica == name).limit(1)
+        async with self.backend.transaction() as conn:
+            if (await conn.execute(stmt)).first() is not None:
+                return
+            names_q = (
+                sa.select(audit.c.replica)
+                .where(audit.c.replica.is_not(None))
+                .distinct()
+                .order_by(audit.c.replica)
+                .limit(MAX_NAMED_REPLICAS + 1)
+            )
+            names = list((await conn.execute(names_q)).scalars())
+        more = ", …" if len(names) > MAX_NAMED_REPLICAS else ""
+        raise lease_exc.InvalidRequest(
+            f"replica: {name[:100]!r} answered nothing in the audit; replicas in the audit: "
+            f"{', '.join(names[:MAX_NAMED_REPLICAS]) or 'none'}{more}.",
+            field="replica",
         )
 
     async def check_source(self, name: str, configured: Collection[str] | None) -> None:
@@ -328,6 +369,17 @@ def check_reason(value: str | None) -> None:
         )
 
 
+def check_replica(value: str | None) -> None:
+    """A replica filter must be a name a replica can have (before the database is read;
+    ``Audit.check_replica_audited`` then asks the audit)."""
+    if value is not None and re.fullmatch(REPLICA_NAME, value) is None:
+        raise lease_exc.InvalidRequest(
+            f"replica: {value[:100]!r} is not a replica name (1 to 100 letters, digits and "
+            "._:-, starting with a letter or a digit).",
+            field="replica",
+        )
+
+
 def entry_json(row: Any) -> dict[str, Any]:
     body = row["body"]
     return {
@@ -347,6 +399,8 @@ def entry_json(row: Any) -> dict[str, Any]:
         "path": row["path"],
         "idempotency_key": row["idempotency_key"],
         "client": row["client"],
+        # The replica that answered (``gateway.replica_name``); None before migration 0011.
+        "replica": row["replica"],
         "fingerprint": row["fingerprint"],
         "count": row["count"],
         "last_at": rfc3339(row["last_at"] if row["last_at"] is not None else row["at"]),

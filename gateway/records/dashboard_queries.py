@@ -1,5 +1,6 @@
-"""The dashboard's reads: audit entries counted per time bucket and reason, and one job's
-timeline (grants, forwarded writes, refusals and replays).
+"""The dashboard's reads: audit entries counted per time bucket and reason, per upstream
+the writes forwarded, replayed and refused, and one job's timeline (grants, forwarded
+writes, refusals and replays).
 
 Times are seconds since the epoch (floats) in the database and RFC 3339 strings in the
 answers. Counting is done by the database (``GROUP BY`` the bucket number), so a month of
@@ -9,6 +10,7 @@ audit costs one indexed range scan, not a month of rows in Python.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,23 +85,38 @@ async def refusals_over_time(
     *,
     upstream: str | None = None,
     job_id: str | None = None,
+    configured: Collection[str] = (),
+    records_since: float | None = None,
 ) -> dict[str, Any]:
     """Refusals audited in ``[since, until)`` per bucket and reason, every bucket present
     (empty ones with no counts) so a chart can draw them as they come; replays
-    (``idempotent-replay``) are counted apart, per bucket and in all."""
+    (``idempotent-replay``) are counted apart, per bucket and in all. Per upstream
+    (``configured`` ones always listed), the writes forwarded, replayed and refused
+    (``upstream_counts``); the forwarded ones are counted from ``records_since`` (the
+    oldest admission the idempotency records surely still hold) when that is later than
+    ``since``. The replicas that answered in the window, for the table's filter."""
     bucket = _bucket_number(backend, window.bucket_seconds).label("bucket")
     stmt = (
         # A grouped entry stands for ``count`` requests.
-        sa.select(bucket, audit.c.reason, sa.func.sum(audit.c.count).label("n"))
+        sa.select(
+            bucket,
+            audit.c.reason,
+            audit.c.upstream,
+            audit.c.replica,
+            sa.func.sum(audit.c.count).label("n"),
+        )
         .where(audit.c.at >= window.since, audit.c.at < window.until)
-        .group_by(bucket, audit.c.reason)
+        .group_by(bucket, audit.c.reason, audit.c.upstream, audit.c.replica)
     )
     if upstream is not None:
         stmt = stmt.where(audit.c.upstream == upstream)
     if job_id is not None:
         stmt = stmt.where(audit.c.job_id == job_id)
+    forwarded_since = window.since if records_since is None else max(window.since, records_since)
+    forwarded_q = _forwarded(forwarded_since, window.until, upstream=upstream, job_id=job_id)
     async with backend.transaction() as conn:
         rows = (await conn.execute(stmt)).all()
+        forwarded = {name: int(n) for name, n in (await conn.execute(forwarded_q)).all()}
 
     size = window.bucket_seconds
     first = window.first_bucket
@@ -108,9 +125,19 @@ async def refusals_over_time(
     replays = [0] * window.bucket_count
     totals: dict[str, int] = {}
     replay_total = 0
-    for number, reason, n in rows:
+    # Configured upstreams, and those written to in the window (one removed since);
+    # any other name (an unknown upstream that anyone can ask for) is counted as None.
+    named = set(forwarded) | (set(configured) if upstream is None else {upstream})
+    per_upstream: dict[str | None, dict[str, int]] = {}
+    replicas: set[str] = set()
+    for number, reason, name, replica, n in rows:
         index = int(number) - first
         inside = 0 <= index < len(counts)
+        if replica is not None:
+            replicas.add(replica)
+        kind = "replayed" if reason == replay else "refused"
+        row = per_upstream.setdefault(name if name in named else None, _no_writes())
+        row[kind] += int(n)
         # A replay is the stored answer of a write that was forwarded once: the worker
         # got what it asked for, nothing was refused. Counted apart, never charted.
         if reason == replay:
@@ -124,6 +151,8 @@ async def refusals_over_time(
     known = [r.value for r in fence.GATEWAY_REASONS]
     order = {reason: i for i, reason in enumerate(known)}
     present = sorted(totals, key=lambda r: (order.get(r, len(order)), r))
+    for name in named:
+        per_upstream.setdefault(name, _no_writes())["forwarded"] = forwarded.get(name, 0)
     return {
         "since": rfc3339(window.since),
         "until": rfc3339(window.until),
@@ -144,7 +173,52 @@ async def refusals_over_time(
             }
             for i, c in enumerate(counts)
         ],
+        # Per upstream in the window, by name (None, last: refusals that named no
+        # configured upstream): ``forwarded`` from ``forwarded_since`` on.
+        "upstream_counts": [
+            {"upstream": name, **per_upstream[name]}
+            for name in sorted(per_upstream, key=lambda u: (u is None, u or ""))
+        ],
+        "forwarded_since": rfc3339(forwarded_since),
+        "replicas": sorted(replicas),
     }
+
+
+def _no_writes() -> dict[str, int]:
+    return {"forwarded": 0, "replayed": 0, "refused": 0}
+
+
+def _forwarded(
+    since: float, until: float, *, upstream: str | None, job_id: str | None
+) -> sa.Select[Any]:
+    """Fenced writes forwarded per upstream, admitted in ``[since, until)``.
+
+    Read from the idempotency records, one per (job, key) and admitted write (a write
+    without a key has one too), created when the write is admitted and forwarded and
+    deleted if nothing of it was sent: every replica's writes are there, in the one
+    database, so the count is the same whichever replica answers, and no write pays for
+    it. The replicas' own counters (``fencegate_gateway_decisions``) count only their
+    own process since it started; a counter table would cost every write an update of a
+    row that all replicas contend for. A record's ``created_at`` is not indexed, but
+    it never exceeds its ``updated_at``, which is: the range on ``updated_at`` limits
+    the read to records that changed hands since ``since``. A record counts once
+    however often its write was sent (a retry after an unknown outcome, the resolver's
+    re-sends), and completed records are purged ``idempotency_retention_seconds`` after
+    they changed hands, so the caller counts only from then on (``records_since``)."""
+    stmt = (
+        sa.select(requests.c.upstream, sa.func.count().label("n"))
+        .where(
+            requests.c.updated_at >= since,
+            requests.c.created_at >= since,
+            requests.c.created_at < until,
+        )
+        .group_by(requests.c.upstream)
+    )
+    if upstream is not None:
+        stmt = stmt.where(requests.c.upstream == upstream)
+    if job_id is not None:
+        stmt = stmt.where(requests.c.job_id == job_id)
+    return stmt
 
 
 async def job_timeline(backend: Backend, job_id: str, limit: int) -> dict[str, Any]:

@@ -128,6 +128,10 @@ audit = sa.Table(
     sa.Column("count", sa.Integer, nullable=False, server_default=sa.text("1")),
     sa.Column("last_at", sa.Float),
     sa.Column("group_key", sa.String(64)),
+    # The replica that answered (``gateway.replica_name``; migration 0011). NULL for
+    # entries written before it, or by a replica of older code. Part of a grouped row's
+    # group: a grouped row counts one replica's requests.
+    sa.Column("replica", sa.String(100)),
     sa.Index("ix_audit_log_at", "at"),
     sa.Index("ix_audit_log_job_id_at", "job_id", "at"),
     sa.Index("ux_audit_log_group_key", "group_key", unique=True),

@@ -19,7 +19,8 @@ GATEWAY_STATE = web.AppKey("gateway_state", Gateway)
 
 
 async def rejections(request: web.Request) -> web.Response:
-    """``GET /admin/rejections?job_id=&reason=&upstream=&source=&since=&until=&limit=&cursor=``"""
+    """``GET /admin/rejections?job_id=&reason=&upstream=&source=&replica=&since=&until=&limit=
+    &cursor=``"""
     q = request.query
     since = parse_time(q["since"], "since") if "since" in q else None
     until = parse_time(q["until"], "until") if "until" in q else None
@@ -30,6 +31,7 @@ async def rejections(request: web.Request) -> web.Response:
             reason=q.get("reason"),
             upstream=q.get("upstream"),
             source=q.get("source"),
+            replica=q.get("replica") or None,
             since=since,
             until=until,
             limit=min(query_limit(q.get("limit"), default=100), MAX_PAGE),

@@ -65,7 +65,7 @@ async def _jobs(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.records.audit import Audit, AuditQuery, check_reason, parse_time
+    from gateway.records.audit import Audit, AuditQuery, check_reason, check_replica, parse_time
 
     if not 1 <= args.limit <= 500:
         print("fencegate: --limit must be from 1 to 500", file=sys.stderr)
@@ -75,6 +75,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         reason=args.reason,
         upstream=args.upstream,
         source=args.source,
+        replica=args.replica,
         since=parse_time(args.since, "since") if args.since else None,
         until=parse_time(args.until, "until") if args.until else None,
         limit=args.limit,
@@ -82,6 +83,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     )
 
     check_reason(args.reason)  # before the database is opened
+    check_replica(args.replica)
 
     async def run() -> tuple[list[dict[str, Any]], str | None]:
         async with open_store(settings) as store:
@@ -107,6 +109,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
             e["upstream"] or "-",
             f"{e['method']} {e['path']}",
             e["idempotency_key"] or "-",
+            e["replica"] or "-",
         ]
         for e in items
     ]
@@ -122,6 +125,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
             "UPSTREAM",
             "REQUEST",
             "KEY",
+            "REPLICA",
         ],
         rows,
     )

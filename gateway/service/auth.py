@@ -15,7 +15,15 @@ from lease_core.problems import Check
 # Open without a token: health, and the dashboard's static files, which hold no data
 # (every call the page makes for data needs the admin token, which the user types in).
 OPEN_PATHS = frozenset(
-    {"/healthz", "/readyz", "/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"}
+    {
+        "/healthz",
+        "/readyz",
+        "/admin/ui",
+        "/admin/ui/app.js",
+        "/admin/ui/chart.js",
+        "/admin/ui/refresh.js",
+        "/admin/ui/style.css",
+    }
 )
 METRICS_PATH = "/metrics"
 

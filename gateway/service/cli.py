@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", help="only this reason (e.g. stale-generation)")
     p.add_argument("--upstream", help="only this upstream")
     p.add_argument("--source", help="only this lease source (fencegate: the gateway's own leases)")
+    p.add_argument("--replica", help="only what this replica answered (its gateway.replica_name)")
     p.add_argument("--since", help="RFC 3339 time or epoch seconds (inclusive)")
     p.add_argument("--until", help="RFC 3339 time or epoch seconds (exclusive)")
     p.add_argument("--limit", type=int, default=50, help="how many (default 50, max 500)")

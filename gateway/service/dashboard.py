@@ -1,8 +1,9 @@
 """The dashboard at ``/admin/ui`` (admin token). Served by the gateway itself.
 
-One static page, one script and one stylesheet from ``gateway/ui/`` (no build step, no
-third-party code), and two JSON reads of their own under ``/admin/ui/api/``; the page
-also uses the admin API (``/admin/rejections``, ``/admin/unknown-outcomes``).
+One static page, three scripts (the page's, its chart's, its auto-refresh) and one
+stylesheet from ``gateway/ui/`` (no build step, no third-party code), and two JSON reads
+of their own under ``/admin/ui/api/``; the page also uses the admin API
+(``/admin/rejections``, ``/admin/unknown-outcomes``).
 
 Everything lives under ``/admin/``, so the auth middleware asks for an admin token on
 every request, the page included. The page holds no data; its script sends the token
@@ -34,6 +35,8 @@ UI = Path(str(resources.files("gateway") / "ui"))
 # Only these files are served; a request names one of them, never a path on disk.
 ASSETS = {
     "app.js": "text/javascript",
+    "chart.js": "text/javascript",
+    "refresh.js": "text/javascript",
     "style.css": "text/css",
 }
 # The latest time RFC 3339 can write with four year digits.
@@ -78,9 +81,9 @@ async def asset(request: web.Request) -> web.StreamResponse:
 
 async def refusals_over_time(request: web.Request) -> web.Response:
     """``GET /admin/ui/api/refusals-over-time?since=&until=&window_seconds=&bucket_seconds=
-    &upstream=&job_id=``: refusals per bucket and reason, replays counted apart.
-    ``until`` defaults to the database's now, ``since`` to ``window_seconds`` (default a
-    day) before it."""
+    &upstream=&job_id=``: refusals per bucket and reason, replays counted apart, and per
+    upstream the writes forwarded, replayed and refused. ``until`` defaults to the
+    database's now, ``since`` to ``window_seconds`` (default a day) before it."""
     backend = request.app[DASHBOARD_GATEWAY].audit.backend
     q = request.query
     since, until = _time(q, "since"), _time(q, "until")
@@ -91,11 +94,22 @@ async def refusals_over_time(request: web.Request) -> web.Response:
         gateway = request.app[DASHBOARD_GATEWAY]
         await gateway.audit.check_upstream(upstream, gateway.upstreams)
     job_id = _optional_id(q, "job_id")
+    now = await backend.database_now()
     if until is None:
-        until = await backend.database_now()
+        until = now
     window = _window(since, until, seconds, bucket)
-    await request.app[DASHBOARD_GATEWAY].audit.flush()  # this replica's entries are in
-    doc = await queries.refusals_over_time(backend, window, upstream=upstream, job_id=job_id)
+    gateway = request.app[DASHBOARD_GATEWAY]
+    await gateway.audit.flush()  # this replica's entries are in
+    # Admissions since then are all still in the idempotency records (forwarded counts).
+    retention = gateway.settings.gateway.idempotency_retention_seconds
+    doc = await queries.refusals_over_time(
+        backend,
+        window,
+        upstream=upstream,
+        job_id=job_id,
+        configured=list(gateway.upstreams),
+        records_since=now - retention,
+    )
     return web.json_response(doc)
 
 

@@ -13,6 +13,7 @@
 (() => {
   const TOKEN_KEY = "fencegate.adminToken";
   const PAGE_SIZE = 50;
+  const REFRESH_SECONDS = 30;
 
   // One colour per reason, stable across reloads (the legend and the table use them too).
   const COLOURS = {
@@ -44,6 +45,9 @@
     rows: 0,
     timelineJob: null,
     geometry: null,
+    refresh: null, // refresh.js's controller
+    loading: false,
+    edited: false, // a field typed in since the last load: an automatic one waits
   };
 
   const $ = (id) => document.getElementById(id);
@@ -132,96 +136,9 @@
 
   // -- chart ---------------------------------------------------------------------------
 
-  function niceStep(raw) {
-    const power = Math.pow(10, Math.floor(Math.log10(Math.max(raw, 1))));
-    for (const m of [1, 2, 5, 10]) if (m * power >= raw) return Math.max(1, m * power);
-    return 10 * power;
-  }
-
-  function axisLabel(iso, bucketSeconds, spanSeconds) {
-    const text = iso.replace("T", " ").replace(/\.\d+Z$/, "").replace(/Z$/, "");
-    if (bucketSeconds >= 86400) return text.slice(5, 10);
-    if (spanSeconds > 86400) return text.slice(5, 16);
-    if (bucketSeconds < 60) return text.slice(11, 19);
-    return text.slice(11, 16);
-  }
-
+  // The drawing is chart.js's (window.FencegateChart), time labels at round times.
   function drawChart() {
-    const series = state.series;
-    const canvas = $("chart");
-    const scale = window.devicePixelRatio || 1;
-    const width = Math.max(1, Math.round(canvas.clientWidth * scale));
-    const height = Math.max(1, Math.round(canvas.clientHeight * scale));
-    canvas.width = width;
-    canvas.height = height;
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(1, 0, 0, 1, 0, 0);
-    ctx.fillStyle = "#ffffff";
-    ctx.fillRect(0, 0, width, height);
-    if (!series) return;
-
-    const left = Math.round(48 * scale);
-    const right = Math.round(12 * scale);
-    const top = Math.round(12 * scale);
-    const bottom = Math.round(30 * scale);
-    const plotW = width - left - right;
-    const plotH = height - top - bottom;
-    const base = top + plotH;
-    const buckets = series.buckets;
-    const n = buckets.length;
-    const maxTotal = buckets.reduce((m, b) => Math.max(m, b.total), 0);
-    const step = niceStep(Math.max(maxTotal, 1) / 4);
-    const ymax = Math.max(step, Math.ceil(maxTotal / step) * step);
-
-    // Grid and y labels.
-    ctx.font = `${Math.round(11 * scale)}px system-ui, sans-serif`;
-    ctx.textBaseline = "middle";
-    ctx.textAlign = "right";
-    for (let v = 0; v <= ymax; v += step) {
-      const y = base - Math.round((v / ymax) * plotH);
-      ctx.fillStyle = "#e4e7eb";
-      ctx.fillRect(left, y, plotW, Math.max(1, Math.round(scale)));
-      ctx.fillStyle = "#52606d";
-      ctx.fillText(String(v), left - Math.round(6 * scale), y);
-    }
-
-    // Stacked bars: one per bucket, one segment per reason.
-    const slot = plotW / n;
-    const barW = Math.max(1, Math.floor(Math.min(slot * 0.8, 48 * scale)));
-    buckets.forEach((bucket, i) => {
-      const x = Math.round(left + i * slot + (slot - barW) / 2);
-      let sum = 0;
-      for (const reason of series.reasons) {
-        const count = bucket.counts[reason];
-        if (!count) continue;
-        const y0 = base - Math.round((sum / ymax) * plotH);
-        sum += count;
-        const y1 = base - Math.round((sum / ymax) * plotH);
-        ctx.fillStyle = colour(reason);
-        ctx.fillRect(x, y1, barW, Math.max(1, y0 - y1));
-      }
-    });
-
-    // X axis and time labels (UTC), spaced so they never overlap.
-    ctx.fillStyle = "#9aa5b1";
-    ctx.fillRect(left, base, plotW, Math.max(1, Math.round(scale)));
-    ctx.fillStyle = "#52606d";
-    ctx.textAlign = "center";
-    ctx.textBaseline = "top";
-    const every = Math.max(1, Math.ceil((90 * scale) / slot));
-    const span = Date.parse(series.until) / 1000 - Date.parse(series.since) / 1000;
-    for (let i = 0; i < n; i += every) {
-      const x = Math.round(left + i * slot + slot / 2);
-      ctx.fillText(axisLabel(buckets[i].start, series.bucket_seconds, span), x, base + Math.round(8 * scale));
-    }
-
-    if (maxTotal === 0) {
-      ctx.fillStyle = "#616e7c";
-      ctx.textBaseline = "middle";
-      ctx.fillText("No refusals in this window", left + plotW / 2, top + plotH / 2);
-    }
-    state.geometry = { left, top, plotH, slot, scale, n };
-    canvas.dataset.drawn = String(buckets.filter((b) => b.total > 0).length);
+    state.geometry = window.FencegateChart.draw($("chart"), state.series, colour);
   }
 
   function renderLegend() {
@@ -296,6 +213,43 @@
       `buckets of ${series.bucket_seconds} s (UTC)`;
     drawChart();
     renderLegend();
+    renderUpstreams(series);
+    fillReplicas(series.replicas);
+  }
+
+  // Forwarded (fenced writes admitted, every replica's: read from the idempotency
+  // records), replayed and refused (the audit) per upstream, for the chart's window.
+  function renderUpstreams(series) {
+    const body = $("upstream-table").tBodies[0];
+    body.replaceChildren();
+    for (const row of series.upstream_counts) {
+      const name = row.upstream === null ? "(no configured upstream)" : row.upstream;
+      body.append(
+        el(
+          "tr",
+          { dataset: { upstream: row.upstream === null ? "" : row.upstream } },
+          el("td", {}, name),
+          el("td", { className: "forwarded" }, row.forwarded),
+          el("td", { className: "replayed" }, row.replayed),
+          el("td", { className: "refused" }, row.refused),
+        ),
+      );
+    }
+    if (series.upstream_counts.length === 0) {
+      body.append(el("tr", {}, el("td", { colSpan: 4, className: "empty" }, "No upstreams.")));
+    }
+    // The records of forwarded writes are kept gateway.idempotency_retention_seconds.
+    const partial = Date.parse(series.forwarded_since) > Date.parse(series.since);
+    $("upstream-note").textContent = partial
+      ? `Forwarded: writes admitted since ${fmtTime(series.forwarded_since)} only ` +
+        "(their records are kept gateway.idempotency_retention_seconds)."
+      : "";
+  }
+
+  function fillReplicas(replicas) {
+    const list = $("replicas");
+    const have = new Set(Array.from(list.options, (o) => o.value));
+    for (const name of replicas) if (!have.has(name)) list.append(el("option", { value: name }));
   }
 
   // -- refusals table ----------------------------------------------------------------------
@@ -334,6 +288,20 @@
     return `${generation} (highest ${highest})`;
   }
 
+  // The replica that answered: a click keeps only its entries.
+  function replicaButton(replica) {
+    if (!replica) return "—";
+    const filter = () => {
+      $("filter-replica").value = replica;
+      loadRefusals(true).catch(report);
+    };
+    return el(
+      "button",
+      { type: "button", className: "link", title: "Show only this replica's entries", on: { click: filter } },
+      replica,
+    );
+  }
+
   async function loadRefusals(reset) {
     if (reset) {
       state.cursor = null;
@@ -343,7 +311,9 @@
     const reason = $("filter-reason").value;
     const upstream = $("filter-upstream").value.trim();
     const job = $("filter-job").value.trim();
+    const replica = $("filter-replica").value.trim();
     if (reason) params.set("reason", reason);
+    if (replica) params.set("replica", replica);
     if (upstream) params.set("upstream", upstream);
     if (job) params.set("job_id", job);
     if (state.cursor) params.set("cursor", state.cursor);
@@ -377,13 +347,14 @@
           el("td", { className: "mono" }, `${item.method} ${item.path}`),
           el("td", { className: "mono" }, show(item.idempotency_key)),
           el("td", { className: "mono" }, show(item.client)),
+          el("td", { className: "replica mono" }, replicaButton(item.replica)),
         ),
       );
     }
     state.rows += page.items.length;
     state.cursor = page.next_cursor;
     if (state.rows === 0) {
-      body.append(el("tr", {}, el("td", { colSpan: 11, className: "empty" }, "No entries match.")));
+      body.append(el("tr", {}, el("td", { colSpan: 12, className: "empty" }, "No entries match.")));
     }
     $("refusals-count").textContent = `${state.rows} shown, newest first`;
     $("refusals-more").hidden = !state.cursor;
@@ -521,11 +492,16 @@
     setStatus(explain(error), "error");
   }
 
-  async function loadAll() {
+  // `auto`: an automatic refresh, which keeps the pages of the table loaded beyond the
+  // first (it would throw them away) instead of reloading it.
+  async function loadAll(auto) {
+    state.loading = true;
+    state.edited = false;
     setStatus("Loading…");
+    const keepTable = auto === true && state.rows > PAGE_SIZE;
     const results = await Promise.allSettled([
       loadChart(),
-      loadRefusals(true),
+      keepTable ? Promise.resolve() : loadRefusals(true),
       loadUnknown(),
       loadTimeline(),
     ]);
@@ -533,6 +509,15 @@
     if (failed) report(failed.reason);
     else setStatus(`Updated ${new Date().toISOString().replace("T", " ").slice(0, 19)} UTC`, "ok");
     document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);
+    state.loading = false;
+    if (state.refresh) state.refresh.loaded();
+  }
+
+  // An automatic refresh waits while a load runs, and while the operator has typed into
+  // a field (a filter, the token, a status for an unknown outcome) without using it yet.
+  function busy() {
+    if (state.loading || state.edited) return true;
+    return Array.from(document.querySelectorAll(".resolve-status")).some((i) => i.value !== "");
   }
 
   function start() {
@@ -552,9 +537,24 @@
       loadAll();
     });
     $("refresh").addEventListener("click", () => loadAll());
+    document.addEventListener("input", (event) => {
+      // (A status typed for an unknown outcome counts while it is there: busy().)
+      const field = event.target;
+      if (field instanceof HTMLInputElement && !field.classList.contains("resolve-status")) {
+        state.edited = true;
+      }
+    });
+    state.refresh = window.FencegateRefresh.create({
+      seconds: REFRESH_SECONDS,
+      load: () => loadAll(true),
+      busy,
+      button: $("auto-refresh"),
+      label: $("auto-refresh-state"),
+    });
     $("window").addEventListener("change", () => loadChart().catch(report));
     $("filters").addEventListener("submit", (event) => {
       event.preventDefault();
+      state.edited = false;
       renderLegend();
       loadRefusals(true).catch(report);
     });
@@ -563,15 +563,18 @@
       loadRefusals(true).catch(report);
     });
     $("filter-clear").addEventListener("click", () => {
+      state.edited = false;
       $("filter-reason").value = "";
       $("filter-upstream").value = "";
       $("filter-job").value = "";
+      $("filter-replica").value = "";
       renderLegend();
       loadRefusals(true).catch(report);
     });
     $("refusals-more").addEventListener("click", () => loadRefusals(false).catch(report));
     $("timeline-form").addEventListener("submit", (event) => {
       event.preventDefault();
+      state.edited = false;
       const jobId = $("timeline-job").value.trim();
       if (jobId) openTimeline(jobId);
     });

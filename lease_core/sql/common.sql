@@ -231,17 +231,18 @@ WHERE job_id = :job_id AND key = :key AND CAST(:changed AS integer) IS NOT NULL;
 -- name: audit
 -- One entry of a request with a lease behind it.
 INSERT INTO audit_log (at, reason, status, job_id, generation, highest_generation, owner,
-                       upstream, method, path, idempotency_key, client, fingerprint, body)
+                       upstream, method, path, idempotency_key, client, fingerprint, body,
+                       replica)
 VALUES ({now}, :reason, :status, :job_id, :generation, :highest_generation, :owner,
-        :upstream, :method, :path, :idempotency_key, :client, :fingerprint, :body);
+        :upstream, :method, :path, :idempotency_key, :client, :fingerprint, :body, :replica);
 
 -- name: audit_grouped
 -- A request without a lease behind it, counted in its group's row (gateway.audit).
 INSERT INTO audit_log (at, last_at, count, group_key, reason, status, job_id, generation,
                        highest_generation, owner, upstream, method, path, idempotency_key,
-                       client, fingerprint, body)
+                       client, fingerprint, body, replica)
 VALUES ({now}, {now}, 1, :group_key, :reason, :status, :job_id, :generation,
         :highest_generation, :owner, :upstream, :method, :path, :idempotency_key, :client,
-        :fingerprint, NULL)
+        :fingerprint, NULL, :replica)
 ON CONFLICT (group_key) DO UPDATE
     SET count = audit_log.count + 1, last_at = excluded.last_at;

@@ -452,17 +452,20 @@ SELECT n FROM settled;
 -- Concurrent entries (common.sql's "audit") in one statement: replays and refusals under
 -- load share one round trip.
 INSERT INTO audit_log (at, reason, status, job_id, generation, highest_generation, owner,
-                       upstream, method, path, idempotency_key, client, fingerprint, body)
+                       upstream, method, path, idempotency_key, client, fingerprint, body,
+                       replica)
 SELECT {now}, v.reason, v.status, v.job_id, v.generation, v.highest_generation, v.owner,
-       v.upstream, v.method, v.path, v.idempotency_key, v.client, v.fingerprint, v.body
+       v.upstream, v.method, v.path, v.idempotency_key, v.client, v.fingerprint, v.body,
+       v.replica
 FROM unnest(CAST(:reason AS text[]), CAST(:status AS integer[]), CAST(:job_id AS text[]),
             CAST(:generation AS bigint[]), CAST(:highest_generation AS bigint[]),
             CAST(:owner AS text[]), CAST(:upstream AS text[]), CAST(:method AS text[]),
             CAST(:path AS text[]), CAST(:idempotency_key AS text[]),
-            CAST(:client AS text[]), CAST(:fingerprint AS text[]), CAST(:body AS bytea[]))
+            CAST(:client AS text[]), CAST(:fingerprint AS text[]), CAST(:body AS bytea[]),
+            CAST(:replica AS text[]))
      WITH ORDINALITY AS v(reason, status, job_id, generation, highest_generation, owner,
                           upstream, method, path, idempotency_key, client, fingerprint,
-                          body, n)
+                          body, replica, n)
 ORDER BY v.n;
 
 -- name: hold_for_resolution

@@ -9,12 +9,14 @@ import asyncio
 import json
 import re
 import secrets
+import socket
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from gateway.config.gateway import hostname_replica
 from gateway.fencing import fence
 from gateway.service.admin import GATEWAY_STATE
 from gateway.service.server import SETTINGS, upkeep
@@ -37,6 +39,7 @@ ENTRY_KEYS = {
     "path",
     "idempotency_key",
     "client",
+    "replica",
     "fingerprint",
     "count",
     "last_at",
@@ -222,6 +225,57 @@ async def test_filters(make_stack: Any, upstream: Upstream, clock: FakeClock) ->
         ("stale-generation", "job-2", "/mail/x")
     ]
     assert upstream.received == []
+
+
+async def test_each_entry_names_the_replica_that_answered(
+    make_stack: Any, upstream: Upstream
+) -> None:
+    """Two replicas on one database: every entry names the one that answered, the
+    ``replica`` filter keeps one replica's entries, and a grouped row (requests without a
+    lease) counts one replica's requests only. Unnamed, a replica is its hostname."""
+    a = await make_stack(upstreams=[upstream_config(upstream)], gateway={"replica_name": "gw-a"})
+    b = await make_stack(upstreams=[upstream_config(upstream)], gateway={"replica_name": "gw-b"})
+    old = await a.lease("job-1", ttl=600)
+    await a.lease("job-1", ttl=600)  # `old` is now stale
+    assert (await a.write("/pay/x", old, key="s1")).status == 409
+    assert (await b.write("/pay/x", old, key="s2")).status == 409
+    for stack in (a, b, b):  # the same group on both replicas: a row per replica
+        assert (await stack.write("/pay/charges", None)).status == 428
+    await a.audit()  # each replica's own entries are written before it reads
+    items = await b.audit()
+    assert sorted((e["replica"], e["reason"], e["count"]) for e in items) == [
+        ("gw-a", "missing-fencing-token", 1),
+        ("gw-a", "stale-generation", 1),
+        ("gw-b", "missing-fencing-token", 2),
+        ("gw-b", "stale-generation", 1),
+    ]
+    only_a = await b.audit(replica="gw-a")
+    assert {e["replica"] for e in only_a} == {"gw-a"} and len(only_a) == 2
+    assert [e["idempotency_key"] for e in only_a if e["job_id"]] == ["s1"]
+    # A name no entry holds cannot match: refused, naming those the audit holds.
+    resp = await a.control.get("/admin/rejections", params={"replica": "gw-c"})
+    assert resp.status == 400
+    doc = await resp.json(content_type=None)
+    assert doc["field"] == "replica"
+    assert doc["detail"] == (
+        "replica: 'gw-c' answered nothing in the audit; replicas in the audit: gw-a, gw-b."
+    )
+    assert await a.audit(replica="gw-b", reason="stale-generation", job_id="job-1") == [
+        e for e in items if e["replica"] == "gw-b" and e["job_id"] == "job-1"
+    ]
+    for bad in ("", "-gw", "gw a", "g" * 101):
+        resp = await a.control.get("/admin/rejections", params={"replica": bad})
+        if bad == "":  # an empty filter is no filter, as for the others
+            assert resp.status == 200
+            continue
+        assert resp.status == 400, bad
+        doc = await resp.json(content_type=None)
+        assert doc["field"] == "replica" and "replica name" in doc["detail"]
+
+    unnamed = await make_stack(upstreams=[upstream_config(upstream)])
+    assert (await unnamed.write("/pay/y", None)).status == 428
+    [entry] = await unnamed.audit(upstream="pay", since="0", limit="1")
+    assert entry["replica"] == hostname_replica(socket.gethostname())
 
 
 async def test_pagination_newest_first(make_stack: Any, upstream: Upstream) -> None:

@@ -188,15 +188,81 @@ async def test_the_audit_table_shows_the_owner(
         ("missing-fencing-token", None),
     }
     ui = dashboard.UI
-    header = re.findall(r"<th>([^<]+)</th>", (ui / "index.html").read_text(encoding="utf-8"))
+    html = (ui / "index.html").read_text(encoding="utf-8")
+    header = re.findall(r"<th>([^<]+)</th>", html[html.index('id="refusals-table"') :])
     script = (ui / "app.js").read_text(encoding="utf-8")
-    # The refusals table: one header per cell app.js fills in, the owner among them.
-    table = header[: header.index("Client") + 1]
+    # The refusals table: one header per cell app.js fills in, the owner and the replica
+    # among them.
+    table = header[: header.index("Replica") + 1]
     assert "Owner" in table and "show(item.owner)" in script
+    assert "replicaButton(item.replica)" in script
     row = script[script.index("async function loadRefusals") :]
     row = row[: row.index("state.rows +=")]
     assert len(re.findall(r'el\(\s*"td"', row)) == len(table)
     assert f'colSpan: {len(table)}, className: "empty"' in script
+
+
+async def test_forwarded_replayed_and_refused_per_upstream(
+    make_stack: Any, upstream: Upstream, clock: FakeClock
+) -> None:
+    """Per upstream in the window: writes forwarded (from the idempotency records, so
+    every replica's), replayed and refused (from the audit); the configured upstreams
+    always listed, refusals that named none counted under null; the replicas seen."""
+    upstreams = [upstream_config(upstream), upstream_config(upstream, name="mail")]
+    a = await make_stack(upstreams=upstreams, gateway={"replica_name": "gw-a"})
+    b = await make_stack(upstreams=upstreams, gateway={"replica_name": "gw-b"})
+    lease = await a.lease("job-1", owner="a", ttl=600)
+    clock.advance(10)
+    assert (await a.write("/pay/charges", lease, key="k1")).status == 201
+    assert (await b.write("/pay/charges", lease, key="k2")).status == 201  # another replica
+    assert (await b.write("/pay/charges", lease, key="k1")).status == 201  # a replay
+    assert (await a.write("/pay/charges", lease, key=None)).status == 400
+    assert (await a.write("/mail/send", lease, key="m1")).status == 201
+    assert (await b.write("/mail/send", None, key="m2")).status == 428
+    assert (await a.proxy.post("/nope/x", json={})).status == 404  # no such upstream
+    clock.advance(10)
+    assert (await a.write("/pay/charges", lease, key="k3")).status == 201  # after the window
+    until = T0 + 15
+    await a.audit()  # a replica's own entries are written before it reads; b reads a's
+
+    doc = await over_time(b, since=T0, until=until)
+    assert doc["upstream_counts"] == [
+        {"upstream": "mail", "forwarded": 1, "replayed": 0, "refused": 1},
+        {"upstream": "pay", "forwarded": 2, "replayed": 1, "refused": 1},
+        {"upstream": None, "forwarded": 0, "replayed": 0, "refused": 1},
+    ]
+    assert doc["forwarded_since"] == rfc3339(T0)
+    assert doc["replicas"] == ["gw-a", "gw-b"]
+    # The same answer from either replica; filters apply to every count.
+    assert (await over_time(a, since=T0, until=until))["upstream_counts"] == doc["upstream_counts"]
+    pay = await over_time(a, since=T0, until=until, upstream="pay")
+    assert pay["upstream_counts"] == [doc["upstream_counts"][1]]
+    job = await over_time(a, since=T0, until=until, job_id="job-1")
+    assert [(u["upstream"], u["forwarded"], u["refused"]) for u in job["upstream_counts"]] == [
+        ("mail", 1, 0),
+        ("pay", 2, 0),  # the missing key was refused before its job was known
+    ]
+    # Nothing in the window: every configured upstream, with zeros.
+    empty = await over_time(a, since=T0 - 100, until=T0)
+    assert empty["upstream_counts"] == [
+        {"upstream": name, "forwarded": 0, "replayed": 0, "refused": 0} for name in ("mail", "pay")
+    ]
+    assert empty["replicas"] == []
+
+    # The idempotency records are kept idempotency_retention_seconds: forwarded writes are
+    # counted from then on only, and the answer says from when.
+    clock.advance(86400 - 25)  # now = T0 + 86395: the records of T0 + 10 are still kept
+    doc = await over_time(a, since=T0, until=until)
+    assert doc["forwarded_since"] == rfc3339(T0)
+    assert [u["forwarded"] for u in doc["upstream_counts"]] == [1, 2, 0]
+    clock.advance(10)  # now = T0 + 86405: admissions before T0 + 5 may be gone
+    doc = await over_time(a, since=T0, until=until)
+    assert doc["forwarded_since"] == rfc3339(clock.now - 86400)
+    assert [u["forwarded"] for u in doc["upstream_counts"]] == [1, 2, 0]
+    clock.advance(10)  # now = T0 + 86415: those of T0 + 10 may be gone, none counted
+    doc = await over_time(a, since=T0, until=until)
+    assert [u["forwarded"] for u in doc["upstream_counts"]] == [0, 0, 0]
+    assert [u["replayed"] for u in doc["upstream_counts"]] == [0, 1, 0]  # the audit's stay
 
 
 async def test_bucket_boundaries(make_stack: Any, clock: FakeClock) -> None:
@@ -398,7 +464,13 @@ async def test_page_and_its_files(make_stack: Any) -> None:
     assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
     assert resp.headers["Cache-Control"] == "no-store"
     assert resp.headers["X-Content-Type-Options"] == "nosniff"
-    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+    assert html.index("/admin/ui/chart.js") < html.index("/admin/ui/app.js")  # app.js uses it
+    for name, kind in (
+        ("app.js", "text/javascript"),
+        ("chart.js", "text/javascript"),
+        ("refresh.js", "text/javascript"),
+        ("style.css", "text/css"),
+    ):
         resp = await stack.control.get(f"/admin/ui/{name}")
         assert resp.status == 200 and resp.content_type == kind
         assert len(await resp.read()) > 500
@@ -410,11 +482,20 @@ async def test_page_and_its_files(make_stack: Any) -> None:
         assert resp.content_type == PROBLEM
 
 
-@pytest.mark.parametrize("path", ["/admin/ui", "/admin/ui/app.js", "/admin/ui/style.css"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/admin/ui",
+        "/admin/ui/app.js",
+        "/admin/ui/chart.js",
+        "/admin/ui/refresh.js",
+        "/admin/ui/style.css",
+    ],
+)
 async def test_the_static_files_hold_no_data_and_open_without_a_token(
     make_stack: Any, path: str
 ) -> None:
-    """A browser cannot send a bearer header when it opens a page: the page and its two
+    """A browser cannot send a bearer header when it opens a page: the page and its four
     files are open; every call for data needs the admin token the user types in."""
     stack = await make_stack(auth={"admin_tokens": [ADMIN], "worker_tokens": [WORKER]})
     resp = await stack.control.get(path)

@@ -62,6 +62,27 @@ async def test_audit_upstream_must_be_configured_or_audited(
         assert resp.status == 200, await resp.text()
 
 
+async def test_audit_replica_must_be_in_the_audit(make_stack: Any, upstream: Upstream) -> None:
+    """Replicas are configured nowhere: a replica filter is refused unless an entry names
+    it (a typo, or a replica that answered nothing), the answer naming those that do."""
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)], gateway={"replica_name": "gw-1"}
+    )
+    resp = await stack.control.get("/admin/rejections", params={"replica": "gw-1"})
+    assert "'gw-1' answered nothing" in await refused(resp, "replica")  # not yet
+    assert (
+        "replicas in the audit: none."
+        in await (await stack.control.get("/admin/rejections", params={"replica": "gw-1"})).text()
+    )
+    await stack.write("/pay/x", None)
+    resp = await stack.control.get("/admin/rejections", params={"replica": "gw-1"})
+    assert resp.status == 200 and len((await resp.json())["items"]) == 1
+    resp = await stack.control.get("/admin/rejections", params={"replica": "gw1"})
+    assert "replicas in the audit: gw-1." in await refused(resp, "replica")
+    resp = await stack.control.get("/admin/rejections", params={"replica": "gw 1"})
+    assert "not a replica name" in await refused(resp, "replica")
+
+
 async def test_job_state_must_be_one(control: Any) -> None:
     resp = await control.get("/v1/jobs", params={"state": "done"})
     detail = await refused(resp, "state")

@@ -10,6 +10,7 @@ how an operator behind a header-adding proxy uses it. The token field stays empt
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import struct
@@ -20,6 +21,7 @@ import zlib
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +89,14 @@ async def upstream_server() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-def write_config(folder: Path, upstream_url: str) -> Path:
+def write_config(folder: Path, upstream_url: str, replica: str) -> Path:
     path = folder / "fencegate.toml"
     path.write_text(
         'database_url = "sqlite+aiosqlite:///fencegate.db"\n'
         'proxy_listen = "127.0.0.1:0"\n'
         'control_listen = "127.0.0.1:0"\n'
+        "[gateway]\n"
+        f'replica_name = "{replica}"\n'
         "[auth]\n"
         f'admin_tokens = ["{ADMIN}"]\n'
         f'worker_tokens = ["{WORKER}"]\n'
@@ -162,6 +166,13 @@ class Gate:
         ) as resp:
             await resp.read()
             return resp.status
+
+    async def audit(self) -> list[dict[str, Any]]:
+        """The audit as the replica reads it (its own entries written first)."""
+        async with self.session.get(self.control + "/admin/rejections", headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+            items: list[dict[str, Any]] = (await r.json())["items"]
+            return items
 
     async def unknown(self) -> list[dict[str, Any]]:
         async with self.session.get(self.control + "/admin/unknown-outcomes", headers=AUTH) as r:
@@ -290,14 +301,20 @@ async def rows_of(page: Page, selector: str, attribute: str) -> list[str]:
 
 
 async def test_dashboard_in_chromium(tmp_path: Path, chromium: str) -> None:
-    async with upstream_server() as upstream_url:
-        async with fencegate(write_config(tmp_path, upstream_url)) as (control, proxy):
-            async with aiohttp.ClientSession() as session:
-                gate = Gate(session, control, proxy)
-                await make_history(gate)
-                assert [(i["job_id"], i["key"]) for i in await gate.unknown()] == [("job-2", "u1")]
-                await drive_browser(chromium, control, gate, tmp_path)
-                assert await gate.unknown() == []
+    """Two replicas, one after the other on one database: gw-a makes the history, gw-b
+    refuses one request more and serves the page."""
+    async with upstream_server() as upstream_url, aiohttp.ClientSession() as session:
+        async with fencegate(write_config(tmp_path, upstream_url, "gw-a")) as (control, proxy):
+            gate = Gate(session, control, proxy)
+            await make_history(gate)
+            assert [(i["job_id"], i["key"]) for i in await gate.unknown()] == [("job-2", "u1")]
+            assert {e["replica"] for e in await gate.audit()} == {"gw-a"}
+        async with fencegate(write_config(tmp_path, upstream_url, "gw-b")) as (control, proxy):
+            gate = Gate(session, control, proxy)
+            assert await gate.write("/pay/charges", None, "k4") == 428  # missing-fencing-token
+            assert Counter(e["replica"] for e in await gate.audit()) == {"gw-a": 6, "gw-b": 1}
+            await drive_browser(chromium, control, gate, tmp_path)
+            assert await gate.unknown() == []
 
 
 async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path) -> None:
@@ -320,6 +337,11 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
                     problems.append(f"console: {msg.text}") if msg.type == "error" else None
                 ),
             )
+            # The page's clock is Playwright's, stopped: its auto-refresh runs only when
+            # the test moves the clock on (check_auto_refresh), never in the middle of a
+            # check, however slow the machine.
+            await page.clock.install()
+            await page.clock.pause_at(datetime.now(UTC) + timedelta(seconds=1))
             response = await page.goto(control + "/admin/ui")
             assert response is not None and response.status == 200
             await expect(page.locator("body[data-loaded]")).to_have_count(1)
@@ -327,8 +349,10 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
 
             # The refusals table lists every reason; a filter shrinks it.
             rows = page.locator("#refusals-table tbody tr[data-reason]")
-            await expect(rows).to_have_count(len(REASONS))
+            await expect(rows).to_have_count(len(REASONS) + 1)  # gw-b's refusal too
             assert set(await rows_of(page, "#refusals-table tbody tr", "reason")) == REASONS
+            await check_replicas(page, rows)
+            await check_upstreams(page)
             await page.select_option("#filter-reason", "stale-generation")
             await expect(rows).to_have_count(1)
             assert await rows_of(page, "#refusals-table tbody tr", "reason") == ["stale-generation"]
@@ -365,9 +389,168 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             await expect(page.locator("#unknown-table tbody")).to_contain_text("Nothing held")
 
             await check_chart(page, tmp_path)
+            await check_time_labels(page)
+            await check_auto_refresh(page, gate)
             assert problems == []
         finally:
             await context.close()
+
+
+async def loads(page: Page) -> int:
+    """How many times the page has loaded its data (app.js counts them)."""
+    return int(await page.locator("body").get_attribute("data-loaded") or "0")
+
+
+async def check_auto_refresh(page: Page, gate: Gate) -> None:
+    """On by default: new entries show without a click, every 30 s (the page's clock is
+    Playwright's, stopped, moved on by the test). Paused by the control, and still paused after a
+    reload; resumed, it loads at once. A field typed in and not used holds it back."""
+    await page.reload()
+    control = page.locator("#auto-refresh")
+    rows = page.locator("#refusals-table tbody tr[data-reason]")
+    await expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+    await expect(control).to_have_attribute("data-state", "on")
+    await expect(control).to_be_visible()
+    await expect(page.locator("#auto-refresh-state")).to_have_text("Refreshing every 30 s")
+    before = await rows.count()
+
+    assert await gate.write("/pay/refunds", None, "r1") == 428  # a new grouped entry
+    await page.clock.fast_forward(29_000)
+    await asyncio.sleep(0.3)
+    assert await loads(page) == 1  # not yet
+    await page.clock.fast_forward(2_000)
+    await expect(page.locator("body[data-loaded='2']")).to_have_count(1)
+    await expect(rows).to_have_count(before + 1)
+    await expect(page.locator("#refusals-table tbody")).to_contain_text("/pay/refunds")
+
+    # Paused: kept across a reload, nothing loads however long one waits.
+    await control.click()
+    await expect(control).to_have_attribute("data-state", "paused")
+    await expect(control).to_have_text("Resume auto-refresh")
+    await expect(page.locator("#auto-refresh-state")).to_have_text("Auto-refresh paused")
+    await page.reload()
+    await expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+    await expect(control).to_have_attribute("data-state", "paused")
+    assert await page.evaluate("() => localStorage.getItem('fencegate.autoRefresh')") == "paused"
+    assert await gate.write("/pay/returns", None, "r2") == 428
+    await page.clock.fast_forward(120_000)
+    await asyncio.sleep(0.5)
+    assert await loads(page) == 1
+    await expect(rows).to_have_count(before + 1)
+
+    # Resumed: at once, and every 30 s again.
+    await control.click()
+    await expect(control).to_have_attribute("data-state", "on")
+    await expect(page.locator("body[data-loaded='2']")).to_have_count(1)
+    await expect(rows).to_have_count(before + 2)
+    assert await page.evaluate("() => localStorage.getItem('fencegate.autoRefresh')") is None
+
+    # A filter typed and not applied: the refresh waits rather than apply it half-typed.
+    await page.fill("#filter-job", "job-")
+    await page.clock.fast_forward(31_000)
+    await asyncio.sleep(0.5)
+    assert await loads(page) == 2
+    await page.click("#filter-clear")  # used (cleared): the next period refreshes
+    await page.clock.fast_forward(31_000)
+    await expect(page.locator("body[data-loaded='3']")).to_have_count(1)
+
+
+async def check_upstreams(page: Page) -> None:
+    """Per upstream in the window: pay had two writes forwarded (k1, then u1 whose outcome
+    is unknown), by gw-a, one replay, and every refusal of the history."""
+    pay = page.locator('#upstream-table tbody tr[data-upstream="pay"]')
+    await expect(pay).to_have_count(1)
+    cells = await pay.locator("td").all_inner_texts()
+    assert cells == ["pay", "2", "1", str(len(CHARTED) + 1)]
+    await expect(page.locator("#upstream-table tbody tr")).to_have_count(1)
+    await expect(page.locator("#upstream-note")).to_have_text("")
+    # A window longer than the records are kept: the forwarded counts say from when.
+    await page.select_option("#window", "604800")
+    await expect(page.locator("#upstream-note")).to_contain_text("writes admitted since")
+    assert await pay.locator("td").all_inner_texts() == cells
+    await page.select_option("#window", "86400")
+    await expect(page.locator("#upstream-note")).to_have_text("")
+    # The replicas of the window are offered to the table's filter.
+    offered = await page.locator("#replicas option").evaluate_all("os => os.map(o => o.value)")
+    assert offered == ["gw-a", "gw-b"]
+
+
+async def check_replicas(page: Page, rows: Any) -> None:
+    """The Replica column names the replica that answered; the filter keeps one
+    replica's entries, typed or by a click on a name."""
+    header = await page.locator("#refusals-table thead th").all_inner_texts()
+    column = header.index("Replica")
+    names = await rows.evaluate_all(
+        f"rows => rows.map(r => r.querySelectorAll('td')[{column}].textContent)"
+    )
+    assert Counter(names) == {"gw-a": len(REASONS), "gw-b": 1}
+    await page.fill("#filter-replica", "gw-b")
+    await page.click("#filters button[type=submit]")
+    await expect(rows).to_have_count(1)
+    assert await rows_of(page, "#refusals-table tbody tr", "reason") == ["missing-fencing-token"]
+    await page.click("#filter-clear")
+    await expect(rows).to_have_count(len(REASONS) + 1)
+    await page.locator("td.replica button", has_text="gw-a").first.click()
+    await expect(rows).to_have_count(len(REASONS))
+    await expect(page.locator("#filter-replica")).to_have_value("gw-a")
+    await page.click("#filter-clear")
+    await expect(rows).to_have_count(len(REASONS) + 1)
+
+
+# (window, bucket, plot width in CSS pixels) -> the step between two time labels: the
+# smallest round step whose labels are 90 px apart at least. A day of 15-minute buckets
+# over 1,160 px had a label every 7 buckets (1 h 45 min): now every 2 hours.
+TICK_CASES = [
+    (86400, 900, 1160, 2 * 3600),
+    (86400, 900, 600, 6 * 3600),
+    (86400, 900, 3000, 3600),
+    (900, 10, 1160, 120),
+    (3600, 30, 1160, 300),
+    (21600, 300, 1160, 1800),
+    (604800, 3600, 1160, 86400),
+    (2592000, 21600, 1160, 7 * 86400),
+    (60, 1, 1160, 5),
+]
+ROUND_STEPS = {1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800}
+ROUND_STEPS |= {3600 * h for h in (1, 2, 3, 6, 12)} | {86400 * d for d in (1, 2, 7, 14, 28)}
+
+
+async def check_time_labels(page: Page) -> None:
+    """Time labels at round UTC times: chart.js's choice for windows and widths, then
+    the labels the canvas was drawn with."""
+    until = 1_800_003_700  # not a round time: the labels are, whatever the window's end
+    for window, bucket, width, expected in TICK_CASES:
+        ticks = await page.evaluate(
+            "([s, e, w, b]) => window.FencegateChart.timeTicks(s, e, w, 90, b)",
+            [until - window, until, width, bucket],
+        )
+        assert ticks["step"] == expected, (window, bucket, width, ticks["step"])
+        times = ticks["times"]
+        assert times and all(t % expected == 0 for t in times)
+        assert all(b - a == expected for a, b in itertools.pairwise(times))
+        assert until - window <= times[0] < until - window + expected
+        assert expected * width / window >= 90  # never crowded
+    label = "([t, step, span]) => window.FencegateChart.tickLabel(t, step, span)"
+    assert await page.evaluate(label, [1_800_010_800, 10800, 86400]) == "11:00"
+    assert await page.evaluate(label, [1_800_000_000 - 1_800_000_000 % 86400, 10800, 86400]) == (
+        "01-15 00:00"
+    )
+    assert await page.evaluate(label, [1_800_000_030, 15, 900]) == "08:00:30"
+    assert await page.evaluate(label, [1_800_057_600, 86400, 604800]) == "01-16"
+
+    # The drawn chart: its labels at multiples of one round step, in order.
+    chart = page.locator("#chart")
+    step = int(await chart.get_attribute("data-tick-step") or "0")
+    assert step in ROUND_STEPS
+    drawn = (await chart.get_attribute("data-ticks") or "").split()
+    assert len(drawn) >= 3
+    seconds = [epoch_of(t) for t in drawn]
+    assert all(t % step == 0 for t in seconds)
+    assert all(b - a == step for a, b in itertools.pairwise(seconds))
+
+
+def epoch_of(iso: str) -> int:
+    return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp())
 
 
 async def check_chart(page: Page, tmp_path: Path) -> None:
@@ -381,7 +564,7 @@ async def check_chart(page: Page, tmp_path: Path) -> None:
     assert set(colours) == CHARTED  # no replay among the refusals
     assert len(set(colours.values())) == len(CHARTED)  # one colour per reason
     summary = page.locator("#chart-summary")
-    await expect(summary).to_contain_text(f"{len(CHARTED)} refusal(s); 1 replay(s)")
+    await expect(summary).to_contain_text(f"{len(CHARTED) + 1} refusal(s); 1 replay(s)")
     # The replay's colour (app.js COLOURS) is painted nowhere on the canvas.
     replay_colour = "#7f7f7f"
     assert replay_colour in (ROOT / "gateway" / "ui" / "app.js").read_text(encoding="utf-8")

@@ -475,3 +475,26 @@ def test_metrics_tokens_are_secrets_of_the_configuration() -> None:
     assert "scrape-token-0123456789" in settings.secret_values()
     assert "scrape-token-0123456789" not in repr(settings)
     assert settings.auth.enabled
+
+
+# -- the replica's name ---------------------------------------------------------------------
+
+
+def test_the_replica_name_is_set_or_the_hostname(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.config.gateway import hostname_replica
+
+    path = write(tmp_path, '[gateway]\nreplica_name = "gw-1.eu:a"\n')
+    assert load_settings(path).gateway.replica == "gw-1.eu:a"
+    monkeypatch.setenv("FENCEGATE_GATEWAY__REPLICA_NAME", "gw-2")
+    assert load_settings(path).gateway.replica == "gw-2"
+    monkeypatch.delenv("FENCEGATE_GATEWAY__REPLICA_NAME")
+    for bad in ('""', '"-gw"', '"gw 1"', f'"{"g" * 101}"'):
+        with pytest.raises(ConfigError, match=r"gateway\.replica_name"):
+            load_settings(write(tmp_path, f"[gateway]\nreplica_name = {bad}\n"))
+    # Unset: the hostname, made into a name the column and the filter accept.
+    assert hostname_replica("pod-7d9f.svc") == "pod-7d9f.svc"
+    assert hostname_replica("_büro host") == "b-ro-host"
+    assert hostname_replica("x" * 300) == "x" * 100
+    assert hostname_replica("__") == "fencegate"
