@@ -119,7 +119,14 @@ def operation(method: str, path: str, op: Operation) -> dict[str, Any]:
             responses[str(status)]["headers"] = {
                 "Location": {"schema": {"type": "string"}, "description": "/admin/ui"}
             }
-    responses |= problem_answers(e.reason for e in (*op.refusals, *AUTH_REFUSALS[op.who]))
+    refusals = (*op.refusals, *AUTH_REFUSALS[op.who])
+    responses |= problem_answers(e.reason for e in refusals)
+    for error in refusals:  # the headers an error class answers with (WWW-Authenticate)
+        for name, value in error.headers.items():
+            responses[str(error.status)].setdefault("headers", {})[name] = {
+                "schema": {"type": "string"},
+                "description": value,
+            }
     responses["default"] = DEFAULT_PROBLEM
     out["responses"] = responses
     out |= op.extra
