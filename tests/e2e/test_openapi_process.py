@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DOCUMENT = ROOT / "docs" / "openapi.json"
 # Schemathesis's bound: test cases per operation and phase, so that both runs (admin and
-# worker tokens) take about a minute on two cores.
-MAX_EXAMPLES = 100
+# worker tokens) take under two minutes on two cores.
+MAX_EXAMPLES = 60
 CHECKS = (
     "not_a_server_error",
     "status_code_conformance",
@@ -223,7 +223,10 @@ async def test_schemathesis_finds_no_server_error_and_no_answer_off_the_schema(
             "--checks", ",".join(CHECKS),
             "--phases", "examples,coverage,fuzzing",
             "--max-examples", str(MAX_EXAMPLES),
-            "--workers", "2",
+            # One worker: with two, Hypothesis's ast.parse of a lambda in another thread
+            # now and then fails in CPython 3.11 ("AST constructor recursion depth
+            # mismatch"), a runtime error of the tool, not of the gateway.
+            "--workers", "1",
             "--request-timeout", "10",
             "--output-sanitize", "false",
             env=env, cwd=tmp_path, timeout=360,  # its cache (.schemathesis/) goes there
