@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import binascii
 from typing import Annotated
 
 from aiohttp import web
@@ -69,7 +68,7 @@ async def resolve(request: web.Request) -> web.Response:
     if body.body_base64 is not None:
         try:
             raw = base64.b64decode(body.body_base64, validate=True)
-        except binascii.Error as error:
+        except ValueError as error:  # binascii.Error, or a character that is not ASCII
             raise exc.InvalidRequest("body_base64: not base64.", field="body_base64") from error
     elif body.body is not None:
         raw = body.body.encode()

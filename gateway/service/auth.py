@@ -12,12 +12,15 @@ from gateway.config import AuthSettings
 from lease_core import exceptions as exc
 from lease_core.problems import Check
 
-# Open without a token: health, and the dashboard's static files, which hold no data
-# (every call the page makes for data needs the admin token, which the user types in).
+# Open without a token: health, the dashboard's static files, which hold no data (every
+# call the page makes for data needs the admin token, which the user types in), and the
+# OpenAPI document, which describes the protocol (the same file as docs/openapi.json),
+# nothing of this deployment: no upstream, token or setting.
 OPEN_PATHS = frozenset(
     {
         "/healthz",
         "/readyz",
+        "/openapi.json",
         "/admin/ui",
         "/admin/ui/app.js",
         "/admin/ui/chart.js",

@@ -25,7 +25,7 @@ from gateway.observe.logs import request_id_middleware
 from gateway.proxy.body import body_deadline_check
 from gateway.proxy.handler import Gateway, create_proxy_app
 from gateway.records import migrate, replication
-from gateway.service import admin, dashboard, tasks, tls
+from gateway.service import admin, dashboard, openapi, tasks, tls
 from gateway.service.auth import auth_check
 from gateway.service.describe import source_target
 from gateway.service.parse_errors import ProblemRunner
@@ -116,6 +116,7 @@ def create_control_app(
     lease_api.add_routes(app)
     admin.add_routes(app, gateway)
     dashboard.add_routes(app, gateway)
+    openapi.add_routes(app)
     tasks.every(
         app,
         "upkeep",

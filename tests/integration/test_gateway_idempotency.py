@@ -492,6 +492,18 @@ async def test_resolve_refuses_bad_input(make_stack: Any, upstream: Upstream) ->
             },
             400,
         ),
+        # Not ASCII: base64 refuses it with a ValueError of its own, which was a 500
+        # (found by Schemathesis, tests/e2e/test_openapi_fuzz.py).
+        (
+            {
+                "job_id": "job-1",
+                "key": "pay-1",
+                "applied": True,
+                "status": 201,
+                "body_base64": "\u009e\u00e2",
+            },
+            400,
+        ),
         ({"job_id": "job-1", "key": "other", "applied": False}, 404),
         ({"job_id": "job-2", "key": "pay-1", "applied": False}, 404),
         ({"key": "pay-1", "applied": False}, 400),
