@@ -82,3 +82,15 @@ def answer_after(ended: Ended, *, keyed: bool = False) -> Verdict:
         )
         return Verdict(Outcome.REFUSE, reason, _DETAILS[ended].format(key=key), retry_after=True)
     return Verdict(Outcome.REFUSE, reason, _DETAILS[ended].format(key=_HELD if keyed else ""))
+
+
+def documented(reason: Reason) -> list[str]:
+    """The details an exchange's end answers with under ``reason``, as the OpenAPI
+    document lists them (a keyed write's; ``[not sent]``: with ``Retry-After``)."""
+    found = []
+    for ended, chosen in AFTER_FORWARD.items():
+        if chosen is reason and isinstance(ended, Exchange):
+            verdict = answer_after(ended, keyed=True)
+            assert verdict.detail is not None
+            found.append(verdict.detail + (" [Retry-After]" if verdict.retry_after else ""))
+    return found

@@ -101,6 +101,10 @@ class AuditEntry(Answer):
     idempotency_key: str | None
     client: str | None
     fingerprint: str | None
+    replica: str | None = Field(
+        description="The replica that answered (gateway.replica_name); null for entries "
+        "written by a version before it was kept."
+    )
     count: int = Field(ge=1)
     last_at: datetime
     body: str | None = Field(

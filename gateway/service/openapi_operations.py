@@ -178,6 +178,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             param("reason", type="string", enum=[r.value for r in GATEWAY_REASONS]),
             param("upstream"),
             param("source", description='"fencegate" or a [[lease_sources]] name.'),
+            param("replica", description="The replica that answered (gateway.replica_name)."),
             param("since", **TIME),
             param("until", **TIME),
             limit(api.MAX_LIST_LIMIT, 100),

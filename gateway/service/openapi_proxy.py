@@ -9,6 +9,7 @@ from typing import Any
 
 from fencegate_client import protocol
 from fencegate_client.reasons import REASONS, Layer, Reason
+from gateway.fencing import after_forward
 from lease_core.problems import CONTENT_TYPE
 
 FENCED_METHODS = ("post", "put", "patch", "delete")
@@ -40,10 +41,14 @@ def problems_by_status() -> dict[str, Any]:
         refs = [{"$ref": REF.format(reason=r.value)} for r in group]
         response: dict[str, Any] = {
             "description": "The gateway's own answer: "
-            + "; ".join(f"{r.value} ({REASONS[r].detail})" for r in group),
+            + "; ".join(
+                f"{r.value} ({' | '.join(after_forward.documented(r) or [REASONS[r].detail])})"
+                for r in group
+            ),
             "content": {CONTENT_TYPE: {"schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}},
         }
-        if any(REASONS[r].retry_after for r in group):
+        retry = any(REASONS[r].retry_after or after_forward.documented(r) for r in group)
+        if retry:
             response["headers"] = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
         out[str(status)] = response
     return out

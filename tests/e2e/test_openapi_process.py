@@ -201,6 +201,26 @@ async def worker_with_the_generated_client(gateway: Server, upstream: Upstream) 
         assert isinstance(late, models.Problem)
         assert (late.status, late.reason) == (409, "lease-ended")
         assert len(upstream.received) == 1
+    await audit_conforms(gateway)
+
+
+async def audit_conforms(gateway: Server) -> None:
+    """The audit's entries as served (the refusals above, with every field the audit
+    keeps) conform to the document's ``AuditPage``, which forbids fields it does not
+    name: a field added to the answer and not to the document fails here."""
+    from jsonschema import Draft202012Validator
+
+    document = json.loads(DOCUMENT.read_text(encoding="utf-8"))
+    schema = {"$ref": "#/components/schemas/AuditPage", "components": document["components"]}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(
+            f"http://{gateway.control}/admin/rejections",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        ) as resp:
+            assert resp.status == 200
+            page = await resp.json()
+    assert {item["reason"] for item in page["items"]} >= {"lease-ended", "idempotent-replay"}
+    Draft202012Validator(schema).validate(page)
 
 
 @pytest.mark.timeout(420)
