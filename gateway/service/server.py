@@ -322,6 +322,9 @@ async def serve(
             except SourceRefused as error:
                 raise SystemExit(f"fencegate: {error}") from None
             runners.append(runner)
+        # Both apps set up before either listens: /healthz and /readyz never answer while
+        # the proxy is still starting (its lease sources wait for their stores).
+        for name, runner in zip(("control", "proxy"), runners, strict=True):
             for sock in sockets[name]:
                 await web.SockSite(
                     runner, sock, backlog=1024, ssl_context=contexts.get(name)

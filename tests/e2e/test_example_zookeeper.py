@@ -22,7 +22,7 @@ from tests.e2e.test_client import (
     control_call,
     serving_a_copy,
 )
-from tests.e2e.test_examples import EXAMPLES, ROOT, SOURCES_CONFIG, run
+from tests.e2e.test_examples import AWS_CREDENTIALS, EXAMPLES, ROOT, SOURCES_CONFIG, run
 
 ZOOKEEPER_WORKER = EXAMPLES / "zookeeper_lock_worker.py"
 
@@ -45,7 +45,9 @@ def zk_server(
         'hosts = ["127.0.0.1:2181"]': f'hosts = ["{zookeeper_hosts}"]',
     }
     folder = tmp_path_factory.mktemp("fencegate-zookeeper")
-    with serving_a_copy(SOURCES_CONFIG, folder, replacements) as process:
+    # The ddb source's AWS credentials (any: the file's endpoint is moto's); serve
+    # refuses to start without them.
+    with serving_a_copy(SOURCES_CONFIG, folder, replacements, **AWS_CREDENTIALS) as process:
         yield process
 
 

@@ -295,6 +295,7 @@ def test_client_integration_example_writes_once(
 # -- lease sources: examples/lease_sources.toml, signed_token_worker.py, etcd_worker.py ------
 
 SOURCES_CONFIG = EXAMPLES / "lease_sources.toml"
+AWS_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
 SIGNED_WORKER = EXAMPLES / "signed_token_worker.py"
 ETCD_WORKER = EXAMPLES / "etcd_worker.py"
 
@@ -311,7 +312,9 @@ def sources_server(
         'endpoints = ["http://127.0.0.1:2379"]': f'endpoints = ["{etcd_url}"]',
     }
     folder = tmp_path_factory.mktemp("fencegate-sources")
-    with serving_a_copy(SOURCES_CONFIG, folder, replacements) as process:
+    # The ddb source's AWS credentials (any: the file's endpoint is moto's); serve
+    # refuses to start without them.
+    with serving_a_copy(SOURCES_CONFIG, folder, replacements, **AWS_CREDENTIALS) as process:
         yield process
 
 

@@ -24,6 +24,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from tests.support import free_port
+
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
 LISTENING = re.compile(r"fencegate listening: .*?control=([^\s\",]+).*?proxy=([^\s\",]+)")
 
@@ -135,6 +137,7 @@ def test_serve_names_each_lease_source_with_where_it_points(tmp_path: Path) -> N
         .public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
         .decode()
     )
+    nobody, nobody_tls = free_port(), free_port()
     config.write_text(
         f"""\
 [[upstreams]]
@@ -156,12 +159,12 @@ hosts = ["127.0.0.1:2181", "zk2.example.com:2181"]
 [[lease_sources]]
 name = "locks"
 kind = "redis"
-url = "redis://fencer:redis-secret@127.0.0.1:6379/0"
+url = "redis://fencer:redis-secret@127.0.0.1:{nobody}/0"
 
 [[lease_sources]]
 name = "cache"
 kind = "redis"
-url = "rediss://127.0.0.1:6380/1?password=query-secret"
+url = "rediss://127.0.0.1:{nobody_tls}/1?password=query-secret"
 
 [[lease_sources]]
 name = "ddb"
@@ -179,16 +182,19 @@ issuer = "billing-queue"
 """,
         encoding="utf-8",
     )
-    with serving(tmp_path, "--config", str(config)) as (_, records):
+    # serve needs AWS credentials (any) for ddb; the Redis sources point where nobody
+    # listens (a Redis that answers and refuses the credentials would stop serve).
+    aws = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    with serving(tmp_path, "--config", str(config), **aws) as (_, records):
         lines = [m for m in messages(records, "info") if m.startswith("accepting lease source")]
         assert lines == [
             "accepting lease source etcd: etcd (http://127.0.0.1:2379, "
-            "https://root:***@etcd.example.com:2379); Fencing-Token etcd:...",
+            "https://etcd.example.com:2379); Fencing-Token etcd:...",
             "accepting lease source zk: zookeeper (127.0.0.1:2181, zk2.example.com:2181); "
             "Fencing-Token zk:...",
-            "accepting lease source locks: redis (redis://fencer:***@127.0.0.1:6379/0); "
+            f"accepting lease source locks: redis (redis://fencer:***@127.0.0.1:{nobody}/0); "
             "Fencing-Token locks:...",
-            "accepting lease source cache: redis (rediss://127.0.0.1:6380/1); "
+            f"accepting lease source cache: redis (rediss://127.0.0.1:{nobody_tls}/1); "
             "Fencing-Token cache:...",
             "accepting lease source ddb: dynamodb (table locks, us-east-1, "
             "http://127.0.0.1:5000); Fencing-Token ddb:...",
