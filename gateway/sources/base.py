@@ -69,7 +69,11 @@ def bounded(lease: ExternalLease | None) -> ExternalLease | None:
     """The lease, refused at intake when its generation does not fit the database's
     integer (a counter raised by hand past 2^63 - 1): a clear refusal, never a write the
     database cannot store."""
-    if lease is None or lease.generation is None or 0 <= lease.generation <= GENERATION_MAX:
+    if lease is None:
+        return None
+    if lease.newer is not None and not 0 <= lease.newer <= GENERATION_MAX:
+        lease = replace(lease, newer=None)  # a newer holder's, shown and audited: unknown
+    if lease.generation is None or 0 <= lease.generation <= GENERATION_MAX:
         return lease
     return replace(
         lease,

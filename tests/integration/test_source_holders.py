@@ -259,6 +259,24 @@ async def test_a_generation_beyond_the_databases_integer_is_refused_at_intake(
         await stack.write("/pay/x", token(lock.token), key="a"), 403, "invalid-fencing-token"
     )
     assert str(GENERATION_MAX) in doc["detail"] and doc["job_id"] == f"ddb/{TABLE}/{key}"
+    # A token of a fence that fits, once the item's fence is past the limit: stale, the
+    # newer holder's fence unknown (it fits no column of the audit either).
+    other = name()
+    ddb.put_item(TableName=TABLE, Item={"lock_key": {"S": other}, "fence": {"N": "4"}})
+    below = DynamoDbLock(ddb, TABLE, other, ttl_seconds=30)
+    assert below.acquire() and below.fence == 5
+    ddb.update_item(
+        TableName=TABLE,
+        Key={"lock_key": {"S": other}},
+        UpdateExpression="SET fence = :f",
+        ExpressionAttributeValues={":f": {"N": str(GENERATION_MAX + 7)}},
+    )
+    doc = await problem(
+        await stack.write("/pay/x", token(below.token), key="b"), 409, "stale-generation"
+    )
+    assert doc["generation"] == 5
+    entries = await stack.audit(job_id=f"ddb/{TABLE}/{other}")
+    assert [e["reason"] for e in entries] == ["stale-generation"]
 
     assert upstream.received == []
 
