@@ -49,6 +49,16 @@ class Secured:
         return {k: v for k, v in source.items() if v is not None}
 
 
+# Every test here: kazoo and redis-py leave the socket of a failed TLS handshake or AUTH to
+# the garbage collector; ``leaked_sockets`` collects it at the end of the test that made
+# it (where this mark lets its warning pass), never in whichever test runs next in this
+# process (pytest-xdist puts any module there).
+pytestmark = [
+    pytest.mark.usefixtures("leaked_sockets"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     folder = tmp_path_factory.mktemp("redis-secured")
