@@ -7,7 +7,6 @@ that names the setting."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -56,17 +55,12 @@ class Secured:
         return {k: v for k, v in source.items() if v is not None}
 
 
-@pytest.fixture(autouse=True)
-def leaked_sockets() -> Iterator[None]:
-    """A refused TLS handshake may leave its client socket to the garbage collector:
-    collected at the end of the test that made it (whose warning this module lets pass),
-    never in whichever test runs next in this process (pytest-xdist puts any module
-    there)."""
-    yield
-    gc.collect()
-
-
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# Every test here: a refused handshake's socket is collected in its own test
+# (``leaked_sockets``, tests/conftest.py), where this mark lets its warning pass.
+pytestmark = [
+    pytest.mark.usefixtures("leaked_sockets"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 
 @pytest.fixture(scope="module")

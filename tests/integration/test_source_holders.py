@@ -10,75 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import boto3
-import pytest
 import redis.asyncio
 import sqlalchemy as sa
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from fencegate_client.dynamodb_lock import DynamoDbLock, create_table
+from fencegate_client.dynamodb_lock import DynamoDbLock
 from fencegate_client.redis_lock import AsyncRedisLock
 from fencegate_client.signed import mint_token
 from gateway.records.schema import fences
 from tests.gateway_helpers import ok, problem, until_in_flight
-from tests.support import MotoServer, RedisServer, Upstream, upstream_config
+from tests.integration.test_source_dynamodb import TABLE
+from tests.integration.test_source_dynamodb import ddb as ddb
+from tests.integration.test_source_dynamodb import dynamodb_url as dynamodb_url
+from tests.integration.test_source_dynamodb import source as ddb_source
+from tests.integration.test_source_redis import client as client
+from tests.integration.test_source_redis import redis_url as redis_url
+from tests.integration.test_source_redis import source as redis_source
+from tests.support import Upstream, upstream_config
 
 GENERATION_MAX = 2**63 - 1
-TABLE = "locks"
-CREDENTIALS = {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
-    client = redis.asyncio.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture(scope="module")
-def dynamodb_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = MotoServer(tmp_path_factory.mktemp("moto"))
-    create_table(
-        boto3.client("dynamodb", endpoint_url=server.url, region_name="us-east-1", **CREDENTIALS),
-        TABLE,
-    )
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture
-def ddb(dynamodb_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "gateway")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "gateway")
-    return boto3.client(
-        "dynamodb", endpoint_url=dynamodb_url, region_name="us-east-1", **CREDENTIALS
-    )
-
-
-def redis_source(url: str) -> dict[str, Any]:
-    return {"name": "locks", "kind": "redis", "url": url}
-
-
-def ddb_source(url: str) -> dict[str, Any]:
-    return {
-        "name": "ddb",
-        "kind": "dynamodb",
-        "table": TABLE,
-        "region": "us-east-1",
-        "endpoint_url": url,
-    }
 
 
 def token(text: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ message that names the setting; a Redis Cluster node is refused at start."""
 
 from __future__ import annotations
 
-import gc
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,10 +48,8 @@ class Secured:
         return {k: v for k, v in source.items() if v is not None}
 
 
-# Every test here: kazoo and redis-py leave the socket of a failed TLS handshake or AUTH to
-# the garbage collector; ``leaked_sockets`` collects it at the end of the test that made
-# it (where this mark lets its warning pass), never in whichever test runs next in this
-# process (pytest-xdist puts any module there).
+# Every test here: a refused handshake's socket is collected in its own test
+# (``leaked_sockets``, tests/conftest.py), where this mark lets its warning pass.
 pytestmark = [
     pytest.mark.usefixtures("leaked_sockets"),
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
@@ -96,16 +93,6 @@ async def test_the_right_settings_admit_a_write(
     finally:
         await client.aclose()
     assert len(upstream.received) == 1
-
-
-@pytest.fixture
-def leaked_sockets() -> Iterator[None]:
-    """redis-py leaves the socket of a connection whose TLS handshake (or, for redis-py,
-    whose AUTH) failed to the garbage collector, which warns of it. Collected here, at
-    the end of the test that made it (whose mark lets the warning pass), rather than
-    during whichever test runs next."""
-    yield
-    gc.collect()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ required). The right settings admit a write; each wrong one is refused, and says
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import uuid
 from collections.abc import Iterator
@@ -60,10 +59,8 @@ class Secured:
         return self.settings(**{**tls, **extra})
 
 
-# Every test here: kazoo and redis-py leave the socket of a failed TLS handshake or AUTH to
-# the garbage collector; ``leaked_sockets`` collects it at the end of the test that made
-# it (where this mark lets its warning pass), never in whichever test runs next in this
-# process (pytest-xdist puts any module there).
+# Every test here: a refused handshake's socket is collected in its own test
+# (``leaked_sockets``, tests/conftest.py), where this mark lets its warning pass.
 pytestmark = [
     pytest.mark.usefixtures("leaked_sockets"),
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
@@ -147,16 +144,6 @@ async def test_a_chroot_in_hosts(
     # A gateway without a chroot reads the full path.
     await ok(await outside.write("/pay/charges", await locked(client)))
     assert len(upstream.received) == 2
-
-
-@pytest.fixture
-def leaked_sockets() -> Iterator[None]:
-    """kazoo leaves the socket of a connection whose TLS handshake (or, for redis-py,
-    whose AUTH) failed to the garbage collector, which warns of it. Collected here, at
-    the end of the test that made it (whose mark lets the warning pass), rather than
-    during whichever test runs next."""
-    yield
-    gc.collect()
 
 
 @pytest.mark.parametrize(
