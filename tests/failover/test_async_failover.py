@@ -207,7 +207,15 @@ async def test_serve_waits_for_a_standby_that_becomes_synchronous(
     upstream = await start_upstream(group)
     path = config(tmp_path, pair.url, upstream.url, allow=False)
     starting = asyncio.ensure_future(start_replica(group, path, "gateway"))
-    await asyncio.sleep(3)
+    # Until serve has looked once and is looking again (a loaded machine may take seconds
+    # to start the process at all: a fixed sleep let the standby turn synchronous first).
+    log = tmp_path / "gateway.log"
+    deadline = asyncio.get_running_loop().time() + 30
+    while "checking again for up to 15 s" not in (log.read_text() if log.exists() else ""):
+        assert not starting.done(), "serve started or stopped without looking again"
+        assert asyncio.get_running_loop().time() < deadline, "serve never looked again"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1)
     assert not starting.done()  # still looking, not refused
     await pair.primary.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
     await pair.primary.execute("SELECT pg_reload_conf()")
