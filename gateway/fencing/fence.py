@@ -135,6 +135,34 @@ class Presented:
     detail: str | None = None  # the source's explanation of the refusal, if it has one
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Everything the admit transaction (or a read of the lease) learned; ``lease`` is
+    its verdict on the lease, judged once by the store (``lease_reason``)."""
+
+    now: float
+    presented: Presented | None
+    lease: Reason | None  # None: the lease may write now; else why not
+    highest: int | None = None
+    claimed: bool = False
+    attempt: str | None = None
+    record: Record | None = None
+    older_in_flight: bool = False
+    # The key's record was taken over (retry policy): ``attempt`` is ours now, and
+    # ``back_to`` is the record as it was, to return to if our attempt is never sent.
+    back_to: Record | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimState:
+    """A claimed write, as the database sees it right before it is sent."""
+
+    now: float
+    fence: int | None  # the job's fence: the highest generation admitted
+    deadline: float | None  # None: the claim is no longer ours (released, taken over)
+    older_in_flight: bool  # an older generation's write to the job is in flight now
+
+
 class Lost(StrEnum):
     """What a lease source (``gateway.sources``) found out about a lease that may no
     longer write: a fact, which ``external_reason`` turns into the refusal's reason."""

@@ -44,7 +44,7 @@ from gateway.proxy.request import Claim, Incoming, Progress
 from gateway.proxy.resolve import Resolver
 from gateway.proxy.waits import gone, until_older_settled, until_settled
 from gateway.records.audit import Audit
-from gateway.records.store import Admission, GatewayStore, WriteRequest
+from gateway.records.store import GatewayStore, WriteRequest
 from gateway.sources import ExternalLease, bounded
 from gateway.upstream import s3
 from gateway.upstream.forwarding import Forwarder, upstream_url
@@ -63,7 +63,7 @@ DEADLINE_MARGIN = 5.0
 FRESH_ADMISSION = 0.25
 
 # The lease check ``expect`` made before the client sent the body.
-LEASE_CHECKED = web.RequestKey("lease_checked", Admission)
+LEASE_CHECKED = web.RequestKey("lease_checked", fence.Admission)
 # The wait a fenced write asked for with ``Prefer: wait=N`` (capped), if any.
 DUPLICATE_WAIT = web.RequestKey("duplicate_wait", DuplicateWait)
 
@@ -281,7 +281,7 @@ class Gateway:
         progress.admission = admission
         facts.lease = admission.lease
 
-    async def _lease_now(self, incoming: Incoming) -> Admission | None:
+    async def _lease_now(self, incoming: Incoming) -> fence.Admission | None:
         """Read-only: the lease behind the token as the database (and, for a lease of
         another source, that source) sees it now; None: no such token."""
         if incoming.source is not None:

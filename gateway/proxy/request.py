@@ -17,8 +17,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.config import UpstreamSettings
-from gateway.fencing.fence import Record
-from gateway.records.store import Admission
+from gateway.fencing.fence import Admission, Record
 from gateway.sources import Source
 
 

@@ -18,41 +18,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from gateway.fencing import fence
-from gateway.fencing.fence import Presented, Reason, Record, RecordState
+from gateway.fencing.fence import Admission, ClaimState, Presented, Reason, Record, RecordState
 from gateway.records.schema import requests, writing
 from gateway.sources import ExternalLease
 from lease_core import rules, tokens
 from lease_core.backend import PURGE_BATCH
 from lease_core.rules import State
 from lease_core.store import LeaseStore
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """Everything the admit transaction (or a read of the lease) learned; ``lease`` is
-    its verdict on the lease, judged once here (``fence.lease_reason``)."""
-
-    now: float
-    presented: Presented | None
-    lease: Reason | None  # None: the lease may write now; else why not
-    highest: int | None = None
-    claimed: bool = False
-    attempt: str | None = None
-    record: Record | None = None
-    older_in_flight: bool = False
-    # The key's record was taken over (retry policy): ``attempt`` is ours now, and
-    # ``back_to`` is the record as it was, to return to if our attempt is never sent.
-    back_to: Record | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A claimed write, as the database sees it right before it is sent."""
-
-    now: float
-    fence: int | None  # the job's fence: the highest generation admitted
-    deadline: float | None  # None: the claim is no longer ours (released, taken over)
-    older_in_flight: bool  # an older generation's write to the job is in flight now
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,14 +97,14 @@ class GatewayStore:
         lease = fence.lease_reason(presented, now)
         return Admission(now=now, presented=presented, lease=lease, highest=highest)
 
-    async def claim(self, job_id: str, key: str, attempt: str) -> Claim:
+    async def claim(self, job_id: str, key: str, attempt: str) -> ClaimState:
         """Read-only, right before a claimed write is sent: the job's fence, the claim's
         deadline while the record is still our attempt, in flight, and whether an older
         generation's write is in flight now."""
         row = await self.backend.run("claim_state", job_id=job_id, key=key, attempt=attempt)
         assert row is not None
         deadline = row["deadline"]
-        return Claim(
+        return ClaimState(
             now=float(row["now"]),
             fence=row["fence_generation"],
             deadline=None if deadline is None else float(deadline),

@@ -32,9 +32,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from gateway.fencing import fence
-from gateway.fencing.fence import RecordState
+from gateway.fencing.fence import Admission, RecordState
 from gateway.records.schema import fences, requests
-from gateway.records.store import Admission, GatewayStore, WriteRequest
+from gateway.records.store import GatewayStore, WriteRequest
 from lease_core import direct_sqlite as direct_module
 from lease_core import exceptions as exc
 from lease_core import tokens
