@@ -1,5 +1,5 @@
 """How long a claimed write can still be sent late: the window between the gateway's
-last judgement of a claim (``Gateway._judge_at_send``: the fence and the claim's deadline,
+last judgement of a claim (the machine's READ_CLAIM step: the fence and the claim's deadline,
 read from the database right before the forward) and the first byte of the request
 leaving for the upstream.
 
@@ -38,7 +38,8 @@ from aiohttp import web
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway.config import Settings
-from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.fencing.request import Act
+from gateway.proxy.gateway import Gateway, create_proxy_app
 from gateway.records import migrate
 from gateway.upstream import connection
 from lease_core.db import create_engine
@@ -108,7 +109,7 @@ async def measure(
         judged: dict[asyncio.Task[Any], float] = {}
         reads: list[float] = []
         windows: list[float] = []
-        judge_again = gateway._judge_at_send
+        judge_again = gateway.steps[Act.READ_CLAIM]
         claim = gateway.store.claim
 
         async def timed_claim(*args: Any) -> Any:
@@ -118,11 +119,12 @@ async def measure(
             finally:
                 reads.append(time.perf_counter() - started)
 
-        async def timed_judge_at_send(*args: Any) -> None:
-            await judge_again(*args)
+        async def timed_judge_at_send(*args: Any) -> Any:
+            found = await judge_again(*args)
             task = asyncio.current_task()
             assert task is not None
             judged[task] = time.perf_counter()
+            return found
 
         async def headers_sent(*_: Any) -> None:
             task = asyncio.current_task()
@@ -139,7 +141,7 @@ async def measure(
         # Timers wrapped around the real methods (a measurement, not a test double).
         setattr(connection.Connection, "send", timed_send)  # noqa: B010
         setattr(gateway.store, "claim", timed_claim)  # noqa: B010
-        setattr(gateway, "_judge_at_send", timed_judge_at_send)  # noqa: B010
+        gateway.steps[Act.READ_CLAIM] = timed_judge_at_send
 
         leases = [
             await store.acquire(job_id=f"job-{i}", owner="w", ttl=600, queue="window")

@@ -170,7 +170,7 @@ async def make_stack(
 
     Every replica's apps are closed before ``engine`` (set up first, torn down last) is
     disposed: their background upkeep may still hold a connection."""
-    from gateway.proxy.handler import Gateway, create_proxy_app
+    from gateway.proxy.gateway import Gateway, create_proxy_app
 
     stacks: list[Stack] = []
 

@@ -72,6 +72,7 @@ _COMMON = "lease_core/sql/common.sql"
 _POSTGRES = "lease_core/sql/postgresql.sql"
 _FENCE = "gateway/fencing/fence.py"
 _HANDLER = "gateway/proxy/handler.py"
+_MACHINE = "gateway/fencing/request.py"
 _STORE = "gateway/records/store.py"
 
 # Issue 44: the gateway binds (source, lock, generation) to the first holder admitted,
@@ -151,12 +152,10 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         databases=BOTH,
         edits=(
             Edit(
-                _HANDLER,
-                "            facts.in_order = UNKNOWN if admission.older_in_flight else True\n"
-                "            now = time.monotonic()\n",
-                "            now = time.monotonic()\n"
-                "            quick = now - asked < FRESH_ADMISSION\n"
-                "            facts.in_order = UNKNOWN if admission.older_in_flight and not quick"
+                _MACHINE,
+                "        facts.in_order = UNKNOWN if admission.older_in_flight else True\n",
+                "        quick = answered - asked < FRESH_ADMISSION\n"
+                "        facts.in_order = UNKNOWN if admission.older_in_flight and not quick"
                 " else True\n",
             ),
         ),
@@ -167,8 +166,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         ),
         fast=True,
         killed_by=(
-            "tests/integration/test_gateway_ordering.py"
-            "::test_newer_generation_waits_for_the_older_write_in_flight"
+            "tests/unit/test_request_machine.py"
+            "::test_an_older_write_in_flight_is_waited_for_however_fast_the_admission"
         ),
     ),
     Mutant(
@@ -328,9 +327,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         databases=UNREACHABLE,
         edits=(
             Edit(
-                "gateway/proxy/resolve.py",
-                "window=upstream.dedup.window_seconds - upstream.timeout_seconds - MARGIN,",
-                "window=upstream.dedup.window_seconds + upstream.timeout_seconds + MARGIN,",
+                "gateway/fencing/deadlines.py",
+                "    return dedup_window - timeout - RESOLVE_MARGIN",
+                "    return dedup_window + timeout + RESOLVE_MARGIN",
             ),
         ),
         why=(
@@ -340,8 +339,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "workload never runs the resolver."
         ),
         killed_by=(
-            "tests/integration/test_gateway_resolve.py"
-            "::test_past_the_window_it_goes_to_the_operator"
+            "tests/unit/test_request_machine.py::test_the_resolver_re_sends_only_inside_the_window"
         ),
     ),
     Mutant(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Final
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -13,17 +13,15 @@ from multidict import CIMultiDict
 from gateway.fencing import fence
 from gateway.fencing.decision import Verdict
 from gateway.fencing.fence import Reason, Record
+from gateway.fencing.request import RequestMachine
 from gateway.observe import tracing
 from gateway.observe.metrics import GatewayMetrics
-from gateway.proxy.request import Incoming, Progress
+from gateway.proxy.request import Incoming
 from gateway.records.audit import Audit, AuditEntry, audit_path
 from lease_core.problems import problem_response
 
 # The proxy's logger: operators filter on it for every answer the gateway gives itself.
 log = logging.getLogger("fencegate.proxy")
-
-# The audit's label of an unknown outcome that the gateway resolved itself (``resolve``).
-AUTO_RESOLVED: Final = Reason.AUTO_RESOLVED
 
 
 class Answers:
@@ -37,7 +35,7 @@ class Answers:
     async def reject(
         self,
         incoming: Incoming,
-        progress: Progress,
+        machine: RequestMachine,
         reason: Reason,
         *,
         detail: str | None = None,
@@ -47,14 +45,14 @@ class Answers:
         info = fence.REASONS[reason]
         if info.retry_after:
             headers = {"Retry-After": "1", **(headers or {})}
-        extra = self._problem_extra(progress)
+        extra = self._problem_extra(machine)
         if (
             detail is None
-            and progress.admission is not None
-            and progress.admission.presented is not None
+            and machine.admission is not None
+            and machine.admission.presented is not None
         ):
-            detail = progress.admission.presented.detail  # a lease source's own explanation
-        self._count(incoming, progress, reason.value)
+            detail = machine.admission.presented.detail  # a lease source's own explanation
+        self._count(incoming, machine, reason.value)
         log.info(
             "answered %s %d",
             reason.value,
@@ -68,7 +66,7 @@ class Answers:
                 }
             },
         )
-        await self._audit(incoming, progress, reason.value, info.status, extra)
+        await self._audit(incoming, machine, reason.value, info.status, extra)
         return problem_response(
             status=info.status,
             reason=reason.value,
@@ -80,7 +78,7 @@ class Answers:
         )
 
     async def refuse(
-        self, incoming: Incoming, progress: Progress, verdict: Verdict
+        self, incoming: Incoming, machine: RequestMachine, verdict: Verdict
     ) -> web.StreamResponse:
         """A refusal the decision (or the table after the forward) gave, rendered: the
         extension members its reason shows, the connection closed where it asks."""
@@ -89,13 +87,13 @@ class Answers:
         members: dict[str, Any] = {}
         if reason is Reason.BODY_TOO_LARGE and incoming.upstream is not None:
             members["max_body_bytes"] = incoming.upstream.max_body_bytes
-        if reason is Reason.REPLAY_UNAVAILABLE and progress.record is not None:
-            members["stored_status"] = progress.record.status
+        if reason is Reason.REPLAY_UNAVAILABLE and machine.record is not None:
+            members["stored_status"] = machine.record.status
         if reason is Reason.BODY_TIMEOUT:
-            return await self.body_timeout(incoming, progress)
+            return await self.body_timeout(incoming, machine, reason)
         headers = {"Retry-After": "1"} if verdict.retry_after else None
         response = await self.reject(
-            incoming, progress, reason, detail=verdict.detail, headers=headers, members=members
+            incoming, machine, reason, detail=verdict.detail, headers=headers, members=members
         )
         if verdict.close:
             # Malformed or ambiguous framing: nothing sent after it on the connection may
@@ -103,26 +101,30 @@ class Answers:
             response.force_close()
         return response
 
-    async def replay(self, incoming: Incoming, progress: Progress, record: Record) -> web.Response:
+    async def replay(
+        self, incoming: Incoming, machine: RequestMachine, record: Record
+    ) -> web.Response:
         """The key's stored answer (the table sent one kept too large to store to
         ``replay-unavailable`` instead)."""
-        self._count(incoming, progress, Reason.IDEMPOTENT_REPLAY.value)
+        self._count(incoming, machine, Reason.IDEMPOTENT_REPLAY.value)
         await self._audit(
             incoming,
-            progress,
+            machine,
             Reason.IDEMPOTENT_REPLAY.value,
             record.status or 0,
-            self._problem_extra(progress),
+            self._problem_extra(machine),
         )
         headers = CIMultiDict(record.headers or [])
         headers["Idempotent-Replayed"] = "true"
         return web.Response(status=record.status or 200, headers=headers, body=record.body or b"")
 
-    async def body_timeout(self, incoming: Incoming, progress: Progress) -> web.StreamResponse:
+    async def body_timeout(
+        self, incoming: Incoming, machine: RequestMachine, reason: Reason
+    ) -> web.StreamResponse:
         """Nothing was claimed yet (the body is read before ``admit``). The answer is sent
         and the connection closed at once: aiohttp would otherwise keep reading the rest
         of the slow body (its lingering close) before closing."""
-        response = await self.reject(incoming, progress, Reason.BODY_TIMEOUT)
+        response = await self.reject(incoming, machine, reason)
         response.force_close()
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.prepare(incoming.request)
@@ -130,12 +132,12 @@ class Answers:
         incoming.request.protocol.force_close()
         return response
 
-    def _count(self, incoming: Incoming, progress: Progress, reason: str) -> None:
+    def _count(self, incoming: Incoming, machine: RequestMachine, reason: str) -> None:
         if tracing.ENABLED:
             tracing.answered(
                 reason,
                 replayed=reason == Reason.IDEMPOTENT_REPLAY.value,
-                presented=progress.admission.presented if progress.admission else None,
+                presented=machine.admission.presented if machine.admission else None,
                 source_name=incoming.source_name,
             )
         self.metrics.decisions.labels(
@@ -145,21 +147,21 @@ class Answers:
             self.metrics.source_decisions.labels(incoming.source_name, reason).inc()
 
     @staticmethod
-    def _problem_extra(progress: Progress) -> dict[str, Any]:
-        if progress.admission is None:
+    def _problem_extra(machine: RequestMachine) -> dict[str, Any]:
+        if machine.admission is None:
             return {}
-        return fence.problem_extra(progress.admission.presented, progress.admission.highest)
+        return fence.problem_extra(machine.admission.presented, machine.admission.highest)
 
     async def _audit(
         self,
         incoming: Incoming,
-        progress: Progress,
+        machine: RequestMachine,
         reason: str,
         status: int,
         extra: dict[str, Any],
     ) -> None:
         request = incoming.request
-        presented = progress.admission.presented if progress.admission else None
+        presented = machine.admission.presented if machine.admission else None
         self.audit.record(
             AuditEntry(
                 reason=reason,
@@ -178,9 +180,9 @@ class Answers:
                 if incoming.key and not fence.is_anonymous(incoming.key)
                 else None,
                 client=request.remote,
-                fingerprint=progress.fingerprint,
-                body=progress.body.getvalue()
-                if progress.body is not None and self.audit_bodies
+                fingerprint=machine.fingerprint,
+                body=machine.body.getvalue()
+                if machine.body is not None and self.audit_bodies
                 else None,
             )
         )

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.request import parse_http_list
+
+from gateway.fencing.deadlines import DuplicateWait as DuplicateWait  # the wait's policy
 
 # ``token [ BWS "=" BWS word ]`` of RFC 7240, where ``word`` is a token or a quoted string.
 _PREFERENCE = re.compile(
@@ -41,46 +42,6 @@ def prefer_wait(values: Iterable[str]) -> int | None:
             seconds = (match.group(2) or "").strip('"')
             return int(seconds) if _SECONDS.fullmatch(seconds) else None
     return None
-
-
-# A waiting duplicate looks at its key's record again after this long, doubling up to
-# POLL_MAX, unless this replica settles the key first.
-POLL_FIRST = 0.02
-POLL_MAX = 0.25
-
-
-@dataclass(slots=True)
-class DuplicateWait:
-    """A request's ``Prefer: wait``, capped by ``gateway.max_prefer_wait_seconds``; or
-    the wait the gateway grants a duplicate whose answer this replica is settling
-    (``asked`` False: no ``Preference-Applied``)."""
-
-    seconds: int  # the wait granted (above zero)
-    until: float | None = None  # time.monotonic() at which it ends, once it has begun
-    waited: bool = False  # it did wait (``Preference-Applied`` says so)
-    poll: float = POLL_FIRST  # the next look at the record, after this long
-    _db_now: float = 0.0  # the database's clock at the last admission ...
-    _seen_at: float = 0.0  # ... and time.monotonic() then
-    asked: bool = True  # by the client's ``Prefer: wait``
-
-    @property
-    def applied(self) -> str:
-        return f"wait={self.seconds}"
-
-    def begin(self, db_now: float) -> None:
-        """The admission found the key in flight (by the database's clock ``db_now``)."""
-        if self.until is None:
-            self.until = time.monotonic() + self.seconds
-        self._db_now, self._seen_at = db_now, time.monotonic()
-
-    def database_now(self) -> float:
-        """The database's clock as the last admission read it, moved on by this
-        process's: only a hint that a record's deadline may have passed (the admission
-        judges it by the database's own)."""
-        return self._db_now + (time.monotonic() - self._seen_at)
-
-    def left(self) -> float:
-        return 0.0 if self.until is None else self.until - time.monotonic()
 
 
 class Settles:

@@ -13,16 +13,12 @@ from typing import Any
 from gateway.config import GatewaySettings
 from gateway.fencing import fence
 from gateway.fencing.fence import RecordState
-from gateway.proxy.request import Incoming, Progress
+from gateway.fencing.request import RequestMachine
+from gateway.proxy.request import Incoming
 from gateway.proxy.resolve import kept_request
 from gateway.records.store import GatewayStore, KeptRequest
 from gateway.upstream import s3
 from gateway.upstream.forwarding import settle_quietly
-
-# How long a duplicate waits for a settle of its key that this replica is writing behind
-# an answer already given (``Behind``): a settle takes milliseconds; past this, the
-# database is in trouble and the duplicate is told ``request-in-progress``.
-BEHIND_WAIT_SECONDS = 1
 
 
 class Behind:
@@ -82,8 +78,8 @@ class HeldKey:
         "_incoming",
         "_job_id",
         "_key",
+        "_machine",
         "_max_replay_body_bytes",
-        "_progress",
         "_release",
         "_settled",
         "_store",
@@ -93,21 +89,21 @@ class HeldKey:
         self,
         store: GatewayStore,
         incoming: Incoming,
-        progress: Progress,
+        machine: RequestMachine,
         *,
         release: Callable[[], Awaitable[None]],
         settled: Callable[[str, str], None],
         behind: Behind,
         max_replay_body_bytes: int,
     ) -> None:
-        presented = progress.admission.presented if progress.admission else None
-        assert progress.claim is not None
-        self._store, self._incoming, self._progress = store, incoming, progress
+        presented = machine.admission.presented if machine.admission else None
+        assert machine.claim is not None
+        self._store, self._incoming, self._machine = store, incoming, machine
         self._release, self._settled, self._behind = release, settled, behind
         self._max_replay_body_bytes = max_replay_body_bytes
         self._job_id = presented.job_id if presented else ""
         self._key = incoming.key or ""
-        self._attempt = progress.claim.attempt
+        self._attempt = machine.claim.attempt
 
     async def release(self) -> None:
         await self._release()
@@ -161,22 +157,22 @@ class HeldKey:
         """The request to keep for a re-send by the gateway: only for an upstream that
         resolves unknown outcomes, a write with a key, and a body within
         ``gateway.max_replay_body_bytes`` (a larger one goes to the operator)."""
-        incoming, progress = self._incoming, self._progress
+        incoming, machine = self._incoming, self._machine
         upstream = incoming.upstream
         if (
             upstream is None
             or upstream.unknown_outcome != "resolve"
             or fence.is_anonymous(self._key)
-            or progress.forwarded is None
-            or progress.body is None
+            or machine.forwarded is None
+            or machine.body is None
         ):
             return None
         if upstream.signing is not None and not s3.is_object_write(
             incoming.request.method, incoming.rest, incoming.query
         ):
             return None  # S3: only an object write can be checked by its metadata
-        with progress.body.getbuffer() as view:
+        with machine.body.getbuffer() as view:
             size = view.nbytes
         if size > self._max_replay_body_bytes:
             return None
-        return kept_request(progress.forwarded, upstream, incoming.query, progress.body.getvalue())
+        return kept_request(machine.forwarded, upstream, incoming.query, machine.body.getvalue())

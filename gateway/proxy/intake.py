@@ -16,13 +16,17 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.config import UpstreamSettings
+from gateway.config import GatewaySettings, UpstreamSettings
 from gateway.fencing import fence, profiles
+from gateway.fencing.deadlines import DuplicateWait, Timing
 from gateway.fencing.decision import Facts
+from gateway.fencing.request import RequestMachine
 from gateway.observe import tracing
 from gateway.observe.logs import REQUEST_ID
+from gateway.proxy.duplicates import prefer_wait
 from gateway.proxy.request import Incoming
 from gateway.sources import Source, split_token
+from gateway.upstream import s3
 from gateway.upstream.hops import HOP_BY_HOP, connection_named
 from lease_core import tokens
 
@@ -215,3 +219,61 @@ def forward_headers(
     if tracing.ENABLED:
         tracing.forwarding(out, job_id, generation)
     return out
+
+
+def outgoing_headers(
+    incoming: Incoming, machine: RequestMachine, *, fenced: bool
+) -> CIMultiDict[str]:
+    """The headers the upstream gets: the fencing headers on a fenced write (and on
+    an S3 object write, the fencing metadata only the gateway writes)."""
+    upstream, request = incoming.upstream, incoming.request
+    assert upstream is not None
+    if not fenced:
+        headers = forward_headers(request, upstream, None, None, None)
+        if upstream.signing is not None:
+            s3.drop_metadata(headers)
+        return headers
+    job_id, generation, key = machine.job_id, machine.generation, incoming.key
+    headers = forward_headers(request, upstream, job_id, generation, key)
+    if upstream.signing is not None:
+        s3.drop_metadata(headers)  # only the gateway writes the fencing metadata
+        if (
+            key is not None
+            and not fence.is_anonymous(key)
+            and s3.is_object_write(request.method, incoming.rest, incoming.query)
+        ):
+            s3.stamp(headers, job_id, generation, profiles.upstream_key(job_id, key))
+    return headers
+
+
+def begin(
+    request: web.Request,
+    limits: GatewaySettings,
+    upstreams: Mapping[str, UpstreamSettings],
+    sources: Mapping[str, Source],
+) -> tuple[Incoming, RequestMachine]:
+    """The request's line and headers read (``intake``), and its state machine made."""
+    incoming, facts = intake(request, upstreams, limits.max_idempotency_key_length, sources)
+    upstream = incoming.upstream
+    timing = None
+    if upstream is not None:
+        timing = Timing(
+            limits.ordering_wait_seconds, upstream.timeout_seconds, upstream.connect_timeout_seconds
+        )
+    machine = RequestMachine(
+        facts,
+        timing=timing,
+        body_arrived=request.content.is_eof(),
+        policy="hold" if upstream is None else upstream.unknown_outcome,
+        wait=asked_wait(request, facts.fenced, limits.max_prefer_wait_seconds),
+    )
+    return incoming, machine
+
+
+def asked_wait(request: web.Request, fenced: bool, cap: int) -> DuplicateWait | None:
+    """``Prefer: wait=N`` (RFC 7240) on a fenced write: how long it may wait for its
+    key's first attempt, if that is in flight (capped; a malformed one is ignored)."""
+    if not fenced or cap == 0:
+        return None
+    asked = prefer_wait(request.headers.getall("Prefer", []))
+    return DuplicateWait(min(asked, cap)) if asked else None

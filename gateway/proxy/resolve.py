@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from multidict import CIMultiDict
 
 from gateway.config import GatewaySettings, UpstreamSettings
+from gateway.fencing import resolution
+from gateway.fencing.deadlines import resolve_claim_for, resolve_window
 from gateway.fencing.fence import RecordState
-from gateway.fencing.profiles import Answer, is_mismatch, upstream_key
+from gateway.fencing.profiles import is_mismatch, upstream_key
+from gateway.fencing.resolution import Settled
 from gateway.observe.metrics import GatewayMetrics
-from gateway.proxy.answers import AUTO_RESOLVED
 from gateway.records.audit import Audit, AuditEntry
 from gateway.records.store import GatewayStore, KeptRequest, Resolution
 from gateway.upstream import UpstreamError, s3
@@ -50,10 +52,6 @@ class ObjectState:
 PAUSE = 1.0
 # Records one round resolves per upstream at most (the next round goes on).
 ROUND = 50
-# The resolver's slack, in seconds: the role the proxy's DEADLINE_MARGIN plays there,
-# with a value of its own (not the same). Taken off the dedup window a re-send must fall
-# in, and added twice to a claimed record's deadline.
-MARGIN = 1.0
 
 
 class Resolver:
@@ -87,12 +85,12 @@ class Resolver:
             for _ in range(ROUND):
                 claimed = await self.store.claim_resolution(
                     upstream.name,
-                    window=upstream.dedup.window_seconds - upstream.timeout_seconds - MARGIN,
+                    window=resolve_window(upstream.dedup.window_seconds, upstream.timeout_seconds),
                     max_attempts=self.limits.resolve_max_attempts,
                     pause=PAUSE,
-                    deadline_in=upstream.timeout_seconds
-                    + upstream.connect_timeout_seconds
-                    + 2 * MARGIN,
+                    deadline_in=resolve_claim_for(
+                        upstream.timeout_seconds, upstream.connect_timeout_seconds
+                    ),
                 )
                 if claimed is None:
                     break
@@ -102,66 +100,42 @@ class Resolver:
     async def resolve(self, upstream: UpstreamSettings, claimed: Resolution) -> int:
         """Re-send one claimed record and settle it; 1 when it got its answer."""
         claim = await self.store.claim(claimed.job_id, claimed.key, claimed.attempt)
-        if claim.fence is not None and claim.fence > claimed.generation:
-            # A newer generation was admitted since: an older write is never sent after it.
-            await self._unknown(
-                upstream,
-                claimed,
-                "a newer generation of the job has written since: not re-sent; resolve it by hand",
-                keep=False,
-                outcome="superseded",
-            )
-            return 0
+        settled = resolution.before_resend(claimed.generation, claim)
+        if settled is None:
+            settled = await self._resend(upstream, claimed)
+        return await self._settle(upstream, claimed, settled)
+
+    async def _resend(self, upstream: UpstreamSettings, claimed: Resolution) -> Settled:
+        """The object's state first (S3: written already, or the precondition for a safe
+        re-send), then the re-send; what its answer makes of the record."""
         extra: dict[str, str] = {}
         if upstream.signing is not None:
             found = await self._object_state(upstream, claimed)
             if isinstance(found, str):
-                await self._unknown(upstream, claimed, found, keep=True)
-                return 0
+                return Settled(RecordState.UNKNOWN, "unknown", found, keep=True)
             if found.written:
-                return await self._completed(
-                    upstream,
-                    claimed,
-                    200,
-                    found.headers,
-                    b"",
-                    "the object carries this write's fencing metadata (HEAD)",
-                )
+                how = "the object carries this write's fencing metadata (HEAD)"
+                return replace(resolution.written(how), answer=(200, found.headers, b""))
             extra = found.precondition
         answer = await self._send(upstream, claimed, extra)
         if isinstance(answer, str):
-            await self._unknown(upstream, claimed, answer, keep=True)
-            return 0
-        status, answer_headers, body = answer
+            return Settled(RecordState.UNKNOWN, "unknown", answer, keep=True)
+        status, _, body = answer
         dedup = upstream.dedup
         assert dedup is not None
-        if is_mismatch(status, body, dedup.mismatch_status, dedup.mismatch_contains):
-            await self._unknown(
-                upstream,
-                claimed,
-                f"re-sent; the upstream answered {status}: this key was used with other "
-                "parameters. Resolve it by hand",
-                keep=False,
-                status=status,
-                outcome="mismatch",
-            )
-            return 0
+        mismatch = is_mismatch(status, body, dedup.mismatch_status, dedup.mismatch_contains)
         # ``precondition``: the one the gateway added after its HEAD (``extra``).
         answered = upstream.answer_of(status, precondition=bool(extra))
-        if answered is Answer.PRECONDITION_FAILED:
-            # The object changed between the HEAD and the conditional re-send.
-            await self._unknown(
-                upstream, claimed, "re-sent; the object changed meanwhile (412)", keep=True
-            )
-            return 0
-        if answered is not Answer.FINAL:
-            await self._unknown(
-                upstream, claimed, f"re-sent; the upstream answered {status}", keep=True
-            )
-            return 0
-        return await self._completed(
-            upstream, claimed, status, answer_headers, body, f"re-sent ({status})"
-        )
+        return replace(resolution.after_resend(status, answered, mismatch=mismatch), answer=answer)
+
+    async def _settle(
+        self, upstream: UpstreamSettings, claimed: Resolution, settled: Settled
+    ) -> int:
+        if settled.resolved:
+            assert settled.answer is not None
+            return await self._completed(upstream, claimed, settled)
+        await self._unknown(upstream, claimed, settled)
+        return 0
 
     async def _send(
         self, upstream: UpstreamSettings, claimed: Resolution, extra: Mapping[str, str]
@@ -224,31 +198,27 @@ class Resolver:
         return ObjectState(written, kept, {"If-Match": etag} if etag else {})
 
     async def _completed(
-        self,
-        upstream: UpstreamSettings,
-        claimed: Resolution,
-        status: int,
-        answer_headers: list[tuple[str, str]],
-        body: bytes,
-        how: str,
+        self, upstream: UpstreamSettings, claimed: Resolution, settled: Settled
     ) -> int:
-        """Store the answer as the key's, audited ``auto-resolved``; 1 when stored."""
+        """Store the answer as the key's, audited as resolved; 1 when stored."""
+        assert settled.answer is not None and settled.reason is not None
+        status, answer_headers, body = settled.answer
         kept = body if len(body) <= self.limits.max_replay_body_bytes else None
-        settled = await self.store.settle_resolution(
+        stored = await self.store.settle_resolution(
             claimed,
             state=RecordState.COMPLETED,
             status=status,
             headers=answer_headers,
             body=kept,
-            note=f"resolved by the gateway ({how}; attempt {claimed.attempts})",
+            note=f"resolved by the gateway ({settled.note}; attempt {claimed.attempts})",
             keep_request=False,
         )
-        if not settled:
+        if not stored:
             return 0
-        self.metrics.resolutions.labels(upstream.name, "resolved").inc()
+        self.metrics.resolutions.labels(upstream.name, settled.outcome).inc()
         self.audit.record(
             AuditEntry(
-                reason=AUTO_RESOLVED.value,
+                reason=settled.reason.value,
                 status=status,
                 method=claimed.method,
                 path=f"/{upstream.name}/{claimed.path}",
@@ -269,28 +239,22 @@ class Resolver:
         return 1
 
     async def _unknown(
-        self,
-        upstream: UpstreamSettings,
-        claimed: Resolution,
-        note: str,
-        *,
-        keep: bool,
-        status: int | None = None,
-        outcome: str = "unknown",
+        self, upstream: UpstreamSettings, claimed: Resolution, settled: Settled
     ) -> None:
         """Back to unknown: kept for another re-send, or left to an operator."""
-        if keep and claimed.attempts >= self.limits.resolve_max_attempts:
+        note = settled.note
+        if settled.keep and claimed.attempts >= self.limits.resolve_max_attempts:
             note += f"; re-sent {claimed.attempts} times: resolve it by hand"
         await self.store.settle_resolution(
             claimed,
             state=RecordState.UNKNOWN,
-            status=status,
+            status=settled.status,
             headers=None,
             body=None,
             note=note,
-            keep_request=keep,
+            keep_request=settled.keep,
         )
-        self.metrics.resolutions.labels(upstream.name, outcome).inc()
+        self.metrics.resolutions.labels(upstream.name, settled.outcome).inc()
         log.warning(
             "unknown outcome of key %r of job %s on %s: %s",
             claimed.key,

@@ -10,11 +10,10 @@ import time
 
 from aiohttp import web
 
+from gateway.fencing.deadlines import ORDERING_POLL, DuplicateWait, past_deadline
 from gateway.fencing.fence import RecordState
-from gateway.proxy.duplicates import POLL_MAX, DuplicateWait, Settles
+from gateway.proxy.duplicates import Settles
 from gateway.records.store import GatewayStore
-
-ORDERING_POLL = 0.02  # seconds between two looks for older writes still in flight
 
 
 def gone(request: web.Request) -> bool:
@@ -41,11 +40,11 @@ async def until_settled(
                 return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(settled.wait(), min(wait.poll, left))
-            wait.poll = min(wait.poll * 2, POLL_MAX)
+            wait.next_poll()
             record = await store.record(job_id, key)
             if record is None or record.state is not RecordState.IN_FLIGHT:
                 return True
-            if record.deadline <= wait.database_now():
+            if past_deadline(record.deadline, wait.database_now()):
                 return True  # its replica is gone: the admission says what it is now
 
 

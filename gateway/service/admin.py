@@ -8,7 +8,7 @@ from typing import Annotated
 from aiohttp import web
 from pydantic import Field
 
-from gateway.proxy.handler import Gateway
+from gateway.proxy.gateway import Gateway
 from gateway.records.audit import MAX_PAGE, AuditQuery, parse_time
 from lease_core import exceptions as exc
 from lease_core.api import Body, Id, query_limit, read_body

@@ -167,7 +167,7 @@ def cmd_upstreams(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_outcomes(args: argparse.Namespace, settings: Settings) -> int:
-    from gateway.proxy.handler import Gateway
+    from gateway.proxy.gateway import Gateway
 
     if args.action == "resolve":
         if not (args.job_id and args.key) or not (args.applied or args.not_applied):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.proxy.handler import Gateway
+from gateway.proxy.gateway import Gateway
 from gateway.records import dashboard_queries as queries
 from gateway.records.audit import parse_time
 from lease_core import exceptions as exc

@@ -23,7 +23,7 @@ from gateway.config import ConfigError, Settings, parse_listen
 from gateway.observe import logs, tracing
 from gateway.observe.logs import request_id_middleware
 from gateway.proxy.body import body_deadline_check
-from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.proxy.gateway import Gateway, create_proxy_app
 from gateway.records import migrate, replication
 from gateway.service import admin, dashboard, openapi, tasks, tls
 from gateway.service.auth import auth_check

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.config import Settings
-from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.proxy.gateway import Gateway, create_proxy_app
 from gateway.service.server import create_control_app
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from gateway.fencing.profiles import upstream_key
-from gateway.proxy.handler import Gateway
+from gateway.proxy.gateway import Gateway
 from gateway.service.admin import GATEWAY_STATE
 from tests.gateway_helpers import ok, problem
 from tests.support import FakeClock

@@ -23,7 +23,7 @@ from botocore import UNSIGNED
 from botocore.config import Config
 
 from gateway.fencing.profiles import upstream_key
-from gateway.proxy.handler import Gateway
+from gateway.proxy.gateway import Gateway
 from gateway.service.admin import GATEWAY_STATE
 from tests.gateway_helpers import problem
 from tests.support import FakeClock, free_port

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.config import Settings
-from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.proxy.gateway import Gateway, create_proxy_app
 from gateway.service.server import create_control_app
 from lease_core.db import create_engine
 from lease_core.store import LeaseStore

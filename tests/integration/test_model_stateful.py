@@ -50,7 +50,7 @@ from hypothesis.stateful import (
 )
 
 from gateway.config import Settings
-from gateway.proxy.handler import Gateway, create_proxy_app
+from gateway.proxy.gateway import Gateway, create_proxy_app
 from gateway.records.schema import requests, writing
 from gateway.service.server import create_control_app
 from lease_core import tokens

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gateway.proxy import handler
+from gateway.fencing import request as request_machine
 from tests.gateway_helpers import ok, problem, replayed
 from tests.support import Upstream, upstream_config
 
@@ -56,7 +56,7 @@ async def test_a_slow_admission_is_read_again_before_the_send(
     make_stack: Any, upstream: Upstream, monkeypatch: Any
 ) -> None:
     """No admission is fresh enough: the read right before the send comes back."""
-    monkeypatch.setattr(handler, "FRESH_ADMISSION", -1.0)
+    monkeypatch.setattr(request_machine, "FRESH_ADMISSION", -1.0)
     stack = await make_stack(upstreams=[upstream_config(upstream)])
     assert await first_write_cost(stack) == 3  # admit, the read, settle
 

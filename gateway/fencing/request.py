@@ -1,0 +1,314 @@
+"""One request, one state machine: everything the gateway knows and holds for a request,
+and every change to it, with no I/O (in the manner of h11's ``_state``).
+
+The proxy's driver (``gateway.proxy.handler``) asks ``next()`` what to do, performs that
+one step (a read of the lease, a slot, the body, the admission, a wait, the last look
+before the send, the release of a claim), and feeds what it found back through the
+method named for the step (``lease_seen``, ``slot_taken``, ``body_read``, ``admitted``,
+``first_waited``, ``older_waited``, ``claim_seen``, ``released``). ``next()`` answers
+``Act.ANSWER`` with the verdict once the decision table (``decision``) has one: forward,
+pass, replay or refuse. The rules it applies are ``fence``'s and ``decision``'s; its
+deadlines are ``deadlines``'s.
+
+Which step follows which:
+
+    LEASE ─ body still coming (or over the limit) ─> CHECK_LEASE
+          └ body arrived ─> TAKE_SLOT ─> READ_BODY ─> ADMIT   (the admission tells)
+    SLOT ─> TAKE_SLOT        BODY ─> READ_BODY        ADMISSION ─> ADMIT
+    WAIT ─> WAIT_FIRST ─ settled ─> TAKE_SLOT ─> ADMIT again
+    ORDER ─> WAIT_OLDER ─ settled ─> CHECK_LEASE (judged after the wait)
+    SEND ─> READ_CLAIM (unless the admission, fresh, was itself that judgement)
+    refused with a claim held ─> RELEASE ─> ANSWER
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from multidict import CIMultiDict
+
+from gateway.fencing import fence
+from gateway.fencing.deadlines import (
+    BEHIND_WAIT_SECONDS,
+    FRESH_ADMISSION,
+    DuplicateWait,
+    Timing,
+    send_left,
+)
+from gateway.fencing.decision import (
+    UNKNOWN,
+    Facts,
+    Outcome,
+    Step,
+    Verdict,
+    decide,
+)
+from gateway.fencing.fence import Admission, ClaimState, Record
+
+
+class Act(StrEnum):
+    """The one I/O step the driver performs next."""
+
+    CHECK_LEASE = "check-lease"  # read the lease behind the token (and its source's)
+    TAKE_SLOT = "take-slot"  # one of the pool's slots, if one is free
+    READ_BODY = "read-body"  # the body, within the upstream's limit and its time
+    ADMIT = "admit"  # the admission's one transaction, claims for ``claim_for`` seconds
+    WAIT_FIRST = "wait-first"  # the slot given back; the key's first attempt settled?
+    WAIT_OLDER = "wait-older"  # older generations' writes to the job settled?
+    READ_CLAIM = "read-claim"  # the claim and the job's fence, right before the send
+    RELEASE = "release"  # the claim undone: the write was never sent
+    ANSWER = "answer"  # carry out ``Next.verdict``
+
+
+@dataclass(frozen=True, slots=True)
+class Next:
+    act: Act
+    verdict: Verdict | None = None  # ANSWER: what to do with the request
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The key is this request's: claimed, or taken over, under ``attempt``."""
+
+    attempt: str
+    back_to: Record | None  # the record before we took it over
+    send_by: float  # time.monotonic() after which the write stays unsent
+
+
+_BY_NEED = {
+    Step.SLOT: Next(Act.TAKE_SLOT),
+    Step.BODY: Next(Act.READ_BODY),
+    Step.ADMISSION: Next(Act.ADMIT),
+    Step.WAIT: Next(Act.WAIT_FIRST),
+    Step.ORDER: Next(Act.WAIT_OLDER),
+    Step.SEND: Next(Act.READ_CLAIM),
+}
+
+
+@dataclass(slots=True)
+class RequestMachine:
+    """One request's facts and holdings, and the transitions between them."""
+
+    facts: Facts
+    timing: Timing | None = None  # None: no upstream (refused before any step)
+    body_arrived: bool = False  # the whole body was in when the request was taken
+    resolving: bool = False  # some upstream's unknown outcomes are re-sent by the gateway
+    policy: str = "hold"  # the upstream's ``unknown_outcome``
+    wait: DuplicateWait | None = None  # ``Prefer: wait``, capped; or granted (behind)
+    started: float = field(default_factory=time.perf_counter)
+    slot: str | None = None  # the pool whose slot this request holds
+    body: io.BytesIO | None = None  # the request body, read once (the only copy)
+    fingerprint: str | None = None
+    admission: Admission | None = None  # the latest look at the lease (and the key)
+    record: Record | None = None  # the key's record, when it answers for the request
+    claim: Claim | None = None
+    send_left: float | None = None  # seconds the claim still allows, judged at the send
+    forwarded: CIMultiDict[str] | None = None  # the headers a fenced write went with
+    _after_wait: bool = False  # the lease is being judged again after WAIT_OLDER
+
+    # -- what to do next ----------------------------------------------------------------
+
+    def next(self) -> Next:
+        verdict = decide(self.facts)
+        if verdict.need is None:
+            if verdict.outcome is Outcome.REFUSE and self.claim is not None:
+                return Next(Act.RELEASE)  # our claim on the key: not sent, undone first
+            return Next(Act.ANSWER, verdict)
+        if verdict.need is Step.LEASE:
+            return self._lease_step()
+        return _BY_NEED[verdict.need]
+
+    def _lease_step(self) -> Next:
+        """Over the limit, or the body still on the way: a read of the lease before a
+        slot is taken and the body read. Once the body has all arrived it cannot hold
+        a slot for long: take one, read it and let the admission (the one statement
+        that decides) tell about the lease, instead of asking twice."""
+        facts = self.facts
+        if facts.over_limit is True or not self.body_arrived:
+            return Next(Act.CHECK_LEASE)
+        if facts.slot_free is UNKNOWN:
+            return Next(Act.TAKE_SLOT)
+        if facts.slot_free is True and facts.over_limit is UNKNOWN:
+            return Next(Act.READ_BODY)
+        if facts.slot_free is True and facts.over_limit is False and facts.body_in_time:
+            return Next(Act.ADMIT)
+        return Next(Act.CHECK_LEASE)
+
+    def admitting(self) -> float:
+        """Seconds the claim the ADMIT step asks for lasts."""
+        assert self.timing is not None
+        return self.timing.claim_for
+
+    # -- what the steps found -----------------------------------------------------------
+
+    def lease_checked(self, admission: Admission) -> None:
+        """``Expect: 100-continue``'s read of the lease, before the body came."""
+        self.admission, self.facts.lease = admission, admission.lease
+
+    def lease_seen(self, admission: Admission | None) -> None:
+        """CHECK_LEASE: the lease as the database (and its source) sees it now; None: no
+        such token. After the wait for older writes, a newer generation admitted
+        meanwhile makes a current lease stale."""
+        facts = self.facts
+        after_wait, self._after_wait = self._after_wait, False
+        if after_wait:
+            facts.in_order = True
+        if admission is None:  # unknown, or its grant purged meanwhile
+            facts.lease = fence.UNKNOWN_TOKEN
+            return
+        generation = self._generation() if after_wait else None
+        self.admission = admission
+        facts.lease = admission.lease
+        if generation is not None:
+            facts.lease = fence.lease_after_wait(admission.lease, admission.highest, generation)
+
+    def slot_taken(self, pool: str | None) -> None:
+        """TAKE_SLOT: the pool whose slot is now held; None: none was free."""
+        self.slot = pool
+        self.facts.slot_free = pool is not None
+
+    def slot_given_back(self) -> None:
+        self.slot = None
+
+    def body_read(self, body: io.BytesIO | None, fingerprint: str | None) -> None:
+        """READ_BODY: the body (None: over the upstream's limit), hashed on the way."""
+        self.body, self.fingerprint = body, fingerprint
+        self.facts.over_limit, self.facts.body_in_time = body is None, True
+
+    def body_late(self) -> None:
+        """READ_BODY: the body did not arrive in time."""
+        self.facts.over_limit, self.facts.body_in_time = False, False
+
+    def admitted(
+        self,
+        admission: Admission | None,
+        *,
+        asked: float,
+        answered: float,
+        behind: bool,
+        gone: bool,
+    ) -> None:
+        """ADMIT, asked at ``asked`` and answered at ``answered`` (monotonic): the lease
+        judged by the statement, and the key claimed or its record read. ``behind``: a
+        settle of this key is being written here (its answer given), asked before the
+        admission; ``gone``: the client has gone away. None: no such token."""
+        facts = self.facts
+        if admission is None:
+            facts.lease = fence.UNKNOWN_TOKEN
+            return
+        self.admission = admission
+        facts.lease = admission.lease  # judged once, when the store read the answer
+        if facts.lease is not None:
+            return
+        if admission.attempt is not None:
+            self._claimed(admission, asked, answered)
+            return
+        # The key has a record not ours (or gone between claim and read): what it answers.
+        assert self.fingerprint is not None and self.timing is not None
+        self.record = admission.record
+        facts.record = fence.record_reason(
+            admission.record, self.fingerprint, admission.now, self.policy
+        )
+        if fence.in_progress(facts.record):
+            self._may_wait(admission.now, behind=behind, gone=gone)
+
+    def _claimed(self, admission: Admission, asked: float, answered: float) -> None:
+        """The key is ours: wait for older writes if any are in flight; an admission
+        answered at once, with none in flight and no resolver running, is itself the
+        judgement before the send (``FRESH_ADMISSION``)."""
+        assert admission.attempt is not None and self.timing is not None
+        facts = self.facts
+        self.claim = Claim(admission.attempt, admission.back_to, self.timing.send_by(asked))
+        facts.record = None
+        facts.in_order = UNKNOWN if admission.older_in_flight else True
+        if facts.in_order is True and not self.resolving and answered - asked < FRESH_ADMISSION:
+            self._judge_send(admission.highest, self.claim.send_by - answered)
+
+    def _may_wait(self, db_now: float, *, behind: bool, gone: bool) -> None:
+        """The key is in flight under another request: ``request-in-progress``, unless
+        the request asked to wait (``Prefer: wait``) and its wait has time left, or its
+        answer has gone out from this replica and its record is being settled here
+        (``behind``): then it waits for that, as if it had asked."""
+        if self.wait is None and behind:
+            self.wait = DuplicateWait(BEHIND_WAIT_SECONDS, asked=False)
+        if self.wait is None:
+            return
+        self.wait.begin(db_now)
+        if self.wait.left() > 0 and not gone:
+            self.facts.first_settled = UNKNOWN
+
+    def first_waited(self, settled: bool) -> None:
+        """WAIT_FIRST (the slot given back): the key's first attempt settled within the
+        wait; then a slot and the admission again, which decides what the duplicate
+        gets (the stored answer, as a replay)."""
+        assert self.wait is not None
+        self.wait.waited = True
+        self.facts.first_settled = settled
+        if settled:
+            self.facts.slot_free = self.facts.record = UNKNOWN
+
+    def older_waited(self, settled: bool) -> Next:
+        """WAIT_OLDER: older generations' writes settled within the wait (then the lease
+        is judged again: a newer generation may have been granted or admitted
+        meanwhile); else ``ordering-timeout``."""
+        if not settled:
+            self.facts.in_order = False
+            return self.next()
+        self._after_wait = True
+        return Next(Act.CHECK_LEASE)
+
+    def claim_seen(self, claim: ClaimState, now: float) -> None:
+        """READ_CLAIM, read at ``now`` (monotonic): a claimed write judged once more right
+        before its first byte goes out. A replica that stalled since its admission must
+        not send once a newer generation has been admitted, nor once its claim is so
+        near its deadline that other replicas may stop waiting for it."""
+        assert self.claim is not None and self.admission is not None
+        self._judge_send(claim.fence, send_left(self.claim.send_by, now, claim.deadline, claim.now))
+        if self.facts.at_send is None and claim.older_in_flight:
+            # An older write went in flight after the admission's snapshot (the resolver
+            # re-claimed one): wait for it as for any older write, then judge again.
+            # Each of the two reads its own snapshot after the other's commit or before
+            # it, so either this read sees its claim or the resolver sees our fence.
+            self.facts.in_order = self.facts.at_send = UNKNOWN
+        if claim.fence is not None and claim.fence > (self.admission.highest or 0):
+            # A newer generation was admitted meanwhile: the highest known, for the answer.
+            self.admission = replace(self.admission, highest=claim.fence)
+
+    def released(self) -> None:
+        """RELEASE: the claim is undone."""
+        self.claim = None
+
+    # -- reading the state ----------------------------------------------------------------
+
+    def _judge_send(self, fenced: int | None, seconds_left: float) -> None:
+        self.send_left = seconds_left
+        self.facts.at_send = fence.send_verdict(self._generation(), fenced, seconds_left)
+
+    def _generation(self) -> int:
+        assert self.admission is not None and self.admission.presented is not None
+        generation = self.admission.presented.generation
+        assert generation is not None
+        return generation
+
+    @property
+    def job_id(self) -> str:
+        assert self.admission is not None and self.admission.presented is not None
+        return self.admission.presented.job_id
+
+    @property
+    def generation(self) -> int:
+        """The presented lease's generation (a write past its admission)."""
+        return self._generation()
+
+    @property
+    def decided(self) -> bool:
+        """The lease was looked at (the decision's time is measured from the start)."""
+        return self.admission is not None
+
+    def before_body(self) -> None:
+        """``Expect: 100-continue``: judged as if the slot were taken (the driver takes it
+        for the body), so only the refusals that need no body are given."""
+        self.facts.slot_free = True

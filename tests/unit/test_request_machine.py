@@ -1,0 +1,294 @@
+"""One request's state machine (``gateway.fencing.request``), driven by hand: no server,
+no database, no aiohttp. Each test feeds what a step would have found and checks the
+step the machine asks for next, or its verdict."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from gateway.fencing import resolution
+from gateway.fencing.deadlines import (
+    MARGIN,
+    RESOLVE_MARGIN,
+    DuplicateWait,
+    Timing,
+    resolve_claim_for,
+    resolve_window,
+    send_left,
+)
+from gateway.fencing.decision import Facts, Outcome
+from gateway.fencing.fence import Admission, ClaimState, Presented, Reason, Record, RecordState
+from gateway.fencing.profiles import Answer
+from gateway.fencing.request import Act, RequestMachine
+
+TIMING = Timing(ordering_wait=30.0, timeout=10.0, connect_timeout=5.0)
+PRESENTED = Presented(job_id="job-1", generation=3, owner="w", job=None)
+
+
+def machine(**kwargs: object) -> RequestMachine:
+    options: dict[str, object] = {"timing": TIMING, "body_arrived": True}
+    options.update(kwargs)
+    return RequestMachine(Facts(), **options)  # type: ignore[arg-type]
+
+
+def admission(**kwargs: object) -> Admission:
+    fields: dict[str, object] = {"now": 1000.0, "presented": PRESENTED, "lease": None}
+    fields.update(kwargs)
+    return Admission(**fields)  # type: ignore[arg-type]
+
+
+def claimed(**kwargs: object) -> Admission:
+    return admission(claimed=True, attempt="a1", highest=3, **kwargs)
+
+
+def to_admission(m: RequestMachine) -> None:
+    """TAKE_SLOT, READ_BODY: the steps before the admission of a body that arrived."""
+    assert m.next().act is Act.TAKE_SLOT
+    m.slot_taken("fenced")
+    assert m.next().act is Act.READ_BODY
+    m.body_read(io.BytesIO(b"{}"), "fp")
+    assert m.next().act is Act.ADMIT
+
+
+def test_a_body_still_coming_has_its_lease_read_before_a_slot_is_taken() -> None:
+    m = machine(body_arrived=False)
+    assert m.next().act is Act.CHECK_LEASE
+    m.lease_seen(admission())
+    assert m.next().act is Act.TAKE_SLOT
+
+
+def test_an_arrived_body_lets_the_admission_tell_about_the_lease() -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(
+        admission(lease=Reason.STALE_GENERATION), asked=0, answered=0, behind=False, gone=False
+    )
+    step = m.next()
+    assert step.act is Act.ANSWER and step.verdict is not None
+    assert step.verdict.reason is Reason.STALE_GENERATION
+
+
+def test_no_slot_free_reads_the_lease_then_is_overloaded() -> None:
+    m = machine()
+    assert m.next().act is Act.TAKE_SLOT
+    m.slot_taken(None)
+    assert m.next().act is Act.CHECK_LEASE
+    m.lease_seen(admission())
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.OVERLOADED
+
+
+def test_an_unknown_token_is_refused() -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(None, asked=0, answered=0, behind=False, gone=False)
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.INVALID_FENCING_TOKEN
+
+
+def test_a_fresh_admission_is_the_judgement_before_the_send() -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(claimed(), asked=100.0, answered=100.01, behind=False, gone=False)
+    step = m.next()
+    assert step.act is Act.ANSWER and step.verdict is not None
+    assert step.verdict.outcome is Outcome.FORWARD
+    assert m.send_left == pytest.approx(TIMING.claim_for - MARGIN - 0.01)
+
+
+@pytest.mark.parametrize("resolving, answered", [(False, 100.3), (True, 100.01)])
+def test_a_slow_admission_or_a_resolver_running_reads_the_claim_again(
+    resolving: bool, answered: float
+) -> None:
+    m = machine(resolving=resolving)
+    to_admission(m)
+    m.admitted(claimed(), asked=100.0, answered=answered, behind=False, gone=False)
+    assert m.next().act is Act.READ_CLAIM
+
+
+def test_an_older_write_in_flight_is_waited_for_however_fast_the_admission() -> None:
+    """The ordering barrier holds for a fresh admission too (mutant
+    ``barrier-quick-admission``)."""
+    m = machine()
+    to_admission(m)
+    m.admitted(claimed(older_in_flight=True), asked=100.0, answered=100.0, behind=False, gone=False)
+    assert m.next().act is Act.WAIT_OLDER
+
+
+def test_after_the_wait_a_newer_generation_makes_the_write_stale_and_its_claim_undone() -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(claimed(older_in_flight=True), asked=0, answered=0, behind=False, gone=False)
+    assert m.older_waited(True).act is Act.CHECK_LEASE
+    m.lease_seen(admission(highest=4))
+    assert m.next().act is Act.RELEASE  # refused with our claim: undone first
+    m.released()
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.STALE_GENERATION
+
+
+def test_older_writes_not_settled_in_time_are_an_ordering_timeout() -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(claimed(older_in_flight=True), asked=0, answered=0, behind=False, gone=False)
+    assert m.older_waited(False).act is Act.RELEASE
+    m.released()
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.ORDERING_TIMEOUT
+
+
+def test_at_the_send_a_newer_fence_is_stale_and_a_lost_claim_is_not_sent() -> None:
+    for state, reason in (
+        (ClaimState(now=1000.0, fence=4, deadline=1040.0, older_in_flight=False), "stale"),
+        (ClaimState(now=1000.0, fence=3, deadline=None, older_in_flight=False), "ordering"),
+        (
+            ClaimState(now=1000.0, fence=3, deadline=1000.0 + MARGIN, older_in_flight=False),
+            "ordering",
+        ),
+    ):
+        m = machine()
+        to_admission(m)
+        m.admitted(claimed(), asked=0.0, answered=1.0, behind=False, gone=False)
+        m.claim_seen(state, 1.0)
+        assert m.next().act is Act.RELEASE
+        m.released()
+        verdict = m.next().verdict
+        assert verdict is not None and verdict.reason is not None
+        assert verdict.reason.value.startswith(reason), (state, verdict)
+
+
+def test_at_the_send_an_older_write_claimed_since_is_waited_for() -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(claimed(), asked=0.0, answered=1.0, behind=False, gone=False)
+    m.claim_seen(ClaimState(now=1000.0, fence=3, deadline=1040.0, older_in_flight=True), 1.0)
+    assert m.next().act is Act.WAIT_OLDER
+
+
+def test_the_send_is_judged_by_the_earlier_of_both_clocks() -> None:
+    assert send_left(send_by=50.0, now=10.0, deadline=1020.0, db_now=1000.0) == 20.0 - MARGIN
+    assert send_left(send_by=15.0, now=10.0, deadline=1100.0, db_now=1000.0) == 5.0
+    assert send_left(send_by=15.0, now=10.0, deadline=None, db_now=1000.0) < 0
+    assert TIMING.send_by(100.0) == 100.0 + 30.0 + 10.0 + 5.0
+
+
+def record(state: RecordState, *, deadline: float = 2000.0, body: bytes | None = b"ok") -> Record:
+    return Record("fp", state, 3, "a0", deadline, status=201, headers=[], body=body)
+
+
+@pytest.mark.parametrize(
+    "found, reason",
+    [
+        (record(RecordState.COMPLETED), Reason.IDEMPOTENT_REPLAY),
+        (record(RecordState.COMPLETED, body=None), Reason.REPLAY_UNAVAILABLE),
+        (record(RecordState.IN_FLIGHT), Reason.REQUEST_IN_PROGRESS),
+        (record(RecordState.IN_FLIGHT, deadline=1000.0), Reason.OUTCOME_UNKNOWN),
+        (record(RecordState.UNKNOWN), Reason.OUTCOME_UNKNOWN),
+    ],
+)
+def test_the_keys_record_answers(found: Record, reason: Reason) -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(admission(record=found, highest=3), asked=0, answered=0, behind=False, gone=False)
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is reason
+
+
+def test_a_duplicate_that_asked_to_wait_waits_then_is_admitted_again() -> None:
+    m = machine(wait=DuplicateWait(5))
+    to_admission(m)
+    in_flight = admission(record=record(RecordState.IN_FLIGHT), highest=3)
+    m.admitted(in_flight, asked=0, answered=0, behind=False, gone=False)
+    assert m.next().act is Act.WAIT_FIRST
+    m.slot_given_back()
+    m.first_waited(True)
+    assert m.next().act is Act.TAKE_SLOT
+    m.slot_taken("fenced")
+    assert m.next().act is Act.ADMIT
+    m.admitted(
+        admission(record=record(RecordState.COMPLETED)),
+        asked=0,
+        answered=0,
+        behind=False,
+        gone=False,
+    )
+    step = m.next()
+    assert step.verdict is not None and step.verdict.outcome is Outcome.REPLAY
+    assert m.wait is not None and m.wait.waited and m.wait.asked
+
+
+def test_a_duplicate_of_an_answer_settling_here_waits_without_asking() -> None:
+    m = machine()
+    to_admission(m)
+    in_flight = admission(record=record(RecordState.IN_FLIGHT), highest=3)
+    m.admitted(in_flight, asked=0, answered=0, behind=True, gone=False)
+    assert m.next().act is Act.WAIT_FIRST
+    assert m.wait is not None and not m.wait.asked
+    m.first_waited(False)
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.REQUEST_IN_PROGRESS
+
+
+def test_a_client_gone_does_not_wait() -> None:
+    m = machine(wait=DuplicateWait(5))
+    to_admission(m)
+    in_flight = admission(record=record(RecordState.IN_FLIGHT), highest=3)
+    m.admitted(in_flight, asked=0, answered=0, behind=False, gone=True)
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.REQUEST_IN_PROGRESS
+
+
+def test_expect_continue_stops_at_the_body() -> None:
+    m = machine(body_arrived=False)
+    m.before_body()
+    assert m.next().act is Act.CHECK_LEASE
+    m.lease_seen(admission())
+    assert m.next().act is Act.READ_BODY
+
+
+# -- the resolver's rules: the same send verdict and deadline policy -----------------------
+
+
+def test_the_resolver_re_sends_only_inside_the_window() -> None:
+    """A re-send must reach the upstream while it still remembers the key: the window
+    less the exchange and the margin (mutant ``resolver-window-sign``)."""
+    assert resolve_window(dedup_window=3600.0, timeout=10.0) == 3600.0 - 10.0 - RESOLVE_MARGIN
+    assert resolve_claim_for(timeout=10.0, connect_timeout=5.0) == 15.0 + 2 * RESOLVE_MARGIN
+
+
+@pytest.mark.parametrize(
+    "claim, outcome",
+    [
+        (ClaimState(now=100.0, fence=3, deadline=120.0, older_in_flight=False), None),
+        (ClaimState(now=100.0, fence=4, deadline=120.0, older_in_flight=False), "superseded"),
+        (ClaimState(now=100.0, fence=3, deadline=None, older_in_flight=False), "unknown"),
+        (ClaimState(now=100.0, fence=3, deadline=100.5, older_in_flight=False), "unknown"),
+    ],
+)
+def test_the_resolver_does_not_re_send_after_a_newer_generation_or_past_its_claim(
+    claim: ClaimState, outcome: str | None
+) -> None:
+    settled = resolution.before_resend(3, claim)
+    assert (settled and settled.outcome) == outcome
+    if settled is not None:
+        assert not settled.resolved and settled.keep is (outcome == "unknown")
+
+
+@pytest.mark.parametrize(
+    "answered, mismatch, outcome, keep",
+    [
+        (Answer.FINAL, False, "resolved", False),
+        (Answer.FINAL, True, "mismatch", False),
+        (Answer.PRECONDITION_FAILED, False, "unknown", True),
+        (Answer.UNKNOWN, False, "unknown", True),
+        (Answer.NOT_PROCESSED, False, "unknown", True),
+    ],
+)
+def test_the_answer_to_a_re_send(
+    answered: Answer, mismatch: bool, outcome: str, keep: bool
+) -> None:
+    settled = resolution.after_resend(200, answered, mismatch=mismatch)
+    assert (settled.outcome, settled.keep) == (outcome, keep)
+    assert (settled.reason is Reason.AUTO_RESOLVED) is (outcome == "resolved")
