@@ -41,7 +41,7 @@ from __future__ import annotations
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -50,8 +50,6 @@ from .statement import Batched, Row, Statement
 
 if TYPE_CHECKING:
     from .catalogue import Operation
-
-T = TypeVar("T")
 
 
 class Direct:
@@ -75,12 +73,6 @@ class Direct:
         if statement.single is None:
             raise TypeError("this statement has no form for one caller")
         return self.fetchrow(statement.single, params)
-
-    async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        """SQLite only: ``work`` in a write transaction; its result once committed; its
-        writes rolled back when it raises. (Not ``Backend.run``, which runs a named
-        operation of the catalogue: this runs a Python function on the connection.)"""
-        raise NotImplementedError
 
     def execute(self, operation: Operation, params: Mapping[str, Any]) -> Awaitable[Row | None]:
         """Run a catalogue operation (``lease_core.catalogue``) as one transaction: its
