@@ -74,10 +74,17 @@ class Direct:
             raise TypeError("this statement has no form for one caller")
         return self.fetchrow(statement.single, params)
 
+    async def fetchall(self, statement: Statement, params: Mapping[str, Any]) -> list[Row]:
+        """Run one read: every row it found."""
+        raise NotImplementedError
+
     def execute(self, operation: Operation, params: Mapping[str, Any]) -> Awaitable[Row | None]:
         """Run a catalogue operation (``lease_core.catalogue``) as one transaction: its
-        answer, or None when none of its statements returned a row. Returns what to
-        await (no coroutine of its own: this sits on every hot call's path)."""
+        answer, or None when none of its statements returned a row (a listing's answer:
+        ``{"rows": [...]}``). Returns what to await (no coroutine of its own: this sits
+        on every hot call's path)."""
+        if operation.rows:
+            return self._listing(operation.statements[0], params)
         batched = operation.batched
         if batched is not None and not self.sqlite:
             return self.fetchrow_batched(batched, params)
@@ -87,6 +94,9 @@ class Direct:
         if len(statements) == 1:
             return self.fetchrow(statements[0], params)
         return self._chain(statements, params)
+
+    async def _listing(self, statement: Statement, params: Mapping[str, Any]) -> Row:
+        return {"rows": await self.fetchall(statement, params)}
 
     async def _chain(
         self, statements: Sequence[Statement], params: Mapping[str, Any]

@@ -64,6 +64,10 @@ class PostgresDirect(Direct):
         row: Row | None = await self._send("fetchrow", statement, params)
         return row
 
+    async def fetchall(self, statement: Statement, params: Mapping[str, Any]) -> list[Row]:
+        rows: list[Row] = await self._send("fetch", statement, params)
+        return rows
+
     def fetchrow_batched(
         self, statement: Batched, params: Mapping[str, Any]
     ) -> Awaitable[Row | None]:
