@@ -10,7 +10,10 @@ the read-only listings (jobs, the audit, the dashboard).
 A rule that several statements share (the lease is current, an outcome is unknown or
 overdue, ...) is a fragment, ``-- fragment: <name>``, written once per dialect (or once
 in ``common.sql``) and used as ``{name}``; the loader substitutes it, and refuses at load
-time an unknown fragment, one defined twice, one never used, and braces left over.
+time an unknown fragment, one defined twice, one never used, and braces left over. A
+fragment about a row of whatever alias its statement gives it names that alias as a
+parameter, ``-- fragment: <name>(row)``, writes it ``{row}`` (``{row}.deadline``), and
+is used as ``{name(r)}``.
 """
 
 from __future__ import annotations
@@ -23,19 +26,26 @@ from enum import StrEnum
 from functools import cache, cached_property
 from pathlib import Path
 
+from fencegate_client.reasons import Reason
+
 from .rules import RecordState, State
 from .statement import BATCH_LANES, Batched, Statement
 
 SQL_DIR = Path(__file__).parent / "sql"
 DIALECTS = ("postgresql", "sqlite")
 
-# The states the SQL may name: "{State.LEASED}" becomes 'leased'.
-CONSTANTS: dict[str, type[StrEnum]] = {"State": State, "RecordState": RecordState}
+# The states the SQL may name, and the reasons of a verdict it gives: "{State.LEASED}"
+# becomes 'leased', "{Reason.LEASE_ENDED}" that reason's value.
+CONSTANTS: dict[str, type[StrEnum]] = {"State": State, "RecordState": RecordState, "Reason": Reason}
 
-_HEADER = re.compile(r"^-- name: ([a-z_]+)( \(many(, one at a time)?\))?\s*$", re.MULTILINE)
-_FRAGMENT = re.compile(r"^-- fragment: ([a-z][a-z0-9_]*)\s*$", re.MULTILINE)
+_HEADER = re.compile(
+    r"^-- name: ([a-z_]+)(?: \((?:(many)(, one at a time)?|(rows))\))?\s*$", re.MULTILINE
+)
+_NAMES = r"([a-z][a-z0-9_]*(?:, ?[a-z][a-z0-9_]*)*)"  # a fragment's aliases: "r, j"
+_FRAGMENT = re.compile(rf"^-- fragment: ([a-z][a-z0-9_]*)(?:\({_NAMES}\))?\s*$", re.MULTILINE)
 _ANY_HEADER = re.compile(r"^-- (?:name|fragment):.*$", re.MULTILINE)
-_USE = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # a fragment; "{now}" is statement.Statement's
+# A fragment, with the aliases it is given; "{now}" is statement.Statement's.
+_USE = re.compile(rf"\{{([a-z][a-z0-9_]*)(?:\({_NAMES}\))?\}}")
 _CONSTANT = re.compile(r"\{(\w+)\.(\w+)\}")
 _PLACEHOLDER = re.compile(r"\{(?!now\})[^{}]*\}")
 _LONE_BRACE = re.compile(r"\{(?!now\})|(?<!\{now)\}")
@@ -48,8 +58,9 @@ class Operation:
     """A named state change: ``statements`` run in order in one transaction (each one's
     first row merged into the answer, its columns parameters of the ones after it);
     ``many``: the form concurrent callers share on PostgreSQL; ``one_at_a_time``: its
-    batches are sent one after another, never two at once; ``source``: the file that
-    defines it."""
+    batches are sent one after another, never two at once; ``rows``: a listing, one
+    read whose answer is every row it found (``{"rows": [...]}``); ``source``: the file
+    that defines it."""
 
     name: str
     doc: str
@@ -57,6 +68,7 @@ class Operation:
     many: Statement | None = None
     one_at_a_time: bool = False
     source: str = ""
+    rows: bool = False
 
     @cached_property
     def batched(self) -> Batched | None:
@@ -77,12 +89,14 @@ class Fragment:
     """A rule that several statements share (``-- fragment: <name>``), written once:
     ``{name}`` in a statement or in another fragment stands for ``text``. It takes no
     arguments: the aliases it names (``r.state``, ``clock.now``) are the ones its
-    statements must use, and its comment (``doc``) says so."""
+    statements must use, and its comment (``doc``) says so; or it names them as its
+    ``params`` (``{row}`` in ``text``), and each use gives its own (``{name(r)}``)."""
 
     name: str
     doc: str
     text: str
     source: str
+    params: tuple[str, ...] = ()
 
 
 class CatalogueError(ValueError):
@@ -160,7 +174,9 @@ def assemble(files: Mapping[str, str]) -> tuple[dict[str, Operation], dict[str, 
             earlier = operations.get(name)
             if earlier is not None and _adds_shared_form(earlier, operation):
                 # A dialect's shared form of an operation another file writes once.
-                operations[name] = replace(earlier, many=operation.many)
+                operations[name] = replace(
+                    earlier, many=operation.many, one_at_a_time=operation.one_at_a_time
+                )
                 del own[name]
         both = sorted(set(operations) & set(own))
         if both:
@@ -182,7 +198,6 @@ def _adds_shared_form(earlier: Operation, later: Operation) -> bool:
         and later.many is not None
         and earlier.many is None
         and len(earlier.statements) == 1
-        and not later.one_at_a_time
     )
 
 
@@ -194,6 +209,7 @@ class _Section:
     name: str
     many: bool
     one_at_a_time: bool
+    rows: bool
     doc: str
     sql: str
 
@@ -210,22 +226,39 @@ def _split(text: str, source: str) -> tuple[dict[str, Fragment], list[_Section]]
             name = fragment.group(1)
             if name in fragments:
                 raise CatalogueError(f"{source}: the fragment {{{name}}} is defined twice")
-            if name == "now":
-                raise CatalogueError(f"{source}: {{now}} is the clock, not a fragment")
-            if not sql:
-                raise CatalogueError(f"{source}: the fragment {{{name}}} has no SQL")
-            if _END.search(sql):
-                raise CatalogueError(
-                    f"{source}: the fragment {{{name}}} ends a statement (';'): a fragment"
-                    " is a part of one statement"
-                )
-            fragments[name] = Fragment(name, doc, textwrap.dedent(sql).strip(), source)
+            params = _names(fragment.group(2))
+            fragments[name] = _fragment(name, params, doc, sql, source)
         elif operation := _HEADER.fullmatch(header.group(0)):
-            name, many = operation.group(1), bool(operation.group(2))
-            sections.append(_Section(source, name, many, bool(operation.group(3)), doc, sql))
+            name, many, serial, rows = operation.groups()
+            section = _Section(source, name, bool(many), bool(serial), bool(rows), doc, sql)
+            sections.append(section)
         else:
             raise CatalogueError(f"{source}: not a header: {header.group(0)!r}")
     return fragments, sections
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",")) if text else ()
+
+
+def _fragment(name: str, params: tuple[str, ...], doc: str, sql: str, source: str) -> Fragment:
+    """A fragment's block, checked: SQL that is a part of one statement, each of its
+    aliases named once and used."""
+    where = f"{source}: the fragment {{{name}}}"
+    if name == "now" or "now" in params:
+        raise CatalogueError(f"{source}: {{now}} is the clock, not a fragment or an alias")
+    if not sql:
+        raise CatalogueError(f"{where} has no SQL")
+    if _END.search(sql):
+        raise CatalogueError(
+            f"{where} ends a statement (';'): a fragment is a part of one statement"
+        )
+    if len(set(params)) != len(params):
+        raise CatalogueError(f"{where} names an alias twice: {', '.join(params)}")
+    for param in params:
+        if f"{{{param}}}" not in sql:
+            raise CatalogueError(f"{where} never uses its alias {{{param}}}")
+    return Fragment(name, doc, textwrap.dedent(sql).strip(), source, params)
 
 
 def _doc_and_sql(body: str) -> tuple[str, str]:
@@ -247,6 +280,7 @@ def _operations(source: str, sections: list[_Section], expander: _Expander) -> d
     singles: dict[str, tuple[str, tuple[Statement, ...]]] = {}
     manys: dict[str, Statement] = {}
     one_at_a_time: set[str] = set()
+    listings: set[str] = set()
     for section in sections:
         name = section.name
         if section.one_at_a_time:
@@ -259,6 +293,10 @@ def _operations(source: str, sections: list[_Section], expander: _Expander) -> d
         )
         if not statements:
             raise CatalogueError(f"{source}: {name} has no statement")
+        if section.rows:
+            if len(statements) != 1 or not statements[0].reads_only:
+                raise CatalogueError(f"{source}: {name} (rows) must be one SELECT")
+            listings.add(name)
         if section.many:
             if name in manys or len(statements) != 1:
                 raise CatalogueError(f"{source}: {name} (many) must be one statement, once")
@@ -277,6 +315,7 @@ def _operations(source: str, sections: list[_Section], expander: _Expander) -> d
             manys.get(name),
             one_at_a_time=name in one_at_a_time,
             source=source,
+            rows=name in listings,
         )
     return operations
 
@@ -289,33 +328,41 @@ class _Expander:
     def __init__(self, fragments: Mapping[str, Fragment]) -> None:
         self.fragments = fragments
         self.used: set[str] = set()
-        self._texts: dict[str, str] = {}
+        self._texts: dict[tuple[str, tuple[str, ...]], str] = {}
 
     def expand(self, sql: str, where: str, within: tuple[str, ...] = ()) -> str:
         def substitute(match: re.Match[str]) -> str:
-            name = match.group(1)
-            if name == "now":
+            name, aliases = match.group(1), _names(match.group(2))
+            if name == "now" and not aliases:
                 return match.group(0)
             line = sql[sql.rfind("\n", 0, match.start()) + 1 :]
             indent = _INDENT.match(line)
-            return self._text(name, where, within).replace(
+            return self._text(name, aliases, where, within).replace(
                 "\n", "\n" + (indent.group(0) if indent else "")
             )
 
         return _USE.sub(substitute, sql)
 
-    def _text(self, name: str, where: str, within: tuple[str, ...]) -> str:
+    def _text(
+        self, name: str, aliases: tuple[str, ...], where: str, within: tuple[str, ...]
+    ) -> str:
         fragment = self.fragments.get(name)
         if fragment is None:
             raise CatalogueError(f"{where}: unknown fragment {{{name}}}")
         if name in within:
             cycle = " -> ".join(f"{{{n}}}" for n in (*within, name))
             raise CatalogueError(f"{fragment.source}: a fragment uses itself: {cycle}")
+        if len(aliases) != len(fragment.params):
+            wanted = f"({', '.join(fragment.params)})" if fragment.params else "no alias"
+            raise CatalogueError(f"{where}: the fragment {{{name}}} takes {wanted}")
         self.used.add(name)
-        if name not in self._texts:
+        if (name, aliases) not in self._texts:
             inner = f"{fragment.source}: fragment {{{name}}}"
-            self._texts[name] = self.expand(fragment.text, inner, (*within, name))
-        return self._texts[name]
+            text = fragment.text
+            for param, alias in zip(fragment.params, aliases, strict=True):
+                text = text.replace(f"{{{param}}}", alias)
+            self._texts[name, aliases] = self.expand(text, inner, (*within, name))
+        return self._texts[name, aliases]
 
 
 def _constants(sql: str, where: str) -> str:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -50,8 +50,6 @@ from .statement import Batched, Row, Statement
 
 if TYPE_CHECKING:
     from .catalogue import Operation
-
-T = TypeVar("T")
 
 
 class Direct:
@@ -76,16 +74,17 @@ class Direct:
             raise TypeError("this statement has no form for one caller")
         return self.fetchrow(statement.single, params)
 
-    async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        """SQLite only: ``work`` in a write transaction; its result once committed; its
-        writes rolled back when it raises. (Not ``Backend.run``, which runs a named
-        operation of the catalogue: this runs a Python function on the connection.)"""
+    async def fetchall(self, statement: Statement, params: Mapping[str, Any]) -> list[Row]:
+        """Run one read: every row it found."""
         raise NotImplementedError
 
     def execute(self, operation: Operation, params: Mapping[str, Any]) -> Awaitable[Row | None]:
         """Run a catalogue operation (``lease_core.catalogue``) as one transaction: its
-        answer, or None when none of its statements returned a row. Returns what to
-        await (no coroutine of its own: this sits on every hot call's path)."""
+        answer, or None when none of its statements returned a row (a listing's answer:
+        ``{"rows": [...]}``). Returns what to await (no coroutine of its own: this sits
+        on every hot call's path)."""
+        if operation.rows:
+            return self._listing(operation.statements[0], params)
         batched = operation.batched
         if batched is not None and not self.sqlite:
             return self.fetchrow_batched(batched, params)
@@ -95,6 +94,9 @@ class Direct:
         if len(statements) == 1:
             return self.fetchrow(statements[0], params)
         return self._chain(statements, params)
+
+    async def _listing(self, statement: Statement, params: Mapping[str, Any]) -> Row:
+        return {"rows": await self.fetchall(statement, params)}
 
     async def _chain(
         self, statements: Sequence[Statement], params: Mapping[str, Any]

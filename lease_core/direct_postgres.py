@@ -5,17 +5,14 @@ callers of a ``Batched`` statement sharing one round trip (``Coalescer``)."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from . import exceptions as exc
 from .coalesce import Coalescer
 from .direct import Chain, Direct, is_unavailable
 from .statement import MAX_BATCH, Batched, Row, Statement
-
-T = TypeVar("T")
 
 
 class PostgresDirect(Direct):
@@ -66,6 +63,10 @@ class PostgresDirect(Direct):
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         row: Row | None = await self._send("fetchrow", statement, params)
         return row
+
+    async def fetchall(self, statement: Statement, params: Mapping[str, Any]) -> list[Row]:
+        rows: list[Row] = await self._send("fetch", statement, params)
+        return rows
 
     def fetchrow_batched(
         self, statement: Batched, params: Mapping[str, Any]
@@ -176,11 +177,6 @@ class PostgresDirect(Direct):
                 self._columns[text] = columns
             chain.add(columns, rows[0] if rows else None)
         return chain.answer()
-
-    async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        raise TypeError(
-            "in_write_transaction() is for SQLite; on PostgreSQL an operation is one statement"
-        )
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None

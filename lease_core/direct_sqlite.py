@@ -71,22 +71,35 @@ class SqliteDirect(Direct):
             return row
 
         if statement.reads_only:
-            # A read runs and answers at once: it waits for no COMMIT, since it wrote
-            # nothing. Inside this turn's open group transaction it also sees that
-            # group's writes, which can only make a gate stricter (a newer fence, a
-            # write in flight); should the group then fail to commit, that was a refusal
-            # too many, never a write let through.
-            try:
-                return one(self._connection())
-            except sqlite3.Error as error:
-                if not (isinstance(error, sqlite3.OperationalError) and _is_busy(error)):
-                    if is_unavailable(error):
-                        raise exc.StoreUnavailable() from error
-                    raise
-            self.handed_off += 1  # busy (rare for a reader of a WAL file): wait there
-            return await self._on_thread(one)
+            return await self._read(one)
         # One statement needs no savepoint: SQLite undoes a failed statement itself.
         return await self._run(one, savepoint=False)
+
+    async def fetchall(self, statement: Statement, params: Mapping[str, Any]) -> list[Row]:
+        text = statement.sqlite
+
+        def every(conn: sqlite3.Connection) -> list[Row]:
+            return list(conn.execute(text, params).fetchall())
+
+        if not statement.reads_only:
+            raise TypeError("fetchall() is for a read")
+        return await self._read(every)
+
+    async def _read(self, read: Callable[[sqlite3.Connection], T]) -> T:
+        """A read runs and answers at once: it waits for no COMMIT, since it wrote
+        nothing. Inside this turn's open group transaction it also sees that group's
+        writes, which can only make a gate stricter (a newer fence, a write in flight);
+        should the group then fail to commit, that was a refusal too many, never a write
+        let through."""
+        try:
+            return read(self._connection())
+        except sqlite3.Error as error:
+            if not (isinstance(error, sqlite3.OperationalError) and _is_busy(error)):
+                if is_unavailable(error):
+                    raise exc.StoreUnavailable() from error
+                raise
+        self.handed_off += 1  # busy (rare for a reader of a WAL file): wait there
+        return await self._on_thread(read)
 
     async def _chain(
         self, statements: Sequence[Statement], params: Mapping[str, Any]

@@ -190,21 +190,6 @@ UNKNOWN_TOKEN: Final = Reason.INVALID_FENCING_TOKEN
 """The lease of a token that no lease (nor its source) knows."""
 
 
-def lease_reason(presented: Presented | None, now: float) -> Reason | None:
-    """None when the presented lease may write now; else why not (None presented: no
-    such token)."""
-    if presented is None:
-        return UNKNOWN_TOKEN
-    if presented.source is not None:
-        return presented.refused
-    assert presented.generation is not None
-    lease = rules.Lease(presented.job_id, presented.generation, presented.owner, 0.0)
-    job = presented.job
-    if job is not None and rules.is_current(lease, job, now):
-        return None
-    return rules.refusal_reason(presented.generation, job, now)
-
-
 def lease_after_wait(lease: Reason | None, highest: int | None, generation: int) -> Reason | None:
     """The lease judged again after the wait for older writes: a newer generation
     admitted meanwhile makes a current lease stale."""
@@ -244,46 +229,15 @@ def in_progress(record: Reason | None) -> bool:
     return record is Reason.REQUEST_IN_PROGRESS
 
 
-def external_reason(
-    refused: Lost | None,
-    generation: int | None,
-    fence: int | None,
-    expires_at: float | None,
-    now: float,
-    *,
-    reissued: bool = False,
-) -> Reason | None:
-    """Why a lease of another source may not write (None: it may), in the spec's order:
-    a generation below the job's fence is stale whatever the source says; then the
-    source's own finding (released, expired, a newer holder); then the fence's own
-    generation bound to another holder (``reissued``: the source issued it twice); then
-    the expiry a signed token carries, by the database's clock."""
-    if generation is not None and fence is not None and fence > generation:
-        return Reason.STALE_GENERATION
-    if refused is not None:
-        return _LOST[refused]
-    if reissued:
-        return Reason.GENERATION_REISSUED
-    if expires_at is not None and expires_at <= now:
-        return Reason.LEASE_EXPIRED
-    return None
-
-
-def refused_by_admission(
-    generation: int,
-    fence: int | None,
-    expires_at: float | None,
-    now: float,
-    *,
-    reissued: bool,
-) -> Reason:
-    """Why ``admit_external`` admitted nothing: below the fence (stale), its generation
-    bound to another holder (reissued), or past its expiry; nothing else refuses, so
-    stale when none shows any more."""
-    return (
-        external_reason(None, generation, fence, expires_at, now, reissued=reissued)
-        or Reason.STALE_GENERATION
-    )
+def external_reason(refused: Lost | None) -> Reason | None:
+    """The reason a lease source's own finding names (None: it found nothing against the
+    lease). The job's fence and the lease's expiry are the database's to judge: the
+    operations ``external_lease`` and ``admit_external`` (``lease_core/sql/common.sql``)
+    put this finding in the spec's order among their own: a generation below the fence
+    is stale whatever the source says; then this finding; then the fence's generation
+    bound to another holder (``generation-reissued``); then the expiry a signed token
+    carries, by the database's clock."""
+    return None if refused is None else _LOST[refused]
 
 
 def source_detail(

@@ -15,11 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
-
 from gateway.fencing import fence
 from gateway.fencing.fence import Admission, ClaimState, Presented, Reason, Record, RecordState
-from gateway.records.schema import requests, writing
+from gateway.records.schema import writing
 from gateway.sources import ExternalLease
 from lease_core import rules, tokens
 from lease_core.backend import PURGE_BATCH
@@ -93,9 +91,9 @@ class GatewayStore:
         row = await self.backend.run("lease_of_token", token_hash=token_hash)
         assert row is not None
         presented, highest = _presented(row)
-        now = float(row["now"])
-        lease = fence.lease_reason(presented, now)
-        return Admission(now=now, presented=presented, lease=lease, highest=highest)
+        return Admission(
+            now=float(row["now"]), presented=presented, lease=_verdict(row), highest=highest
+        )
 
     async def claim(self, job_id: str, key: str, attempt: str) -> ClaimState:
         """Read-only, right before a claimed write is sent: the job's fence, the claim's
@@ -117,14 +115,14 @@ class GatewayStore:
         """In one transaction (operation ``admit``): check the lease, raise the job's
         fence to this generation, claim the key (or read its record, and take it over
         when its outcome is unknown and the upstream's policy is retry), and see whether
-        an older generation's write is still in flight. The SQL decides; this reads its
-        answer."""
+        an older generation's write is still in flight. The SQL decides, and says why it
+        refused (``refusal``); this reads its answer."""
         attempt = tokens.new_serial_id()
         row = await self.backend.run("admit", token_hash=write.token_hash, **write.params(attempt))
         assert row is not None
         now = float(row["now"])
         presented, highest = _presented(row)
-        lease = fence.lease_reason(presented, now)  # the SQL's verdict, read once
+        lease = _verdict(row)
         if lease is not None:  # why nothing was claimed
             return Admission(now=now, presented=presented, lease=lease, highest=highest)
         assert presented is not None
@@ -167,18 +165,20 @@ class GatewayStore:
     # -- leases of other sources (gateway.sources) -----------------------------------
 
     async def check_external(self, lease: ExternalLease) -> Admission:
-        """Read-only: may this lease of another source write now? Its job's fence and
-        the source's verdict (``fence.external_reason``)."""
+        """Read-only: may this lease of another source write now? The SQL's verdict
+        (operation ``external_lease``) on its job's fence, the source's own finding
+        (``fence.external_reason``) and the lease's expiry."""
         row = await self.backend.run(
-            "external_lease", job_id=lease.job_id, generation=lease.generation or 0
+            "external_lease",
+            job_id=lease.job_id,
+            generation=lease.generation,
+            expires_at=lease.expires_at,
+            lost=_value(fence.external_reason(lease.refused)),
         )
         assert row is not None
-        now, fenced = float(row["now"]), row["fence_generation"]
-        refused = fence.external_reason(
-            lease.refused, lease.generation, fenced, lease.expires_at, now
-        )
+        refused, fenced = _verdict(row), row["fence_generation"]
         return Admission(
-            now=now,
+            now=float(row["now"]),
             presented=_external(lease, refused),
             lease=refused,
             highest=_highest(lease, fenced),
@@ -187,8 +187,8 @@ class GatewayStore:
     async def admit_external(self, lease: ExternalLease, write: WriteRequest) -> Admission:
         """Operation ``admit_external``: the job's fence raised to the lease's generation
         unless it is above it (or the token's expiry has passed, by the database's
-        clock), then the key, as ``admit`` does. The SQL decides; this reads its
-        answer and explains a refusal."""
+        clock), then the key, as ``admit`` does. The SQL decides, and says why it
+        refused (``refusal``); this reads its answer."""
         assert lease.refused is None and lease.generation is not None
         attempt = tokens.new_serial_id()
         holder = holder_digest(lease)
@@ -201,16 +201,10 @@ class GatewayStore:
             **write.params(attempt),
         )
         assert row is not None
-        now, fenced = float(row["now"]), row["fence_generation"]
-        if row["admitted"] is None:
-            # Refused by the SQL: stale, bound to another holder, or past its expiry;
-            # nothing else refuses.
-            reissued = fenced == lease.generation and row["fence_holder"] not in (None, holder)
-            refused = fence.refused_by_admission(
-                lease.generation, fenced, lease.expires_at, now, reissued=reissued
-            )
+        refused, fenced = _verdict(row), row["fence_generation"]
+        if refused is not None:  # stale, bound to another holder, or past its expiry
             return Admission(
-                now=now,
+                now=float(row["now"]),
                 presented=_external(lease, refused),
                 lease=refused,
                 highest=_highest(lease, fenced),
@@ -379,52 +373,9 @@ class GatewayStore:
         ``resolvable``: the request is kept, so the gateway may re-send it (inside the
         upstream's window, up to ``gateway.resolve_max_attempts`` times); else it waits
         for an operator."""
-        now = self.backend.now()
-        # The keys come from the unknown records' index and writes_in_flight (in flight
-        # past the deadline, or re-sent by the gateway): never a read of every record.
-        candidates = sa.union_all(
-            sa.select(requests.c.job_id, requests.c.key).where(requests.c.unknown_at.is_not(None)),
-            sa.select(writing.c.job_id, writing.c.key)
-            .join(requests, sa.and_(requests.c.job_id == writing.c.job_id,
-                                    requests.c.key == writing.c.key))
-            .where(sa.or_(writing.c.deadline <= now, requests.c.resolve_attempts > 0)),
-        ).subquery("candidate")  # fmt: skip
-        stmt = (
-            sa.select(
-                requests.c.job_id,
-                requests.c.key,
-                requests.c.state,
-                requests.c.generation,
-                requests.c.upstream,
-                requests.c.method,
-                requests.c.path,
-                requests.c.status,
-                requests.c.note,
-                requests.c.resolve_attempts,
-                (requests.c.request_body.is_not(None)).label("resolvable"),
-                (requests.c.deadline > now).label("running"),
-                requests.c.updated_at,
-            )
-            .join(
-                candidates,
-                sa.and_(
-                    requests.c.job_id == candidates.c.job_id, requests.c.key == candidates.c.key
-                ),
-            )
-            .order_by(requests.c.updated_at.desc())
-            .limit(limit)
-        )
-        async with self.backend.transaction() as conn:
-            rows = (await conn.execute(stmt)).mappings().all()
-        items = []
-        for row in rows:
-            item = dict(row)
-            running = bool(item.pop("running"))
-            resolving = item["state"] == RecordState.IN_FLIGHT.value and running
-            item["state"] = "resolving" if resolving else RecordState.UNKNOWN.value
-            item["resolvable"] = bool(item["resolvable"])
-            items.append(item)
-        return items
+        row = await self.backend.run("list_unknown", limit=limit)
+        assert row is not None
+        return [{**dict(item), "resolvable": bool(item["resolvable"])} for item in row["rows"]]
 
     async def resolve(
         self,
@@ -471,6 +422,16 @@ class GatewayStore:
 
 def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:
     return None if headers is None else json.dumps([list(h) for h in headers])
+
+
+def _verdict(row: Any) -> Reason | None:
+    """The SQL's verdict on the lease (its column ``refusal``), named: None, it may write."""
+    refusal = row["refusal"]
+    return None if refusal is None else Reason(refusal)
+
+
+def _value(reason: Reason | None) -> str | None:
+    return None if reason is None else reason.value
 
 
 def _external(lease: ExternalLease, refused: Reason | None) -> Presented:

@@ -13,42 +13,83 @@
 -- Rules
 -- ---------------------------------------------------------------------------------------
 
--- fragment: lease_current
--- The job row's lease is current: leased, and not expired at {now}. (The batches of
--- postgresql.sql write it for their own aliases: admit (many) of job at clock.now,
--- renew (many) of jobs.)
-state = {State.LEASED} AND lease_expires_at > {now}
+-- fragment: lease_current(job)
+-- The job row {job}'s lease is current: leased, and not expired at {now}. Every check
+-- that a lease is current is this one.
+{job}.state = {State.LEASED} AND {job}.lease_expires_at > {now}
+
+-- fragment: lease_expired(job)
+-- The job row {job}'s lease has expired at {now} (the leased rows that lease_current is
+-- not): its job can be leased again.
+{job}.state = {State.LEASED} AND {job}.lease_expires_at <= {now}
 
 -- fragment: token_lease_current
--- The job row's lease is :token_hash's, and current.
-lease_token_hash = :token_hash AND {lease_current}
+-- The job row's lease (of UPDATE jobs) is :token_hash's, and current.
+lease_token_hash = :token_hash AND {lease_current(jobs)}
 
--- fragment: lease_expired
--- The job row's lease has expired at {now}: its job can be leased again.
-state = {State.LEASED} AND lease_expires_at <= {now}
+-- fragment: past_deadline(row)
+-- The deadline of {row} (a record in flight, or its marker in writes_in_flight) has
+-- passed at {now}: nobody waits for that write any more, and its outcome is unknown.
+-- Every check that a write's deadline has passed is this one.
+{row}.deadline <= {now}
 
--- fragment: unknown_or_overdue
--- The record's outcome is unknown: said so, or in flight past its deadline at {now}.
--- (postgresql.sql: r_unknown_or_overdue, of the record r at clock.now.)
-(state = {RecordState.UNKNOWN}
-     OR (state = {RecordState.IN_FLIGHT} AND deadline <= {now}))
+-- fragment: in_flight(row)
+-- {row} (a record in flight, or its marker in writes_in_flight) is within its deadline
+-- at {now} (the rows past_deadline is not): the write may still reach its upstream, and
+-- a newer generation's write waits for it. Every check that a write is still in flight
+-- is this one.
+{row}.deadline > {now}
 
--- fragment: lease_older_in_flight
--- A write of a generation older than the lease l's to its job is still in flight at
--- clock.now (writes_in_flight: a row per record in flight).
+-- fragment: unknown_or_overdue(r)
+-- The record {r}'s outcome is unknown: said so, or in flight past its deadline.
+({r}.state = {RecordState.UNKNOWN}
+     OR ({r}.state = {RecordState.IN_FLIGHT} AND {past_deadline({r})}))
+
+-- fragment: lease_refusal(grant, job)
+-- The verdict on the lease of the grant {grant} (a row of leases; NULL: no such token)
+-- at {now}, its job {job} as it is now (NULL: purged since): NULL when it may write (the
+-- job's generation and owner are the grant's, and its lease is current), else why not,
+-- a reason of fencegate_client.reasons, in the order of lease_core.rules.refusal_reason
+-- (the model the tests hold it to): a newer generation, or the job gone, is stale; then
+-- an ended lease; then an expired one.
+CASE
+    WHEN {grant}.job_id IS NULL THEN {Reason.INVALID_FENCING_TOKEN}
+    WHEN {job}.generation = {grant}.generation AND {job}.owner = {grant}.owner
+         AND {lease_current({job})} THEN NULL
+    WHEN {job}.job_id IS NULL OR {job}.generation > {grant}.generation
+        THEN {Reason.STALE_GENERATION}
+    WHEN {job}.state <> {State.LEASED} THEN {Reason.LEASE_ENDED}
+    WHEN {lease_expired({job})} THEN {Reason.LEASE_EXPIRED}
+    ELSE {Reason.STALE_GENERATION}
+END
+
+-- fragment: lease_older_in_flight(grant)
+-- A write of a generation older than the grant {grant}'s (a row of leases) to its job
+-- is still in flight (writes_in_flight: a row per record in flight).
 EXISTS (
     SELECT 1 FROM writes_in_flight AS o
-    WHERE o.job_id = l.job_id AND o.generation < l.generation AND o.deadline > clock.now
+    WHERE o.job_id = {grant}.job_id AND o.generation < {grant}.generation AND {in_flight(o)}
 )
 
 -- fragment: external_older_in_flight
 -- A write of a generation older than :generation to the job :job_id (of another lease
--- source) is still in flight at {now}.
+-- source) is still in flight.
 EXISTS (
     SELECT 1 FROM writes_in_flight AS o
     WHERE o.job_id = CAST(:job_id AS text)
-      AND o.generation < CAST(:generation AS bigint) AND o.deadline > {now}
+      AND o.generation < CAST(:generation AS bigint) AND {in_flight(o)}
 )
+
+-- fragment: external_stale(f)
+-- The fence row {f} of a job of another lease source is above :generation: a newer
+-- generation has been admitted, whatever the source says.
+{f}.generation > CAST(:generation AS bigint)
+
+-- fragment: token_expired
+-- The expiry that a lease of another source carries (:expires_at, a signed token's;
+-- NULL: the source judged the expiry itself) has passed at {now}.
+(CAST(:expires_at AS double precision) IS NOT NULL
+     AND CAST(:expires_at AS double precision) <= {now})
 
 -- fragment: raise_fence
 -- An admission's upsert of its job's fence (INSERT INTO fences ... ON CONFLICT): raised
@@ -93,6 +134,37 @@ WHERE {token_lease_current}
 RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
           max_attempts, payload, result, error, created_at;
 
+-- name: renew
+-- Extend the current lease (by its ttl, or a new one). No row: the lease is not current.
+UPDATE jobs SET
+    lease_ttl_seconds = COALESCE(:ttl, lease_ttl_seconds),
+    lease_expires_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
+    claimable_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
+    updated_at = {now}
+WHERE {token_lease_current}
+RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
+
+-- name: complete
+-- The current lease completes its job (its result: result_json). No row: the lease is
+-- not current.
+UPDATE jobs SET
+    state = {State.COMPLETED}, result = {result_json}, lease_token_hash = NULL,
+    lease_expires_at = NULL, claimable_at = NULL, updated_at = {now}
+WHERE {token_lease_current}
+RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
+          max_attempts, payload, result, error, created_at;
+
+-- name: release
+-- The current lease gives its job back at once, without using up an attempt. No row:
+-- the lease is not current.
+UPDATE jobs SET
+    state = {State.PENDING}, claimable_at = {now},
+    attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END,
+    lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
+WHERE {token_lease_current}
+RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
+          max_attempts, payload, result, error, created_at;
+
 -- name: grant_slice_end
 -- Read only: where a slice of :batch grants after :since ends, in order of expiry (the
 -- expiry of the next grant after them); NULL when no more than :batch are left.
@@ -112,11 +184,13 @@ WHERE l.token_hash = :token_hash;
 -- name: lease_of_token
 -- Read only: the lease behind a token, its job, the job's fence and whether an older
 -- generation's write to the job is still in flight; always one row (job_id NULL: no
--- such token; state NULL: the job has been purged since).
+-- such token; state NULL: the job has been purged since); refusal: the verdict on the
+-- lease (lease_refusal; NULL: it may write now).
 SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
        j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
        f.generation AS fence_generation,
-       {lease_older_in_flight} AS older_in_flight
+       {lease_older_in_flight(l)} AS older_in_flight,
+       {lease_refusal(l, j)} AS refusal
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN leases AS l ON l.token_hash = :token_hash
 LEFT JOIN jobs AS j ON j.job_id = l.job_id
@@ -124,10 +198,19 @@ LEFT JOIN fences AS f ON f.job_id = l.job_id;
 
 -- name: external_lease
 -- Read only: the fence of a job of another lease source (gateway.sources; its id
--- namespaced "<source>/<job>") and whether an older generation's write to it is still
--- in flight; always one row (fence_generation NULL: nothing of it has written yet).
+-- namespaced "<source>/<job>"), whether an older generation's write to it is still in
+-- flight, and the verdict on the lease (refusal; NULL: it may write now), in the spec's
+-- order: a generation below the fence is stale whatever the source says; then the
+-- source's own finding (:lost, the reason it names; NULL: none); then the expiry the
+-- lease carries (:expires_at), by the database's clock. Always one row
+-- (fence_generation NULL: nothing of it has written yet).
 SELECT {now} AS now, f.generation AS fence_generation,
-       {external_older_in_flight} AS older_in_flight
+       {external_older_in_flight} AS older_in_flight,
+       CASE
+           WHEN {external_stale(f)} THEN {Reason.STALE_GENERATION}
+           WHEN CAST(:lost AS text) IS NOT NULL THEN CAST(:lost AS text)
+           WHEN {token_expired} THEN {Reason.LEASE_EXPIRED}
+       END AS refusal
 FROM (SELECT 1 AS one) AS one
 LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text);
 
@@ -138,7 +221,9 @@ LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text);
 -- and the lease is not past :expires_at (NULL: the source judged its expiry); the fence
 -- row stays locked to the end of the transaction, so the admissions of one job are one
 -- at a time, as the job row's lock makes them for the gateway's own leases. admitted
--- NULL: refused (fence_generation above the generation: stale; else expired). Then, as
+-- NULL: refused, and refusal says why, read from that locked row (above the
+-- generation: stale; the same generation bound to another holder: reissued; past
+-- :expires_at: expired; nothing else refuses, so stale when none shows). Then, as
 -- in admit: the fence, the key's record as it was before, whether an older
 -- generation's write is in flight, and the key claimed for this attempt, or its record
 -- taken over when its outcome is unknown and the upstream's policy is retry (:retry).
@@ -148,8 +233,7 @@ LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text);
 -- was lost). A row from before the holder was kept (NULL) is bound by its next one.
 INSERT INTO fences (job_id, generation, holder, updated_at)
 SELECT CAST(:job_id AS text), CAST(:generation AS bigint), CAST(:holder AS text), {now}
-WHERE CAST(:expires_at AS double precision) IS NULL
-   OR CAST(:expires_at AS double precision) > {now}
+WHERE NOT {token_expired}
 ON CONFLICT (job_id) DO UPDATE
     SET generation = excluded.generation, holder = excluded.holder,
         updated_at = excluded.updated_at
@@ -159,6 +243,14 @@ ON CONFLICT (job_id) DO UPDATE
 RETURNING generation AS admitted;
 SELECT {now} AS now, f.generation AS fence_generation, f.holder AS fence_holder,
        {external_older_in_flight} AS older_in_flight,
+       CASE
+           WHEN CAST(:admitted AS bigint) IS NOT NULL THEN NULL
+           WHEN {external_stale(f)} THEN {Reason.STALE_GENERATION}
+           WHEN f.generation = CAST(:generation AS bigint)
+                AND f.holder <> CAST(:holder AS text) THEN {Reason.GENERATION_REISSUED}
+           WHEN {token_expired} THEN {Reason.LEASE_EXPIRED}
+           ELSE {Reason.STALE_GENERATION}
+       END AS refusal,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
 FROM (SELECT 1 AS one) AS one
@@ -182,7 +274,7 @@ SET state = {RecordState.IN_FLIGHT}, generation = CAST(:generation AS bigint),
 WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
   AND CAST(:admitted AS bigint) IS NOT NULL AND CAST(:retry AS boolean)
   AND fingerprint = CAST(:fingerprint AS text)
-  AND {unknown_or_overdue}
+  AND {unknown_or_overdue(idempotency_records)}
 RETURNING 1 AS taken;
 INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
 SELECT job_id, key, generation, attempt, deadline FROM idempotency_records
@@ -199,9 +291,26 @@ FROM idempotency_records WHERE job_id = :job_id AND key = :key;
 -- name: older_in_flight
 -- Read only: whether a write of an older generation of the job is still in flight.
 SELECT EXISTS (
-    SELECT 1 FROM writes_in_flight
-    WHERE job_id = :job_id AND generation < :generation AND deadline > {now}
+    SELECT 1 FROM writes_in_flight AS o
+    WHERE o.job_id = :job_id AND o.generation < :generation AND {in_flight(o)}
 ) AS older_in_flight;
+
+-- name: claim_state
+-- Read only, right before a claimed write is sent: the job's fence; while the record is
+-- still this attempt's and in flight, its deadline; and whether an older generation's
+-- write to the job is in flight (one the admission's snapshot could not see: the
+-- gateway's resolver may have claimed an older record since); always one row.
+-- (postgresql.sql adds its form for many callers.)
+SELECT clock.now, f.generation AS fence_generation, r.deadline,
+       EXISTS (
+           SELECT 1 FROM writes_in_flight AS o
+           WHERE o.job_id = :job_id AND o.generation < r.generation AND {in_flight(o)}
+       ) AS older_in_flight
+FROM (SELECT {now} AS now) AS clock
+LEFT JOIN fences AS f ON f.job_id = :job_id
+LEFT JOIN idempotency_records AS r
+    ON r.job_id = :job_id AND r.key = :key AND r.attempt = :attempt
+   AND r.state = {RecordState.IN_FLIGHT};
 
 -- name: release_claim
 -- Our attempt never reached the upstream: undo its claim.
@@ -223,10 +332,33 @@ WHERE job_id = :job_id AND key = :key AND attempt = :attempt;
 -- forwarded. No row: not (or no longer) unknown.
 DELETE FROM idempotency_records
 WHERE job_id = :job_id AND key = :key
-  AND {unknown_or_overdue}
+  AND {unknown_or_overdue(idempotency_records)}
 RETURNING 1 AS changed;
 DELETE FROM writes_in_flight
 WHERE job_id = :job_id AND key = :key AND CAST(:changed AS integer) IS NOT NULL;
+
+-- name: list_unknown (rows)
+-- Read only: the keys whose outcome is unknown (said so, or in flight past the
+-- deadline) and those the gateway is re-sending right now (in flight, within the
+-- deadline, re-sent before: state "resolving"), the most recently changed first, :limit
+-- of them; resolvable: the request is kept, so the gateway may re-send it. The keys
+-- come from the unknown records' index and writes_in_flight: never a read of every
+-- record.
+SELECT r.job_id, r.key,
+       CASE WHEN r.state = {RecordState.IN_FLIGHT} AND {in_flight(r)} THEN 'resolving'
+            ELSE {RecordState.UNKNOWN} END AS state,
+       r.generation, r.upstream, r.method, r.path, r.status, r.note, r.resolve_attempts,
+       r.request_body IS NOT NULL AS resolvable, r.updated_at
+FROM (
+    SELECT job_id, key FROM idempotency_records WHERE unknown_at IS NOT NULL
+    UNION ALL
+    SELECT w.job_id, w.key FROM writes_in_flight AS w
+    JOIN idempotency_records AS x ON x.job_id = w.job_id AND x.key = w.key
+    WHERE {past_deadline(w)} OR x.resolve_attempts > 0
+) AS candidate
+JOIN idempotency_records AS r ON r.job_id = candidate.job_id AND r.key = candidate.key
+ORDER BY r.updated_at DESC
+LIMIT :limit;
 
 -- name: audit
 -- One entry of a request with a lease behind it.

@@ -12,9 +12,14 @@
 -- gathers the callers into fewer, larger batches, measured faster through the API,
 -- docs/performance.md). "{now}" is the authoritative time
 -- (PostgreSQL's clock, or an injected one); "{State.X}" and "{RecordState.X}" are the
--- states of lease_core.rules, as literals. "-- fragment: <name>", a comment, then SQL
--- with no ";" defines a rule that several statements share, and "{name}" in a statement
--- (or in another fragment) stands for it: the header of common.sql says where one goes.
+-- states of lease_core.rules, as literals, and "{Reason.X}" a reason of
+-- fencegate_client.reasons (a verdict the SQL gives: "refusal"). An operation named
+-- with "(rows)" is a listing: one read, whose answer is every row it found. A
+-- "-- fragment: <name>" header, a comment, then SQL with no ";" defines a rule that
+-- several statements share, and "{name}" in a statement (or in another fragment) stands
+-- for it; with "(row)" after its name it is a rule about a row of whatever alias its
+-- statement gives it, written "{row}.column" and used as "{name(r)}": the header of
+-- common.sql says where one goes.
 -- lease_core/sql/sqlite.sql defines the same operations for SQLite; those whose SQL is
 -- the same on both are in lease_core/sql/common.sql instead (an operation lives in
 -- exactly one file).
@@ -34,11 +39,9 @@ VALUES (CAST(:job_id AS text), :queue, {State.PENDING},
         0, :max_attempts, CAST(:payload AS jsonb), {now}, {now}, {now})
 ON CONFLICT (job_id) DO NOTHING
 
--- fragment: r_unknown_or_overdue
--- unknown_or_overdue (common.sql) of the record r at clock.now: its outcome is unknown,
--- said so or in flight past its deadline.
-(r.state = {RecordState.UNKNOWN}
-     OR (r.state = {RecordState.IN_FLIGHT} AND r.deadline <= clock.now))
+-- fragment: result_json
+-- The result a lease completes its job with (:result, JSON text), as the column keeps it.
+CAST(:result AS jsonb)
 
 
 -- ---------------------------------------------------------------------------------------
@@ -68,8 +71,8 @@ granted AS (
         lease_expires_at = {now} + :ttl, claimable_at = {now} + :ttl,
         attempts = jobs.attempts + 1, updated_at = {now}
     WHERE job_id = :job_id
-      AND (state = {State.PENDING}
-           OR (state = {State.LEASED} AND (lease_expires_at <= {now} OR owner = :owner)))
+      AND (state = {State.PENDING} OR {lease_expired(jobs)}
+           OR (state = {State.LEASED} AND owner = :owner))
     RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload
 ),
 recorded AS (
@@ -123,18 +126,8 @@ recorded AS (
 )
 SELECT * FROM granted;
 
--- name: renew
--- Extend the current lease (by its ttl, or a new one). No row: the lease is not current.
-UPDATE jobs SET
-    lease_ttl_seconds = COALESCE(:ttl, lease_ttl_seconds),
-    lease_expires_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
-    claimable_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
-    updated_at = {now}
-WHERE {token_lease_current}
-RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
-
 -- name: renew (many, one at a time)
--- Concurrent renewals in one statement. A token asked for twice in one batch is renewed
+-- Concurrent renewals (common.sql's "renew") in one statement. A token asked for twice in one batch is renewed
 -- once, with its last caller's ttl, and every caller of it gets the renewed lease (as if
 -- the renewals ran one after the other at the same instant). Rows are locked in job_id
 -- order, so two batches never wait on each other in a cycle.
@@ -159,30 +152,11 @@ renewed AS (
         updated_at = {now}
     FROM locked, wanted AS w
     WHERE jobs.job_id = locked.job_id AND jobs.lease_token_hash = w.token_hash
-      AND jobs.state = {State.LEASED} AND jobs.lease_expires_at > {now}
+      AND {lease_current(jobs)}
     RETURNING jobs.lease_token_hash, jobs.job_id, jobs.generation, jobs.owner,
               jobs.lease_expires_at, jobs.lease_ttl_seconds, jobs.payload
 )
 SELECT i.n, renewed.* FROM input AS i JOIN renewed ON renewed.lease_token_hash = i.token_hash;
-
--- name: complete
--- The current lease completes its job. No row: the lease is not current.
-UPDATE jobs SET
-    state = {State.COMPLETED}, result = CAST(:result AS jsonb), lease_token_hash = NULL,
-    lease_expires_at = NULL, claimable_at = NULL, updated_at = {now}
-WHERE {token_lease_current}
-RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
-          max_attempts, payload, result, error, created_at;
-
--- name: release
--- The current lease gives its job back at once, without using up an attempt. No row:
--- the lease is not current.
-UPDATE jobs SET
-    state = {State.PENDING}, claimable_at = {now}, attempts = GREATEST(attempts - 1, 0),
-    lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
-WHERE {token_lease_current}
-RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
-          max_attempts, payload, result, error, created_at;
 
 -- name: purge_job
 -- Delete a job that no current lease holds and none of whose writes is in flight,
@@ -192,11 +166,11 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 -- such job; purged_generation NULL: refused (writing says whether a write is in flight).
 SELECT job_id AS found FROM jobs WHERE job_id = :job_id FOR UPDATE;
 SELECT EXISTS (
-    SELECT 1 FROM writes_in_flight WHERE job_id = :job_id AND deadline > {now}
+    SELECT 1 FROM writes_in_flight AS w WHERE w.job_id = :job_id AND {in_flight(w)}
 ) AS writing;
 DELETE FROM jobs
 WHERE job_id = :job_id AND NOT CAST(:writing AS boolean)
-  AND NOT ({lease_current})
+  AND NOT ({lease_current(jobs)})
 RETURNING generation AS purged_generation;
 DELETE FROM idempotency_records
 WHERE job_id = :job_id AND CAST(:purged_generation AS bigint) IS NOT NULL;
@@ -216,7 +190,7 @@ WITH failed AS (
         state = {State.FAILED}, error = 'the lease expired on the last attempt',
         lease_token_hash = NULL, claimable_at = NULL, lease_expires_at = NULL,
         updated_at = {now}
-    WHERE {lease_expired} AND attempts >= max_attempts
+    WHERE {lease_expired(jobs)} AND attempts >= max_attempts
     RETURNING 1
 )
 SELECT count(*) AS changed FROM failed;
@@ -247,8 +221,9 @@ SELECT count(*) AS changed, {now} - :older_than AS cutoff FROM purged;
 -- The admission of each row of the CTE input (token_hash, key, fingerprint, attempt,
 -- upstream, method, path, deadline_in, retry, and n: which caller) at clock.now: the
 -- rest of the WITH list of admit and admit (many), and their answer.
--- A fenced write is admitted: the lease is current (its job row locked FOR SHARE so no
--- reclaim slips in), the job's fence is raised to this generation, the key is claimed
+-- A fenced write is admitted: the lease is current (judged: the verdict lease_refusal
+-- on the grant and its job row, locked FOR SHARE so no reclaim slips in, is NULL; it is
+-- the answer's refusal), the job's fence is raised to this generation, the key is claimed
 -- for this attempt, or its record is read; a record of the same request whose outcome is
 -- unknown (or in flight past its deadline) is taken over when the upstream's policy is
 -- retry (:retry), and either marked in writes_in_flight; and whether an older
@@ -272,13 +247,15 @@ job AS (
     ORDER BY j.job_id
     FOR SHARE OF j
 ),
+judged AS (
+    SELECT i.n, lease.job_id, lease.generation,
+           {lease_refusal(lease, job)} AS refusal
+    FROM input AS i
+    LEFT JOIN lease ON lease.n = i.n
+    LEFT JOIN job ON job.job_id = lease.job_id
+),
 current_lease AS (
-    SELECT lease.n, lease.job_id, lease.generation
-    FROM lease
-    JOIN job ON job.job_id = lease.job_id AND job.generation = lease.generation
-            AND job.owner = lease.owner
-    CROSS JOIN clock
-    WHERE job.state = {State.LEASED} AND job.lease_expires_at > clock.now
+    SELECT judged.n, judged.job_id, judged.generation FROM judged WHERE judged.refusal IS NULL
 ),
 raised AS (
     INSERT INTO fences (job_id, generation, updated_at)
@@ -306,9 +283,8 @@ held AS (
         WHERE x.job_id = c.job_id AND x.key = i.key
         OFFSET 0
     ) AS r
-    CROSS JOIN clock
     WHERE i.retry AND r.fingerprint = i.fingerprint
-      AND {r_unknown_or_overdue}
+      AND {unknown_or_overdue(r)}
     ORDER BY r.job_id, r.key
     FOR UPDATE OF r
 ),
@@ -332,17 +308,15 @@ SELECT i.n, clock.now,
        job.state, job.generation, job.owner, job.lease_expires_at, job.attempts,
        job.max_attempts,
        (SELECT f.generation FROM fences AS f WHERE f.job_id = lease.job_id) AS fence_generation,
-       EXISTS (
-           SELECT 1 FROM writes_in_flight AS o
-           WHERE o.job_id = lease.job_id AND o.generation < lease.generation
-             AND o.deadline > clock.now
-       ) AS older_in_flight,
+       {lease_older_in_flight(lease)} AS older_in_flight,
+       judged.refusal,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body,
        EXISTS (SELECT 1 FROM claim WHERE claim.attempt = i.attempt) AS claimed,
        EXISTS (SELECT 1 FROM taken WHERE taken.attempt = i.attempt) AS taken
 FROM input AS i
 CROSS JOIN clock
+JOIN judged ON judged.n = i.n
 LEFT JOIN lease ON lease.n = i.n
 LEFT JOIN job ON job.job_id = lease.job_id
 LEFT JOIN LATERAL (
@@ -380,29 +354,12 @@ input AS (
 ),
 {admission_of_input};
 
--- name: claim_state
--- Read only, right before a claimed write is sent: the job's fence; while the record is
--- still this attempt's and in flight, its deadline; and whether an older generation's
--- write to the job is in flight (one the admission's snapshot could not see: the
--- gateway's resolver may have claimed an older record since); always one row.
-SELECT clock.now, f.generation AS fence_generation, r.deadline,
-       EXISTS (
-           SELECT 1 FROM writes_in_flight AS o
-           WHERE o.job_id = :job_id AND o.generation < r.generation
-             AND o.deadline > clock.now
-       ) AS older_in_flight
-FROM (SELECT {now} AS now) AS clock
-LEFT JOIN fences AS f ON f.job_id = :job_id
-LEFT JOIN idempotency_records AS r
-    ON r.job_id = :job_id AND r.key = :key AND r.attempt = :attempt
-   AND r.state = {RecordState.IN_FLIGHT};
-
 -- name: claim_state (many)
+-- common.sql's "claim_state" for many callers in one statement.
 SELECT i.n, clock.now, f.generation AS fence_generation, r.deadline,
        EXISTS (
            SELECT 1 FROM writes_in_flight AS o
-           WHERE o.job_id = i.job_id AND o.generation < r.generation
-             AND o.deadline > clock.now
+           WHERE o.job_id = i.job_id AND o.generation < r.generation AND {in_flight(o)}
        ) AS older_in_flight
 FROM unnest(CAST(:job_id AS text[]), CAST(:key AS text[]), CAST(:attempt AS text[]))
      WITH ORDINALITY AS i(job_id, key, attempt, n)
@@ -501,8 +458,8 @@ candidate AS (
     WHERE r.unknown_at > clock.now - CAST(:window AS double precision)
       AND r.unknown_at <= clock.now
     UNION ALL
-    SELECT w.job_id, w.key FROM writes_in_flight AS w CROSS JOIN clock
-    WHERE w.deadline <= clock.now
+    SELECT w.job_id, w.key FROM writes_in_flight AS w
+    WHERE {past_deadline(w)}
 ),
 found AS (
     SELECT r.job_id, r.key
@@ -515,7 +472,7 @@ found AS (
     JOIN fences AS f ON f.job_id = r.job_id AND f.generation <= r.generation
     CROSS JOIN clock
     WHERE r.upstream = CAST(:upstream AS text)
-      AND {r_unknown_or_overdue}
+      AND {unknown_or_overdue(r)}
       AND r.request_body IS NOT NULL
       AND r.created_at > clock.now - CAST(:window AS double precision)
       AND r.resolve_attempts < CAST(:max_attempts AS integer)
@@ -573,7 +530,7 @@ WITH applied AS (
         body = :body, note = 'resolved by an operator: applied', updated_at = {now},
         settled_at = {now}, unknown_at = NULL
     WHERE job_id = :job_id AND key = :key
-      AND {unknown_or_overdue}
+      AND {unknown_or_overdue(idempotency_records)}
     RETURNING 1 AS changed
 ),
 unmarked AS (

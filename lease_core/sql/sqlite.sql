@@ -23,6 +23,10 @@ VALUES (:job_id, :queue, {State.PENDING},
         0, :max_attempts, :payload, {now}, {now}, {now})
 ON CONFLICT (job_id) DO NOTHING
 
+-- fragment: result_json
+-- The result a lease completes its job with (:result, JSON text), as the column keeps it.
+:result
+
 -- fragment: grant
 -- The SET of a grant: the job row leased to :owner under :token_hash for :ttl seconds,
 -- at its next generation, its attempts counted. (postgresql.sql writes it out in acquire
@@ -60,8 +64,8 @@ FROM jobs WHERE job_id = :job_id;
 UPDATE jobs SET
     {grant}
 WHERE job_id = :job_id
-  AND (state = {State.PENDING}
-       OR (state = {State.LEASED} AND (lease_expires_at <= {now} OR owner = :owner)))
+  AND (state = {State.PENDING} OR {lease_expired(jobs)}
+       OR (state = {State.LEASED} AND owner = :owner))
 RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload,
           1 AS granted;
 {record_grant};
@@ -80,35 +84,6 @@ WHERE job_id = (
 RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
 {record_grant};
 
--- name: renew
--- Extend the current lease (by its ttl, or a new one). No row: the lease is not current.
-UPDATE jobs SET
-    lease_ttl_seconds = COALESCE(:ttl, lease_ttl_seconds),
-    lease_expires_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
-    claimable_at = {now} + COALESCE(:ttl, lease_ttl_seconds),
-    updated_at = {now}
-WHERE {token_lease_current}
-RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
-
--- name: complete
--- The current lease completes its job. No row: the lease is not current.
-UPDATE jobs SET
-    state = {State.COMPLETED}, result = :result, lease_token_hash = NULL,
-    lease_expires_at = NULL, claimable_at = NULL, updated_at = {now}
-WHERE {token_lease_current}
-RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
-          max_attempts, payload, result, error, created_at;
-
--- name: release
--- The current lease gives its job back at once, without using up an attempt. No row:
--- the lease is not current.
-UPDATE jobs SET
-    state = {State.PENDING}, claimable_at = {now}, attempts = MAX(attempts - 1, 0),
-    lease_token_hash = NULL, lease_expires_at = NULL, updated_at = {now}
-WHERE {token_lease_current}
-RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
-          max_attempts, payload, result, error, created_at;
-
 -- name: purge_job
 -- Delete a job that no current lease holds and none of whose writes is in flight,
 -- remember its last generation (job_tombstones), and drop the gateway's records of its
@@ -116,11 +91,11 @@ RETURNING job_id, queue, state, generation, owner, lease_expires_at, attempts,
 -- whether a write is in flight).
 SELECT job_id AS found FROM jobs WHERE job_id = :job_id;
 SELECT EXISTS (
-    SELECT 1 FROM writes_in_flight WHERE job_id = :job_id AND deadline > {now}
+    SELECT 1 FROM writes_in_flight AS w WHERE w.job_id = :job_id AND {in_flight(w)}
 ) AS writing;
 DELETE FROM jobs
 WHERE job_id = :job_id AND NOT :writing
-  AND NOT ({lease_current})
+  AND NOT ({lease_current(jobs)})
 RETURNING generation AS purged_generation;
 DELETE FROM idempotency_records
 WHERE job_id = :job_id AND :purged_generation IS NOT NULL;
@@ -138,7 +113,7 @@ UPDATE jobs SET
     state = {State.FAILED}, error = 'the lease expired on the last attempt',
     lease_token_hash = NULL, claimable_at = NULL, lease_expires_at = NULL,
     updated_at = {now}
-WHERE {lease_expired} AND attempts >= max_attempts;
+WHERE {lease_expired(jobs)} AND attempts >= max_attempts;
 SELECT changes() AS changed;
 
 -- name: purge_grants
@@ -166,12 +141,14 @@ SELECT changes() AS changed, {now} - :older_than AS cutoff;
 -- the same request whose outcome is unknown (or in flight past its deadline) is taken
 -- over when the upstream's policy is retry (:retry), and either marked in
 -- writes_in_flight. The first statement reads the lease, the fence, the older
--- generations' writes and the key's record as they were before; each later one is
--- conditional on the lease being current.
+-- generations' writes and the key's record as they were before, and judges the lease
+-- (refusal: lease_refusal, NULL when it may write); each later one is conditional on
+-- that verdict (the IMMEDIATE transaction keeps every other writer out meanwhile).
 SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
        j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
        f.generation AS fence_generation,
-       {lease_older_in_flight} AS older_in_flight,
+       {lease_older_in_flight(l)} AS older_in_flight,
+       {lease_refusal(l, j)} AS refusal,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
        r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
 FROM (SELECT {now} AS now) AS clock
@@ -180,52 +157,33 @@ LEFT JOIN jobs AS j ON j.job_id = l.job_id
 LEFT JOIN fences AS f ON f.job_id = l.job_id
 LEFT JOIN idempotency_records AS r ON r.job_id = l.job_id AND r.key = :key;
 INSERT INTO fences (job_id, generation, updated_at)
-SELECT job_id, generation, {now} FROM jobs
-WHERE {token_lease_current}
+SELECT job_id, generation, {now} FROM leases
+WHERE token_hash = :token_hash AND :refusal IS NULL
 {raise_fence};
 INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
                                  upstream, method, path, deadline, created_at, updated_at)
 SELECT job_id, :key, :fingerprint, {RecordState.IN_FLIGHT}, generation, :attempt, :upstream,
        :method, :path, {now} + :deadline_in, {now}, {now}
-FROM jobs
-WHERE {token_lease_current}
+FROM leases
+WHERE token_hash = :token_hash AND :refusal IS NULL
 ON CONFLICT (job_id, key) DO NOTHING
 RETURNING 1 AS claimed;
 UPDATE idempotency_records
-SET state = {RecordState.IN_FLIGHT}, generation = j.generation, attempt = :attempt,
+SET state = {RecordState.IN_FLIGHT}, generation = l.generation, attempt = :attempt,
     deadline = {now} + :deadline_in, updated_at = {now}, unknown_at = NULL
 FROM (
-    SELECT job_id, generation FROM jobs
-    WHERE {token_lease_current}
-) AS j
-WHERE idempotency_records.job_id = j.job_id AND idempotency_records.key = :key
+    SELECT job_id, generation FROM leases
+    WHERE token_hash = :token_hash AND :refusal IS NULL
+) AS l
+WHERE idempotency_records.job_id = l.job_id AND idempotency_records.key = :key
   AND :retry AND idempotency_records.fingerprint = :fingerprint
-  AND (idempotency_records.state = {RecordState.UNKNOWN}
-       OR (idempotency_records.state = {RecordState.IN_FLIGHT}
-           AND idempotency_records.deadline <= {now}))
+  AND {unknown_or_overdue(idempotency_records)}
 RETURNING 1 AS taken;
 INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
 SELECT r.job_id, r.key, r.generation, r.attempt, r.deadline
 FROM leases AS l JOIN idempotency_records AS r ON r.job_id = l.job_id
 WHERE l.token_hash = :token_hash AND r.key = :key AND r.attempt = :attempt
 {mark_in_flight};
-
--- name: claim_state
--- Read only, right before a claimed write is sent: the job's fence; while the record is
--- still this attempt's and in flight, its deadline; and whether an older generation's
--- write to the job is in flight (one the admission's snapshot could not see: the
--- gateway's resolver may have claimed an older record since); always one row.
-SELECT clock.now, f.generation AS fence_generation, r.deadline,
-       EXISTS (
-           SELECT 1 FROM writes_in_flight AS o
-           WHERE o.job_id = :job_id AND o.generation < r.generation
-             AND o.deadline > clock.now
-       ) AS older_in_flight
-FROM (SELECT {now} AS now) AS clock
-LEFT JOIN fences AS f ON f.job_id = :job_id
-LEFT JOIN idempotency_records AS r
-    ON r.job_id = :job_id AND r.key = :key AND r.attempt = :attempt
-   AND r.state = {RecordState.IN_FLIGHT};
 
 -- name: settle
 -- Store the answer of our attempt (completed, or unknown outcome) and take the record
@@ -272,9 +230,9 @@ WHERE (job_id, key) = (
         SELECT x.rowid FROM writes_in_flight
         JOIN idempotency_records AS x
             ON x.job_id = writes_in_flight.job_id AND x.key = writes_in_flight.key
-        WHERE writes_in_flight.deadline <= {now}
+        WHERE {past_deadline(writes_in_flight)}
     )
-      AND {unknown_or_overdue}
+      AND {unknown_or_overdue(r)}
       AND r.upstream = :upstream
       AND r.request_body IS NOT NULL
       AND r.created_at > {now} - :window
@@ -311,7 +269,7 @@ SET state = {RecordState.COMPLETED}, status = :status, headers = :headers,
     body = :body, note = 'resolved by an operator: applied', updated_at = {now},
     settled_at = {now}, unknown_at = NULL
 WHERE job_id = :job_id AND key = :key
-  AND {unknown_or_overdue}
+  AND {unknown_or_overdue(idempotency_records)}
 RETURNING 1 AS changed;
 DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND :changed IS NOT NULL;
 

@@ -450,7 +450,7 @@ def summary(planned: Planned, admission: Admission, prefix: str) -> tuple[object
         None
         if presented is None or presented.job is None
         else (presented.job.state, presented.job.generation),
-        fence.lease_reason(presented, admission.now),
+        admission.lease,
         admission.highest,
         admission.claimed,
         admission.attempt is not None,
@@ -542,7 +542,7 @@ async def test_concurrent_admissions_are_judged_as_sequential_ones(
     # A stale token is refused and claims nothing, even with the current write's key.
     for label in ("s-stale", "s-stale-same-key", "o-stale"):
         (refused,) = by_label[label]
-        assert fence.lease_reason(refused.presented, refused.now) is fence.Reason.STALE_GENERATION
+        assert refused.lease is fence.Reason.STALE_GENERATION
         assert not refused.claimed and refused.record is None and refused.attempt is None
     assert ("s", "s1") not in batch_records and ("o", "o-x") not in batch_records
     (current,) = by_label["s-current"]
@@ -558,12 +558,10 @@ async def test_concurrent_admissions_are_judged_as_sequential_ones(
     assert not again.claimed and again.record is not None and again.record.generation == 1
     # Unknown tokens, expired, ended and purged leases.
     assert all(a.presented is None for a in by_label["unknown"])
-    assert fence.lease_reason(by_label["e-expired"][0].presented, clock.now) is (
-        fence.Reason.LEASE_EXPIRED
-    )
-    assert fence.lease_reason(by_label["d-ended"][0].presented, clock.now) is (
-        fence.Reason.LEASE_ENDED
-    )
+    assert by_label["e-expired"][0].lease is fence.Reason.LEASE_EXPIRED
+    assert by_label["d-ended"][0].lease is fence.Reason.LEASE_ENDED
+    assert by_label["x-purged"][0].lease is fence.Reason.STALE_GENERATION
+    assert all(a.lease is fence.Reason.INVALID_FENCING_TOKEN for a in by_label["unknown"])
     (done,) = by_label["c-done"]
     assert done.record is not None and done.record.state is RecordState.COMPLETED
     assert (done.record.status, done.record.headers, done.record.body) == (
@@ -660,7 +658,7 @@ async def test_postgres_each_write_is_judged_on_its_own_clock(
         gstore.admit(write(injected_token, "k")), server_gstore.admit(write(server_token, "k"))
     )
     assert injected.claimed
-    assert fence.lease_reason(served.presented, served.now) is None
+    assert served.lease is None
     assert served.claimed
 
 

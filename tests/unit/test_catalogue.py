@@ -18,11 +18,12 @@ CATALOGUES = {dialect: catalogue.load(dialect) for dialect in catalogue.DIALECTS
 
 _RETURNING = re.compile(r"\bRETURNING\b(.*)", re.S)
 _COLUMN = re.compile(r"(?:^|,)\s*(?:\w+\.)?(\w+)\s*(?=,|$)|\bAS\s+(\w+)")
+_NAMED = re.compile(r"\bAS\s+(\w+)")
 
 
 def parameters(operation: catalogue.Operation) -> set[str]:
     """What a caller passes: the names the statements read, less those an earlier
-    statement of the operation returns (a chain reads them from its answer)."""
+    statement of the operation returns or names (a chain reads them from its answer)."""
     statements = [*operation.statements, *([operation.many] if operation.many else [])]
     names: set[str] = set()
     returned: set[str] = set()
@@ -31,6 +32,7 @@ def parameters(operation: catalogue.Operation) -> set[str]:
         found = _RETURNING.search(statement.text)
         if found:
             returned |= {a or b for a, b in _COLUMN.findall(" ".join(found.group(1).split()))}
+        returned |= set(_NAMED.findall(statement.text))
     return names - {"now"}
 
 
@@ -257,6 +259,111 @@ def test_every_fragment_says_what_it_is_and_is_used(dialect: str) -> None:
     assert {"lease_current", "token_lease_current", "unknown_or_overdue"} <= set(fragments)
     for name, fragment in fragments.items():
         assert len(fragment.doc) > 20, f"{dialect}: the fragment {name} has no comment"
-    current = "lease_token_hash = :token_hash AND state = 'leased' AND lease_expires_at > {now}"
+    current = (
+        "lease_token_hash = :token_hash AND jobs.state = 'leased' AND jobs.lease_expires_at > {now}"
+    )
     for name in ("fail", "renew", "complete", "release"):
         assert current in CATALOGUES[dialect][name].statements[0].text, name
+
+
+ALIASED = """
+-- fragment: past(row)
+-- The row's deadline has passed.
+{row}.deadline <= {now}
+
+-- fragment: overdue(r)
+-- In flight and past its deadline: a fragment handing its alias on.
+{r}.state = {RecordState.IN_FLIGHT} AND {past({r})}
+
+-- name: sweep
+-- Uses a fragment under two aliases.
+SELECT r.key FROM records AS r JOIN markers AS m ON m.key = r.key
+WHERE {overdue(r)} OR {past(m)};
+"""
+
+
+def test_a_fragment_takes_the_aliases_of_its_rows() -> None:
+    ops = parse(ALIASED)
+    assert ops["sweep"].statements[0].text == (
+        "SELECT r.key FROM records AS r JOIN markers AS m ON m.key = r.key\n"
+        "WHERE r.state = 'in_flight' AND r.deadline <= {now} OR m.deadline <= {now}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (ALIASED.replace("{past(m)}", "{past}"), r"\{past\} takes \(row\)"),
+        (ALIASED.replace("{past(m)}", "{past(m, r)}"), r"\{past\} takes \(row\)"),
+        (ALIASED.replace("{overdue(r)}", "{overdue}"), r"\{overdue\} takes \(r\)"),
+        ("-- fragment: f(a)\nx = 1\n-- name: a\nSELECT {f(b)};", r"never uses its alias \{a\}"),
+        ("-- fragment: f(a, a)\n{a}.x\n-- name: a\nSELECT {f(b, b)};", "an alias twice"),
+        ("-- fragment: f(now)\n{now}.x\n-- name: a\nSELECT {f(b)};", "the clock"),
+        ("-- fragment: f\nx = 1\n-- name: a\nSELECT {f(b)};", r"\{f\} takes no alias"),
+    ],
+)
+def test_the_loader_refuses_aliases_that_do_not_fit(text: str, message: str) -> None:
+    with pytest.raises(CatalogueError, match=message):
+        parse(text)
+
+
+def test_a_listing_answers_every_row_and_is_one_read() -> None:
+    ops = parse("-- name: every (rows)\n-- Lists.\nSELECT key FROM records LIMIT :limit;\n")
+    assert ops["every"].rows and ops["every"].batched is None
+    assert not catalogue.load("sqlite")["record"].rows
+    assert catalogue.load("postgresql")["list_unknown"].rows
+    for text in ("DELETE FROM records;", "SELECT 1;\nSELECT 2;"):
+        with pytest.raises(CatalogueError, match=r"\(rows\) must be one SELECT"):
+            parse(f"-- name: every (rows)\n-- Lists.\n{text}\n")
+
+
+def test_a_common_operation_may_take_a_shared_form_one_batch_at_a_time() -> None:
+    common = "-- name: note\n-- Writes a note.\nINSERT INTO notes (t) VALUES (:t);\n"
+    many = "-- name: note (many, one at a time)\nINSERT INTO notes (t) SELECT unnest(:t);\n"
+    note = assemble({"common.sql": common, "postgresql.sql": many})[0]["note"]
+    assert note.source == "common.sql" and note.one_at_a_time
+    assert note.batched is not None and note.batched.lanes == 1
+
+
+# The three rules every state change shares, each spelled in one fragment only: a
+# write's deadline has passed (or not: it is in flight), and a lease is current (or has
+# expired, its complement on a leased job). Anywhere else, a comparison of these columns
+# is the rule written again.
+RULES = {
+    "past_deadline": re.compile(r"\bdeadline\s*(<=|>=|<|>)|(<=|>=|<|>)\s*(\w+\.)?deadline\b"),
+    "lease_current": re.compile(
+        r"\blease_expires_at\s*(<=|>=|<|>)|(<=|>=|<|>)\s*(\w+\.)?lease_expires_at\b"
+    ),
+}
+SPELLED_IN = {
+    "past_deadline": {"past_deadline", "in_flight"},
+    "lease_current": {"lease_current", "lease_expired"},
+}
+_BLOCK = re.compile(r"^-- (name|fragment): ([a-z_]+)[^\n]*\n(.*?)(?=^-- (?:name|fragment):|\Z)")
+
+
+@pytest.mark.parametrize("dialect", [catalogue.COMMON, *catalogue.DIALECTS])
+def test_deadlines_and_current_leases_are_judged_by_their_fragments_only(dialect: str) -> None:
+    text = (catalogue.SQL_DIR / f"{dialect}.sql").read_text()
+    blocks = re.findall(_BLOCK.pattern, text, re.MULTILINE | re.DOTALL)
+    assert len(blocks) > 10
+    spelled = []
+    for kind, name, body in blocks:
+        sql = "\n".join(line for line in body.splitlines() if not line.startswith("--"))
+        for rule, pattern in RULES.items():
+            if pattern.search(sql) and not (kind == "fragment" and name in SPELLED_IN[rule]):
+                spelled.append(f"{dialect}.sql: {kind} {name}: {rule}")
+    assert spelled == []
+    # ... and every operation that judges them reaches those fragments.
+    fragments = catalogue.load("sqlite" if dialect == catalogue.COMMON else dialect).fragments
+    assert {"past_deadline", "in_flight", "lease_current", "lease_expired"} <= set(fragments)
+
+
+@pytest.mark.parametrize("dialect", catalogue.DIALECTS)
+def test_the_admissions_give_their_verdict_in_a_column(dialect: str) -> None:
+    """``refusal``: the reason, spelled through ``Reason`` in the SQL, never re-judged."""
+    for name in ("admit", "lease_of_token", "external_lease", "admit_external"):
+        operation = CATALOGUES[dialect][name]
+        text = " ".join(s.text for s in [*operation.statements, *filter(None, [operation.many])])
+        assert re.search(r"\bAS refusal\b|\brefusal,", text), name
+        assert "'stale-generation'" in text, name

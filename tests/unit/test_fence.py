@@ -1,8 +1,9 @@
 """``gateway.fencing.fence``, the fencing decision as pure functions: table-driven, no I/O.
 
-Keys (``parse_key``, ``canonical_key``), fingerprints, the lease behind a token
-(``lease_reason``), a key's record (``effective_state``, ``record_reason``), the
-problem document's extension members and the reason catalogue, each row by row.
+Keys (``parse_key``, ``canonical_key``), fingerprints, a key's record
+(``effective_state``, ``record_reason``), the problem document's extension members and
+the reason catalogue, each row by row. (The lease behind a token is judged by the
+admission's SQL: ``tests/integration/test_sql_verdicts.py``.)
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def test_a_hasher_without_a_body_is_the_empty_body() -> None:
     assert hasher.hexdigest() == fence.fingerprint("DELETE", "store", "/objects/1", "", b"")
 
 
-# -- lease_reason ---------------------------------------------------------------------------
+# -- a presented lease ------------------------------------------------------------------------
 
 NOW = 1_000.0
 
@@ -289,62 +290,6 @@ def job(
 
 def presented(the_job: Job | None, generation: int = 4, owner: str = "worker-1") -> Presented:
     return Presented("job-1", generation, owner, the_job)
-
-
-@pytest.mark.parametrize(
-    ("case", "seen", "reason"),
-    [
-        ("no lease behind the token", None, Reason.INVALID_FENCING_TOKEN),
-        ("the current lease", presented(job()), None),
-        ("current, no expiry recorded", presented(job(expires=None)), None),
-        ("expires a moment from now", presented(job(expires=NOW + 0.001)), None),
-        ("the job is gone (purged)", presented(None), Reason.STALE_GENERATION),
-        ("a newer generation holds it", presented(job(generation=5)), Reason.STALE_GENERATION),
-        (
-            "a newer generation, and expired",
-            presented(job(generation=5, expires=NOW - 1)),
-            Reason.STALE_GENERATION,
-        ),
-        (
-            "a newer generation, and ended",
-            presented(job(state=State.COMPLETED, generation=5)),
-            Reason.STALE_GENERATION,
-        ),
-        ("completed", presented(job(state=State.COMPLETED)), Reason.LEASE_ENDED),
-        ("failed", presented(job(state=State.FAILED)), Reason.LEASE_ENDED),
-        ("released (pending)", presented(job(state=State.PENDING)), Reason.LEASE_ENDED),
-        ("expired", presented(job(expires=NOW - 1)), Reason.LEASE_EXPIRED),
-        ("expires exactly now", presented(job(expires=NOW)), Reason.LEASE_EXPIRED),
-        (
-            "same generation, another owner",
-            presented(job(owner="worker-2")),
-            Reason.STALE_GENERATION,
-        ),
-        ("a generation the job never had", presented(job(), generation=9), Reason.STALE_GENERATION),
-    ],
-)
-def test_lease_reason(case: str, seen: Presented | None, reason: Reason | None) -> None:
-    assert fence.lease_reason(seen, NOW) == reason, case
-
-
-@given(
-    st.sampled_from(list(State)),
-    st.integers(min_value=1, max_value=6),
-    st.integers(min_value=1, max_value=6),
-    st.sampled_from(["worker-1", "worker-2"]),
-    st.none() | st.floats(min_value=NOW - 10, max_value=NOW + 10),
-)
-def test_lease_reason_is_a_lease_refusal_or_none(
-    state: State, job_generation: int, generation: int, owner: str, expires: float | None
-) -> None:
-    seen = presented(job(state, job_generation, owner, expires), generation=generation)
-    reason = fence.lease_reason(seen, NOW)
-    allowed = {Reason.STALE_GENERATION, Reason.LEASE_ENDED, Reason.LEASE_EXPIRED}
-    assert reason is None or reason in allowed
-    if job_generation > generation:
-        assert reason is Reason.STALE_GENERATION  # a newer generation always wins
-    if reason is None:
-        assert (state, job_generation, owner) == (State.LEASED, generation, "worker-1")
 
 
 # -- records: effective_state and record_reason ---------------------------------------------

@@ -156,26 +156,16 @@ def test_the_helper_refuses_claims_the_gateway_would_refuse() -> None:
 
 
 @pytest.mark.parametrize(
-    ("refused", "generation", "fence", "expires_at", "expected"),
+    ("refused", "expected"),
     [
-        (None, 5, None, None, None),
-        (None, 5, 5, None, None),
-        (None, 5, 6, None, Reason.STALE_GENERATION),
-        # stale comes before the source's own verdict and before the expiry (spec order)
-        (Lost.RELEASED, 5, 6, None, Reason.STALE_GENERATION),
-        (Lost.NEWER_HOLDER, 5, 5, None, Reason.STALE_GENERATION),
-        (None, 5, 6, 50.0, Reason.STALE_GENERATION),
-        (Lost.RELEASED, 5, 5, None, Reason.LEASE_ENDED),
-        (Lost.EXPIRED, None, 9, None, Reason.LEASE_EXPIRED),
-        (None, 5, 4, 100.0, Reason.LEASE_EXPIRED),  # expires_at <= now
-        (None, 5, 4, 100.5, None),
+        (None, None),
+        (Lost.NEWER_HOLDER, Reason.STALE_GENERATION),
+        (Lost.RELEASED, Reason.LEASE_ENDED),
+        (Lost.EXPIRED, Reason.LEASE_EXPIRED),
+        (Lost.OUT_OF_RANGE, Reason.INVALID_FENCING_TOKEN),
     ],
 )
-def test_external_verdicts_in_the_tables_order(
-    refused: Lost | None,
-    generation: int | None,
-    fence: int | None,
-    expires_at: float | None,
-    expected: Reason | None,
-) -> None:
-    assert external_reason(refused, generation, fence, expires_at, now=100.0) is expected
+def test_a_sources_finding_names_its_reason(refused: Lost | None, expected: Reason | None) -> None:
+    """The source's own finding; its order among the fence's and the expiry's is the
+    SQL's (``tests/integration/test_sql_verdicts.py``)."""
+    assert external_reason(refused) is expected
