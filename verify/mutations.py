@@ -90,27 +90,21 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 _COMMON,
-                "lease_token_hash = :token_hash AND {lease_current}",
+                "lease_token_hash = :token_hash AND {lease_current(jobs)}",
                 "job_id = (SELECT job_id FROM leases WHERE token_hash = :token_hash)"
-                " AND {lease_current}",
+                " AND {lease_current(jobs)}",
             ),
             Edit(
-                _POSTGRES,
-                "    JOIN job ON job.job_id = lease.job_id AND job.generation = lease.generation\n"
-                "            AND job.owner = lease.owner\n",
-                "    JOIN job ON job.job_id = lease.job_id\n",
-            ),
-            Edit(
-                _FENCE,
-                "    if job is not None and rules.is_current(lease, job, now):",
-                "    if job is not None and job.state is rules.State.LEASED"
-                " and not rules.is_expired(job, now):",
+                _COMMON,
+                "    WHEN {job}.generation = {grant}.generation AND {job}.owner = {grant}.owner\n"
+                "         AND {lease_current({job})} THEN NULL\n",
+                "    WHEN {lease_current({job})} THEN NULL\n",
             ),
         ),
         why=(
             "The lease check asks whether the token's job has a current lease instead of "
-            "whether the token's own grant is that lease (in the SQL of both dialects and "
-            "in the judgement of the answer), so a generation-1 token writes, renews and "
+            "whether the token's own grant is that lease (the lease API's statements and "
+            "the admission's verdict, lease_refusal), so a generation-1 token writes, renews and "
             "completes after generation 2 was granted; the fence judged at the send still "
             "refuses it once generation 2 has been admitted, and on SQLite the stale "
             "write's marker carries the job's generation, so generation 2 does not wait "
@@ -177,22 +171,16 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 _COMMON,
-                "    WHERE o.job_id = l.job_id AND o.generation < l.generation"
-                " AND o.deadline > clock.now",
-                "    WHERE o.job_id = l.job_id AND o.generation < l.generation - 1"
-                " AND o.deadline > clock.now",
-            ),
-            Edit(
-                _POSTGRES,
-                "           WHERE o.job_id = lease.job_id AND o.generation < lease.generation\n",
-                "           WHERE o.job_id = lease.job_id"
-                " AND o.generation < lease.generation - 1\n",
+                "    WHERE o.job_id = {grant}.job_id AND o.generation < {grant}.generation"
+                " AND {in_flight(o)}",
+                "    WHERE o.job_id = {grant}.job_id AND o.generation < {grant}.generation - 1"
+                " AND {in_flight(o)}",
             ),
         ),
         why=(
             "The admission's test for an older write in flight counts only generations two "
-            "or more below its own (the SQLite admission's fragment and PostgreSQL's "
-            "admission), so generation g+1 does not wait for g's write in flight."
+            "or more below its own (the fragment lease_older_in_flight, both dialects' "
+            "admissions), so generation g+1 does not wait for g's write in flight."
         ),
         killed_by=(
             "tests/integration/test_gateway_ordering.py"
@@ -235,13 +223,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 _COMMON,
-                "state = {State.LEASED} AND lease_expires_at > {now}",
-                "state = {State.LEASED} AND lease_expires_at + 3 > {now}",
-            ),
-            Edit(
-                _POSTGRES,
-                "    WHERE job.state = {State.LEASED} AND job.lease_expires_at > clock.now",
-                "    WHERE job.state = {State.LEASED} AND job.lease_expires_at + 3 > clock.now",
+                "{job}.state = {State.LEASED} AND {job}.lease_expires_at > {now}",
+                "{job}.state = {State.LEASED} AND {job}.lease_expires_at + 3 > {now}",
             ),
             Edit(
                 "lease_core/rules.py",
@@ -251,7 +234,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         ),
         why=(
             "Three seconds of grace for clock drift in the current-lease check (the shared "
-            "fragment, PostgreSQL's admission and the rules the answers are judged by), so "
+            "fragment lease_current, which every dialect's statements use, and the rules), so "
             "a lease writes, renews and completes for three seconds after it expired; a "
             "takeover still fences it off (claims judge claimable_at), so only a write "
             "invoked after its lease's expiry with no successor shows it (invariant 11, "
@@ -357,7 +340,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "The admission of another source's lease accepts a generation one below the "
             "job's fence and lowers the fence to it, so a signed token of generation 1 "
             "writes after generation 2 wrote; the judgement before the admission "
-            "(external_reason) still refuses it, so verify's lock workers do not reach it "
+            "(external_lease) still refuses it, so verify's lock workers do not reach it "
             "(none was found in 60 s under lock-loss and pause), only the sources' tests."
         ),
         killed_by=(

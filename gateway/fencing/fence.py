@@ -138,7 +138,7 @@ class Presented:
 @dataclass(frozen=True, slots=True)
 class Admission:
     """Everything the admit transaction (or a read of the lease) learned; ``lease`` is
-    its verdict on the lease, judged once by the store (``lease_reason``)."""
+    its verdict on the lease, as the SQL gave it (its ``refusal`` column)."""
 
     now: float
     presented: Presented | None
