@@ -40,12 +40,6 @@ MAX_TIMELINE = 2000
 # refusals that it causes.
 _KIND_ORDER = {"grant": 0, "forward": 1, "refusal": 2, "replay": 2}
 
-# The audit entries that are not refusals, by the kind the timeline shows.
-KINDS = {
-    fence.Reason.IDEMPOTENT_REPLAY.value: "replay",
-    fence.Reason.AUTO_RESOLVED.value: "resolution",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Window:
@@ -176,7 +170,6 @@ def _tally(rows: Sequence[Sequence[Any]], window: Window, named: set[str]) -> _T
     """Sum the audit's rows into the window's buckets; an upstream not in ``named`` is
     counted as None."""
     first = window.first_bucket
-    replay = fence.Reason.IDEMPOTENT_REPLAY.value
     tally = _Tally(
         counts=[{} for _ in range(window.bucket_count)], replays=[0] * window.bucket_count
     )
@@ -186,12 +179,13 @@ def _tally(rows: Sequence[Sequence[Any]], window: Window, named: set[str]) -> _T
         inside = 0 <= index < len(counts)
         if replica is not None:
             tally.replicas.add(replica)
-        kind = "replayed" if reason == replay else "refused"
+        replayed = reason == fence.Reason.IDEMPOTENT_REPLAY
+        kind = "replayed" if replayed else "refused"
         row = tally.per_upstream.setdefault(name if name in named else None, _no_writes())
         row[kind] += int(n)
         # A replay is the stored answer of a write that was forwarded once: the worker
         # got what it asked for, nothing was refused. Counted apart, never charted.
-        if reason == replay:
+        if replayed:
             tally.replay_total += int(n)
             if inside:
                 tally.replays[index] += int(n)
@@ -401,7 +395,7 @@ def _answer_events(answers: Sequence[sa.RowMapping]) -> list[Event]:
     return [
         _event(
             a["at"],
-            KINDS.get(a["reason"], "refusal"),
+            _answer_kind(a["reason"]),
             a["id"],
             reason=a["reason"],
             status=a["status"],
@@ -415,6 +409,16 @@ def _answer_events(answers: Sequence[sa.RowMapping]) -> list[Event]:
         )
         for a in answers
     ]
+
+
+def _answer_kind(reason: str) -> str:
+    """The kind the timeline shows an audit entry as: the entries that are not refusals
+    are replays and the gateway's own resolutions."""
+    if reason == fence.Reason.IDEMPOTENT_REPLAY:
+        return "replay"
+    if reason == fence.Reason.AUTO_RESOLVED:
+        return "resolution"
+    return "refusal"
 
 
 def _event(at: float, kind: str, seq: int, **fields: Any) -> Event:
