@@ -190,6 +190,13 @@ UNKNOWN_TOKEN: Final = Reason.INVALID_FENCING_TOKEN
 """The lease of a token that no lease (nor its source) knows."""
 
 
+def sql_verdict(refusal: str | None) -> Reason | None:
+    """The verdict an operation of the catalogue gave on a lease (its ``refusal``
+    column: a reason's value, or NULL when the lease may write), named. The SQL decided;
+    nothing is judged again here."""
+    return None if refusal is None else Reason(refusal)
+
+
 def lease_after_wait(lease: Reason | None, highest: int | None, generation: int) -> Reason | None:
     """The lease judged again after the wait for older writes: a newer generation
     admitted meanwhile makes a current lease stale."""

@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 
 from gateway.fencing import fence
 from gateway.fencing.decision import Verdict
-from gateway.fencing.fence import Reason, Record
+from gateway.fencing.fence import Reason
 from gateway.fencing.request import RequestMachine
 from gateway.observe import tracing
 from gateway.observe.metrics import GatewayMetrics
@@ -102,15 +102,17 @@ class Answers:
         return response
 
     async def replay(
-        self, incoming: Incoming, machine: RequestMachine, record: Record
+        self, incoming: Incoming, machine: RequestMachine, verdict: Verdict
     ) -> web.Response:
         """The key's stored answer (the table sent one kept too large to store to
-        ``replay-unavailable`` instead)."""
-        self._count(incoming, machine, Reason.IDEMPOTENT_REPLAY.value)
+        ``replay-unavailable`` instead), counted and audited under the verdict's reason."""
+        record = machine.record
+        assert record is not None and verdict.reason is not None
+        self._count(incoming, machine, verdict.reason.value)
         await self._audit(
             incoming,
             machine,
-            Reason.IDEMPOTENT_REPLAY.value,
+            verdict.reason.value,
             record.status or 0,
             self._problem_extra(machine),
         )

@@ -253,8 +253,7 @@ class Driver:
         if verdict.outcome in (Outcome.FORWARD, Outcome.PASS):
             return await self._forward(incoming, machine, fenced=verdict.outcome is Outcome.FORWARD)
         if verdict.outcome is Outcome.REPLAY:
-            assert machine.record is not None
-            return await self.answers.replay(incoming, machine, machine.record)
+            return await self.answers.replay(incoming, machine, verdict)
         return await self.answers.refuse(incoming, machine, verdict)
 
     async def _forward(

@@ -80,6 +80,21 @@ def intake(
         return Incoming(request, upstream, rest, query), facts
     method = request.method if override is None else f"{request.method} as {override}"
 
+    return _fencing_headers(request, upstream, rest, query, method, facts, max_key_length, sources)
+
+
+def _fencing_headers(
+    request: web.Request,
+    upstream: UpstreamSettings,
+    rest: str,
+    query: str,
+    method: str,
+    facts: Facts,
+    max_key_length: int,
+    sources: Mapping[str, Source] | None,
+) -> tuple[Incoming, Facts]:
+    """A fenced write's own headers: its one ``Fencing-Token`` (the gateway's, or a
+    lease source's) and its ``Idempotency-Key``."""
     presented = request.headers.getall("Fencing-Token", [])
     facts.token_headers = len(presented)
     if len(presented) != 1:

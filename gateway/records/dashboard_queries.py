@@ -10,8 +10,8 @@ audit costs one indexed range scan, not a month of rows in Python.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -39,12 +39,6 @@ MAX_TIMELINE = 2000
 # Within one instant a grant comes before the writes it allows, a write before the
 # refusals that it causes.
 _KIND_ORDER = {"grant": 0, "forward": 1, "refusal": 2, "replay": 2}
-
-# The audit entries that are not refusals, by the kind the timeline shows.
-KINDS = {
-    fence.Reason.IDEMPOTENT_REPLAY.value: "replay",
-    fence.Reason.AUTO_RESOLVED.value: "resolution",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +89,50 @@ async def refusals_over_time(
     (``upstream_counts``); the forwarded ones are counted from ``records_since`` (the
     oldest admission the idempotency records surely still hold) when that is later than
     ``since``. The replicas that answered in the window, for the table's filter."""
+    stmt = _audited(backend, window, upstream=upstream, job_id=job_id)
+    forwarded_since = window.since if records_since is None else max(window.since, records_since)
+    forwarded_q = _forwarded(forwarded_since, window.until, upstream=upstream, job_id=job_id)
+    async with backend.transaction() as conn:
+        rows = (await conn.execute(stmt)).all()
+        forwarded = {name: int(n) for name, n in (await conn.execute(forwarded_q)).all()}
+
+    # Configured upstreams, and those written to in the window (one removed since);
+    # any other name (an unknown upstream that anyone can ask for) is counted as None.
+    named = set(forwarded) | (set(configured) if upstream is None else {upstream})
+    tally = _tally(rows, window, named)
+    known = [r.value for r in fence.GATEWAY_REASONS]
+    order = {reason: i for i, reason in enumerate(known)}
+    present = sorted(tally.totals, key=lambda r: (order.get(r, len(order)), r))
+    per_upstream = tally.per_upstream
+    for name in named:
+        per_upstream.setdefault(name, _no_writes())["forwarded"] = forwarded.get(name, 0)
+    return {
+        "since": rfc3339(window.since),
+        "until": rfc3339(window.until),
+        "bucket_seconds": window.bucket_seconds,
+        # Refusals only: ``reasons``, ``totals`` and each bucket's ``counts``/``total``.
+        "reasons": present,
+        # Every reason the audit can hold (the table's filter), replays included.
+        "known_reasons": known,
+        "totals": {r: tally.totals[r] for r in present},
+        "replays": tally.replay_total,
+        "buckets": _buckets(window, tally, present),
+        # Per upstream in the window, by name (None, last: refusals that named no
+        # configured upstream): ``forwarded`` from ``forwarded_since`` on.
+        "upstream_counts": [
+            {"upstream": name, **per_upstream[name]}
+            for name in sorted(per_upstream, key=lambda u: (u is None, u or ""))
+        ],
+        "forwarded_since": rfc3339(forwarded_since),
+        "replicas": sorted(tally.replicas),
+    }
+
+
+def _audited(
+    backend: Backend, window: Window, *, upstream: str | None, job_id: str | None
+) -> sa.Select[Any]:
+    """The audit's entries in the window, summed per bucket, reason, upstream and
+    replica."""
     bucket = _bucket_number(backend, window.bucket_seconds).label("bucket")
     stmt = (
         # A grouped entry stands for ``count`` requests.
@@ -112,76 +150,66 @@ async def refusals_over_time(
         stmt = stmt.where(audit.c.upstream == upstream)
     if job_id is not None:
         stmt = stmt.where(audit.c.job_id == job_id)
-    forwarded_since = window.since if records_since is None else max(window.since, records_since)
-    forwarded_q = _forwarded(forwarded_since, window.until, upstream=upstream, job_id=job_id)
-    async with backend.transaction() as conn:
-        rows = (await conn.execute(stmt)).all()
-        forwarded = {name: int(n) for name, n in (await conn.execute(forwarded_q)).all()}
+    return stmt
 
-    size = window.bucket_seconds
+
+@dataclass(slots=True)
+class _Tally:
+    """The audit's sums of one window: refusals per bucket and reason, replays apart,
+    what each upstream refused and replayed, the replicas that answered."""
+
+    counts: list[dict[str, int]]
+    replays: list[int]
+    totals: dict[str, int] = field(default_factory=dict)
+    replay_total: int = 0
+    per_upstream: dict[str | None, dict[str, int]] = field(default_factory=dict)
+    replicas: set[str] = field(default_factory=set)
+
+
+def _tally(rows: Sequence[Sequence[Any]], window: Window, named: set[str]) -> _Tally:
+    """Sum the audit's rows into the window's buckets; an upstream not in ``named`` is
+    counted as None."""
     first = window.first_bucket
-    replay = fence.Reason.IDEMPOTENT_REPLAY.value
-    counts: list[dict[str, int]] = [{} for _ in range(window.bucket_count)]
-    replays = [0] * window.bucket_count
-    totals: dict[str, int] = {}
-    replay_total = 0
-    # Configured upstreams, and those written to in the window (one removed since);
-    # any other name (an unknown upstream that anyone can ask for) is counted as None.
-    named = set(forwarded) | (set(configured) if upstream is None else {upstream})
-    per_upstream: dict[str | None, dict[str, int]] = {}
-    replicas: set[str] = set()
+    tally = _Tally(
+        counts=[{} for _ in range(window.bucket_count)], replays=[0] * window.bucket_count
+    )
+    counts, totals = tally.counts, tally.totals
     for number, reason, name, replica, n in rows:
         index = int(number) - first
         inside = 0 <= index < len(counts)
         if replica is not None:
-            replicas.add(replica)
-        kind = "replayed" if reason == replay else "refused"
-        row = per_upstream.setdefault(name if name in named else None, _no_writes())
+            tally.replicas.add(replica)
+        replayed = reason == fence.Reason.IDEMPOTENT_REPLAY
+        kind = "replayed" if replayed else "refused"
+        row = tally.per_upstream.setdefault(name if name in named else None, _no_writes())
         row[kind] += int(n)
         # A replay is the stored answer of a write that was forwarded once: the worker
         # got what it asked for, nothing was refused. Counted apart, never charted.
-        if reason == replay:
-            replay_total += int(n)
+        if replayed:
+            tally.replay_total += int(n)
             if inside:
-                replays[index] += int(n)
+                tally.replays[index] += int(n)
             continue
         if inside:
             counts[index][reason] = counts[index].get(reason, 0) + int(n)
         totals[reason] = totals.get(reason, 0) + int(n)
-    known = [r.value for r in fence.GATEWAY_REASONS]
-    order = {reason: i for i, reason in enumerate(known)}
-    present = sorted(totals, key=lambda r: (order.get(r, len(order)), r))
-    for name in named:
-        per_upstream.setdefault(name, _no_writes())["forwarded"] = forwarded.get(name, 0)
-    return {
-        "since": rfc3339(window.since),
-        "until": rfc3339(window.until),
-        "bucket_seconds": size,
-        # Refusals only: ``reasons``, ``totals`` and each bucket's ``counts``/``total``.
-        "reasons": present,
-        # Every reason the audit can hold (the table's filter), replays included.
-        "known_reasons": known,
-        "totals": {r: totals[r] for r in present},
-        "replays": replay_total,
-        "buckets": [
-            {
-                "start": rfc3339((first + i) * size),
-                "end": rfc3339((first + i + 1) * size),
-                "counts": {r: c[r] for r in present if r in c},
-                "total": sum(c.values()),
-                "replays": replays[i],
-            }
-            for i, c in enumerate(counts)
-        ],
-        # Per upstream in the window, by name (None, last: refusals that named no
-        # configured upstream): ``forwarded`` from ``forwarded_since`` on.
-        "upstream_counts": [
-            {"upstream": name, **per_upstream[name]}
-            for name in sorted(per_upstream, key=lambda u: (u is None, u or ""))
-        ],
-        "forwarded_since": rfc3339(forwarded_since),
-        "replicas": sorted(replicas),
-    }
+    return tally
+
+
+def _buckets(window: Window, tally: _Tally, present: list[str]) -> list[dict[str, Any]]:
+    """Every bucket of the window, the empty ones too, with its refusals and replays."""
+    size = window.bucket_seconds
+    first = window.first_bucket
+    return [
+        {
+            "start": rfc3339((first + i) * size),
+            "end": rfc3339((first + i + 1) * size),
+            "counts": {r: c[r] for r in present if r in c},
+            "total": sum(c.values()),
+            "replays": tally.replays[i],
+        }
+        for i, c in enumerate(tally.counts)
+    ]
 
 
 def _no_writes() -> dict[str, int]:
@@ -224,113 +252,13 @@ def _forwarded(
 async def job_timeline(backend: Backend, job_id: str, limit: int) -> dict[str, Any]:
     """Grants, forwarded writes (with their outcome) and the gateway's own answers for one
     job, oldest first; at most the newest ``limit`` events."""
-    grants_q = (
-        sa.select(leases.c.generation, leases.c.owner, leases.c.granted_at, leases.c.expires_at)
-        .where(leases.c.job_id == job_id)
-        .order_by(leases.c.granted_at.desc(), leases.c.generation.desc())
-        .limit(limit + 1)
-    )
-    writes_q = (
-        sa.select(
-            requests.c.key,
-            requests.c.generation,
-            requests.c.upstream,
-            requests.c.method,
-            requests.c.path,
-            requests.c.state,
-            requests.c.status,
-            requests.c.note,
-            requests.c.created_at,
-            requests.c.updated_at,
-            requests.c.settled_at,
-        )
-        .where(requests.c.job_id == job_id)
-        .order_by(requests.c.created_at.desc())
-        .limit(limit + 1)
-    )
-    answers_q = (
-        sa.select(
-            audit.c.id,
-            audit.c.at,
-            audit.c.reason,
-            audit.c.status,
-            audit.c.generation,
-            audit.c.highest_generation,
-            audit.c.owner,
-            audit.c.upstream,
-            audit.c.method,
-            audit.c.path,
-            audit.c.idempotency_key,
-        )
-        .where(audit.c.job_id == job_id)
-        .order_by(audit.c.at.desc(), audit.c.id.desc())
-        .limit(limit + 1)
-    )
-    job_q = sa.select(
-        jobs.c.job_id,
-        jobs.c.queue,
-        jobs.c.state,
-        jobs.c.generation,
-        jobs.c.owner,
-        jobs.c.lease_expires_at,
-        jobs.c.attempts,
-        jobs.c.max_attempts,
-    ).where(jobs.c.job_id == job_id)
     async with backend.transaction() as conn:
-        grants = (await conn.execute(grants_q)).mappings().all()
-        writes = (await conn.execute(writes_q)).mappings().all()
-        answers = (await conn.execute(answers_q)).mappings().all()
-        job = (await conn.execute(job_q)).mappings().first()
+        grants = (await conn.execute(_grants(job_id, limit))).mappings().all()
+        writes = (await conn.execute(_writes(job_id, limit))).mappings().all()
+        answers = (await conn.execute(_answers(job_id, limit))).mappings().all()
+        job = (await conn.execute(_job(job_id))).mappings().first()
 
-    events: list[tuple[float, int, int, dict[str, Any]]] = []
-    for seq, g in enumerate(grants):
-        events.append(
-            _event(
-                g["granted_at"],
-                "grant",
-                -seq,
-                generation=g["generation"],
-                owner=g["owner"],
-                expires_at=rfc3339(g["expires_at"]),
-            )
-        )
-    for seq, w in enumerate(writes):
-        events.append(
-            _event(
-                w["created_at"],
-                "forward",
-                -seq,
-                generation=w["generation"],
-                upstream=w["upstream"],
-                method=w["method"],
-                path=w["path"],
-                idempotency_key=None if fence.is_anonymous(w["key"]) else w["key"],
-                state=w["state"],
-                status=w["status"],
-                note=w["note"],
-                settled_at=rfc3339(w["settled_at"] or w["updated_at"])
-                if w["state"] != "in_flight"
-                else None,
-            )
-        )
-    for a in answers:
-        kind = KINDS.get(a["reason"], "refusal")
-        events.append(
-            _event(
-                a["at"],
-                kind,
-                a["id"],
-                reason=a["reason"],
-                status=a["status"],
-                generation=a["generation"],
-                highest_generation=a["highest_generation"],
-                owner=a["owner"],
-                upstream=a["upstream"],
-                method=a["method"],
-                path=a["path"],
-                idempotency_key=a["idempotency_key"],
-            )
-        )
+    events = [*_grant_events(grants), *_write_events(writes), *_answer_events(answers)]
     # A source that had more than ``limit`` rows is complete only back to its oldest row
     # read: older events of the other sources are dropped too, so no gap shows as calm.
     cutoff = max(
@@ -353,5 +281,145 @@ async def job_timeline(backend: Backend, job_id: str, limit: int) -> dict[str, A
     }
 
 
-def _event(at: float, kind: str, seq: int, **fields: Any) -> tuple[float, int, int, dict[str, Any]]:
+# Each source of the timeline reads one row more than ``limit``: whether it had more.
+
+
+def _grants(job_id: str, limit: int) -> sa.Select[Any]:
+    return (
+        sa.select(leases.c.generation, leases.c.owner, leases.c.granted_at, leases.c.expires_at)
+        .where(leases.c.job_id == job_id)
+        .order_by(leases.c.granted_at.desc(), leases.c.generation.desc())
+        .limit(limit + 1)
+    )
+
+
+def _writes(job_id: str, limit: int) -> sa.Select[Any]:
+    return (
+        sa.select(
+            requests.c.key,
+            requests.c.generation,
+            requests.c.upstream,
+            requests.c.method,
+            requests.c.path,
+            requests.c.state,
+            requests.c.status,
+            requests.c.note,
+            requests.c.created_at,
+            requests.c.updated_at,
+            requests.c.settled_at,
+        )
+        .where(requests.c.job_id == job_id)
+        .order_by(requests.c.created_at.desc())
+        .limit(limit + 1)
+    )
+
+
+def _answers(job_id: str, limit: int) -> sa.Select[Any]:
+    return (
+        sa.select(
+            audit.c.id,
+            audit.c.at,
+            audit.c.reason,
+            audit.c.status,
+            audit.c.generation,
+            audit.c.highest_generation,
+            audit.c.owner,
+            audit.c.upstream,
+            audit.c.method,
+            audit.c.path,
+            audit.c.idempotency_key,
+        )
+        .where(audit.c.job_id == job_id)
+        .order_by(audit.c.at.desc(), audit.c.id.desc())
+        .limit(limit + 1)
+    )
+
+
+def _job(job_id: str) -> sa.Select[Any]:
+    return sa.select(
+        jobs.c.job_id,
+        jobs.c.queue,
+        jobs.c.state,
+        jobs.c.generation,
+        jobs.c.owner,
+        jobs.c.lease_expires_at,
+        jobs.c.attempts,
+        jobs.c.max_attempts,
+    ).where(jobs.c.job_id == job_id)
+
+
+Event = tuple[float, int, int, dict[str, Any]]
+
+
+def _grant_events(grants: Sequence[sa.RowMapping]) -> list[Event]:
+    """A grant's event, newest first as read (``seq`` keeps that order within an
+    instant)."""
+    return [
+        _event(
+            g["granted_at"],
+            "grant",
+            -seq,
+            generation=g["generation"],
+            owner=g["owner"],
+            expires_at=rfc3339(g["expires_at"]),
+        )
+        for seq, g in enumerate(grants)
+    ]
+
+
+def _write_events(writes: Sequence[sa.RowMapping]) -> list[Event]:
+    """A forwarded write's event, with how it ended once it did."""
+    return [
+        _event(
+            w["created_at"],
+            "forward",
+            -seq,
+            generation=w["generation"],
+            upstream=w["upstream"],
+            method=w["method"],
+            path=w["path"],
+            idempotency_key=None if fence.is_anonymous(w["key"]) else w["key"],
+            state=w["state"],
+            status=w["status"],
+            note=w["note"],
+            settled_at=rfc3339(w["settled_at"] or w["updated_at"])
+            if w["state"] != "in_flight"
+            else None,
+        )
+        for seq, w in enumerate(writes)
+    ]
+
+
+def _answer_events(answers: Sequence[sa.RowMapping]) -> list[Event]:
+    """The gateway's own answer's event: a refusal, a replay or a resolution."""
+    return [
+        _event(
+            a["at"],
+            _answer_kind(a["reason"]),
+            a["id"],
+            reason=a["reason"],
+            status=a["status"],
+            generation=a["generation"],
+            highest_generation=a["highest_generation"],
+            owner=a["owner"],
+            upstream=a["upstream"],
+            method=a["method"],
+            path=a["path"],
+            idempotency_key=a["idempotency_key"],
+        )
+        for a in answers
+    ]
+
+
+def _answer_kind(reason: str) -> str:
+    """The kind the timeline shows an audit entry as: the entries that are not refusals
+    are replays and the gateway's own resolutions."""
+    if reason == fence.Reason.IDEMPOTENT_REPLAY:
+        return "replay"
+    if reason == fence.Reason.AUTO_RESOLVED:
+        return "resolution"
+    return "refusal"
+
+
+def _event(at: float, kind: str, seq: int, **fields: Any) -> Event:
     return (at, _KIND_ORDER[kind], seq, {"at": rfc3339(at), "kind": kind, **fields})

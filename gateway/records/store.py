@@ -426,8 +426,7 @@ def _headers_json(headers: list[tuple[str, str]] | None) -> str | None:
 
 def _verdict(row: Any) -> Reason | None:
     """The SQL's verdict on the lease (its column ``refusal``), named: None, it may write."""
-    refusal = row["refusal"]
-    return None if refusal is None else Reason(refusal)
+    return fence.sql_verdict(row["refusal"])
 
 
 def _value(reason: Reason | None) -> str | None:

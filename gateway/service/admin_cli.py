@@ -8,11 +8,14 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import Settings
 from gateway.service.cli_common import EXIT_USAGE, open_store, print_table
 from lease_core.store import rfc3339
+
+if TYPE_CHECKING:
+    from gateway.records.store import GatewayStore
 
 
 def cmd_jobs(args: argparse.Namespace, settings: Settings) -> int:
@@ -97,6 +100,14 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps({"items": items, "next_cursor": next_cursor}, indent=2))
         return 0
+    _print_audit(items)
+    if next_cursor:
+        print(f"\nmore: --cursor {next_cursor}")
+    return 0
+
+
+def _print_audit(items: list[dict[str, Any]]) -> None:
+    """The audit's entries as a table, one row each."""
     rows = [
         [
             e["at"],
@@ -129,9 +140,6 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         ],
         rows,
     )
-    if next_cursor:
-        print(f"\nmore: --cursor {next_cursor}")
-    return 0
 
 
 def _gen(generation: int | None, highest: int | None) -> str:
@@ -186,26 +194,7 @@ def cmd_outcomes(args: argparse.Namespace, settings: Settings) -> int:
         async with open_store(settings) as lease_store:
             store = Gateway(settings, lease_store).store
             if args.action == "resolve":
-                done = await store.resolve(
-                    args.job_id,
-                    args.key,
-                    applied=args.applied,
-                    status=args.status,
-                    headers=[("Content-Type", args.content_type)] if args.applied else None,
-                    body=args.body.encode(),
-                )
-                if not done:
-                    print(
-                        f"fencegate: no unknown outcome for key {args.key!r} of job "
-                        f"{args.job_id!r}",
-                        file=sys.stderr,
-                    )
-                    return 1
-                print(
-                    f"resolved {args.job_id} {args.key}: "
-                    f"{'applied' if args.applied else 'not applied'}"
-                )
-                return 0
+                return await _resolve(args, store)
             items = await store.list_unknown()
         if args.json:
             print(
@@ -215,37 +204,62 @@ def cmd_outcomes(args: argparse.Namespace, settings: Settings) -> int:
                 )
             )
             return 0
-        print_table(
-            [
-                "JOB",
-                "KEY",
-                "GEN",
-                "UPSTREAM",
-                "STATE",
-                "WAITS FOR",
-                "REQUEST",
-                "STATUS",
-                "NOTE",
-                "SINCE",
-            ],
-            [
-                [
-                    i["job_id"],
-                    i["key"],
-                    str(i["generation"]),
-                    i["upstream"],
-                    f"{i['state']} ({i['resolve_attempts']} re-sent)"
-                    if i["resolve_attempts"]
-                    else i["state"],
-                    "gateway" if i["state"] == "resolving" or i["resolvable"] else "operator",
-                    f"{i['method']} /{i['path']}",
-                    str(i["status"] or "-"),
-                    i["note"] or "-",
-                    rfc3339(i["updated_at"]) or "-",
-                ]
-                for i in items
-            ],
-        )
+        _print_unknown(items)
         return 0
 
     return asyncio.run(run())
+
+
+async def _resolve(args: argparse.Namespace, store: GatewayStore) -> int:
+    """``outcomes resolve JOB KEY``: the operator's verdict on one unknown outcome."""
+    done = await store.resolve(
+        args.job_id,
+        args.key,
+        applied=args.applied,
+        status=args.status,
+        headers=[("Content-Type", args.content_type)] if args.applied else None,
+        body=args.body.encode(),
+    )
+    if not done:
+        print(
+            f"fencegate: no unknown outcome for key {args.key!r} of job {args.job_id!r}",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"resolved {args.job_id} {args.key}: {'applied' if args.applied else 'not applied'}")
+    return 0
+
+
+def _print_unknown(items: list[dict[str, Any]]) -> None:
+    """The unknown outcomes as a table: who settles each (the gateway or the operator)."""
+    print_table(
+        [
+            "JOB",
+            "KEY",
+            "GEN",
+            "UPSTREAM",
+            "STATE",
+            "WAITS FOR",
+            "REQUEST",
+            "STATUS",
+            "NOTE",
+            "SINCE",
+        ],
+        [
+            [
+                i["job_id"],
+                i["key"],
+                str(i["generation"]),
+                i["upstream"],
+                f"{i['state']} ({i['resolve_attempts']} re-sent)"
+                if i["resolve_attempts"]
+                else i["state"],
+                "gateway" if i["state"] == "resolving" or i["resolvable"] else "operator",
+                f"{i['method']} /{i['path']}",
+                str(i["status"] or "-"),
+                i["note"] or "-",
+                rfc3339(i["updated_at"]) or "-",
+            ]
+            for i in items
+        ],
+    )

@@ -26,22 +26,7 @@ from lease_core.db import create_engine
 
 
 def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
-    # What serve would run with: the ${NAME} of set_headers resolved here too (only serve
-    # and this command read them), named with whether this shell has them, never shown.
-    from gateway.service import tls
-
-    # Every problem at once: the secrets, the lease sources' files, the listeners'
-    # certificates, the AWS credentials of a DynamoDB source.
-    problems: list[str] = []
-    contexts: dict[str, ssl.SSLContext] = {}
-    try:
-        for_serving(settings)
-    except ConfigError as error:
-        problems += error.problems
-    try:
-        contexts = tls.contexts(settings)  # the certificate files load, keys fit
-    except ConfigError as error:
-        problems += error.problems
+    problems, contexts = _serving_problems(settings)
     if problems:
         problems = [
             f"{p} (serve needs it; the other commands do not)" if p.endswith("is not set") else p
@@ -55,6 +40,34 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
         return 1
     for warning in unknown_variables(os.environ):
         print(f"fencegate: warning: {warning}", file=sys.stderr)
+    _print_summary(settings, replicated, tls_on=bool(contexts))
+    return 0
+
+
+def _serving_problems(settings: Settings) -> tuple[list[str], dict[str, ssl.SSLContext]]:
+    """What serve would run with: the ${NAME} of set_headers resolved here too (only serve
+    and this command read them), named with whether this shell has them, never shown.
+    Every problem at once: the secrets, the lease sources' files, the listeners'
+    certificates, the AWS credentials of a DynamoDB source. With the listeners' TLS
+    contexts, when they load."""
+    from gateway.service import tls
+
+    problems: list[str] = []
+    contexts: dict[str, ssl.SSLContext] = {}
+    try:
+        for_serving(settings)
+    except ConfigError as error:
+        problems += error.problems
+    try:
+        contexts = tls.contexts(settings)  # the certificate files load, keys fit
+    except ConfigError as error:
+        problems += error.problems
+    return problems, contexts
+
+
+def _print_summary(settings: Settings, replicated: str, *, tls_on: bool) -> None:
+    """One line per setting: the database, its replication, listeners, tokens, TLS,
+    upstreams, lease sources, and what serve needs from this shell."""
     print("configuration is valid")
     print(f"  database        {_safe_url(settings.database_url)}")
     if replicated:
@@ -73,7 +86,7 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
             else f", client certificates {listener.client_certs}"
         )
         print(f"  tls             {name} listener: {listener.cert_file}{client}")
-    if not contexts:
+    if not tls_on:
         print("  tls             off (both listeners speak plain HTTP)")
     print(
         f"  lease           default ttl {settings.lease.default_ttl_seconds:g}s, "
@@ -94,7 +107,6 @@ def cmd_check_config(args: argparse.Namespace, settings: Settings) -> int:
         print(f"  serve needs     {name} (set) for {key}")
     for line in _source_credentials(settings):
         print(f"  serve needs     {line}")
-    return 0
 
 
 def _source_credentials(settings: Settings) -> list[str]:

@@ -8,7 +8,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias
 
 import sqlalchemy as sa
 
@@ -69,14 +69,25 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
+# What ``add_subparsers`` returns: each ``_<command>`` below adds its subcommand to it.
+Commands: TypeAlias = "argparse._SubParsersAction[Parser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``fencegate`` parser: one subcommand each, in the order ``--help`` lists them."""
     parser = Parser(
         prog="fencegate",
         description="Lease service and fencing gateway for job workers.",
     )
     parser.add_argument("--version", "-V", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_serve, _migrate, _check_config, _jobs, _demo, _audit, _upstreams, _outcomes):
+        add(sub)
+    return parser
 
+
+def _serve(sub: Commands) -> None:
+    """``serve``: the listeners, and how it logs."""
     p = sub.add_parser(
         "serve",
         help="run the proxy and control listeners",
@@ -98,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="log one line per request (refusals, errors and upstream failures are always logged)",
     )
 
+
+def _migrate(sub: Commands) -> None:
+    """``migrate``: the schema up to head."""
     p = sub.add_parser(
         "migrate",
         help="upgrade the database schema to the newest revision",
@@ -105,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arg(p)
 
+
+def _check_config(sub: Commands) -> None:
+    """``check-config``: the settings checked and summed up."""
     p = sub.add_parser(
         "check-config",
         help="validate the configuration and print a summary",
@@ -113,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arg(p)
 
+
+def _jobs(sub: Commands) -> None:
+    """``jobs``: list, show or purge jobs."""
     p = sub.add_parser(
         "jobs",
         help="list jobs, show one, or purge one",
@@ -127,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cursor", help="continue after this cursor")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _demo(sub: Commands) -> None:
+    """``demo``: a stale write refused, step by step (reads no settings)."""
     sub.add_parser(
         "demo",
         help="show a stale worker's write refused, step by step",
@@ -135,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         "refused. Exits 0 when every check held.",
     )
 
+
+def _audit(sub: Commands) -> None:
+    """``audit``: the gateway's own answers, filtered."""
     p = sub.add_parser(
         "audit",
         help="show requests the gateway answered itself",
@@ -152,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cursor", help="continue after this cursor")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _upstreams(sub: Commands) -> None:
+    """``upstreams``: the configured upstreams."""
     p = sub.add_parser(
         "upstreams",
         help="list the configured upstreams",
@@ -160,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _outcomes(sub: Commands) -> None:
+    """``outcomes``: list unknown outcomes, or resolve one."""
     p = sub.add_parser(
         "outcomes",
         help="list or resolve keys with an unknown outcome",
@@ -180,7 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body", default="", help="body later duplicates get (with --applied)")
     p.add_argument("--content-type", default="application/json")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

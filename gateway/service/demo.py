@@ -17,7 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from fencegate_client import LeaseClient
+from fencegate_client import FencedResponse, LeaseClient
+from fencegate_client.aio import Lease
 from fencegate_client.reasons import Reason
 from gateway.config import Settings
 from gateway.service.server import serve
@@ -103,79 +104,95 @@ async def run_demo(out: Callable[[str], None] = print) -> int:
 
 async def _story(report: Report, upstream: DemoUpstream, control: str, proxy: str) -> None:
     async with LeaseClient(control, gateway_url=proxy) as client:
-        report.step(f"Worker A acquires job {JOB} (lease TTL {TTL:g}s)")
-        a = await client.acquire(JOB, owner="worker-a", ttl=TTL)
-        assert a is not None
-        report.say(f"worker A holds generation {a.generation}")
-
-        report.step("Worker A charges the customer through the gateway (step 'charge')")
-        charge_a = await a.http.post("/payments/charges", step="charge", json={"amount": 4200})
-        report.say(f"upstream answered {charge_a.status} {charge_a.json()}")
-        report.check(charge_a.status == 201 and not charge_a.replayed, "the charge was forwarded")
-
-        report.step(f"Worker A stalls (a GC pause, a stopped VM) for {TTL + 0.7:.1f}s ...")
-        await asyncio.sleep(TTL + 0.7)
-
-        report.step("Worker B finds the lease expired and takes the job over")
-        b = await client.acquire(JOB, owner="worker-b", ttl=30)
-        assert b is not None
-        report.say(f"worker B holds generation {b.generation}")
-        report.check(b.generation > a.generation, "the generation grew with the new grant")
-
-        report.step("Worker B retries step 'charge' (it cannot know A already charged)")
-        charge_b = await b.http.post("/payments/charges", step="charge", json={"amount": 4200})
-        report.say(
-            f"gateway answered {charge_b.status} {charge_b.json()} "
-            f"(Idempotent-Replayed: {str(charge_b.replayed).lower()})"
-        )
-        report.check(
-            charge_b.replayed and charge_b.body == charge_a.body,
-            "the retried step got A's stored answer; the customer was not charged twice",
-        )
-
-        report.step("Worker B sends the receipt (step 'receipt')")
-        receipt = await b.http.post("/payments/receipts", step="receipt", json={"to": "ann"})
-        report.check(receipt.status == 201, f"forwarded: upstream answered {receipt.status}")
-
-        report.step("Worker A wakes up, still believing it owns the job, and sends the receipt")
-        # Sent by hand, as any HTTP client would: the Python client would already refuse
-        # locally, but a VM that was stopped does not see its monotonic clock advance.
-        async with client.session.post(
-            proxy + "/payments/receipts",
-            json={"to": "ann"},
-            headers={"Fencing-Token": a.token, "Idempotency-Key": "receipt-from-a"},
-        ) as resp:
-            problem = json.loads(await resp.read())
-        report.say(f"gateway answered {resp.status} {resp.content_type}")
-        report.say(json.dumps(problem))
-        report.check(
-            resp.status == 409 and problem.get("reason") == Reason.STALE_GENERATION,
-            "worker A's late write was refused (stale-generation) and never reached the upstream",
-        )
-
+        a, b, charge_b = await _takeover(report, client)
+        await _late_write(report, client, proxy, a, b)
         await b.complete({"charged": charge_b.json()["id"]})
         report.say("worker B completed the job")
+        _show_applied(report, upstream)
+        await _show_audit(report, client)
 
-        report.step("What the payments upstream applied")
-        for entry in upstream.applied:
-            report.say(f"{entry['path']:<12} generation {entry['generation']}  {entry['body']}")
-        paths = [e["path"] for e in upstream.applied]
-        gens = [e["generation"] for e in upstream.applied]
-        report.check(paths == ["/charges", "/receipts"], "one write per step")
-        report.check(gens == sorted(gens), "writes arrived in generation order")
 
-        report.step("The gateway's audit (requests it answered itself)")
-        entries = await _audit(client)
-        for e in entries:
-            report.say(
-                f"{e['reason']:<18} {e['status']}  job {e['job_id']}  generation "
-                f"{e['generation']} (highest {e['highest_generation']})  {e['method']} {e['path']}"
-            )
-        reasons = {e["reason"] for e in entries}
-        report.check(
-            {Reason.STALE_GENERATION, Reason.IDEMPOTENT_REPLAY} <= reasons,
-            "the refusal and the replay are both in the audit",
+async def _takeover(report: Report, client: LeaseClient) -> tuple[Lease, Lease, FencedResponse]:
+    """Worker A charges, stalls past its lease; worker B takes the job over and retries
+    the charge, which replays A's answer. A's lease, B's and B's answer."""
+    report.step(f"Worker A acquires job {JOB} (lease TTL {TTL:g}s)")
+    a = await client.acquire(JOB, owner="worker-a", ttl=TTL)
+    assert a is not None
+    report.say(f"worker A holds generation {a.generation}")
+
+    report.step("Worker A charges the customer through the gateway (step 'charge')")
+    charge_a = await a.http.post("/payments/charges", step="charge", json={"amount": 4200})
+    report.say(f"upstream answered {charge_a.status} {charge_a.json()}")
+    report.check(charge_a.status == 201 and not charge_a.replayed, "the charge was forwarded")
+
+    report.step(f"Worker A stalls (a GC pause, a stopped VM) for {TTL + 0.7:.1f}s ...")
+    await asyncio.sleep(TTL + 0.7)
+
+    report.step("Worker B finds the lease expired and takes the job over")
+    b = await client.acquire(JOB, owner="worker-b", ttl=30)
+    assert b is not None
+    report.say(f"worker B holds generation {b.generation}")
+    report.check(b.generation > a.generation, "the generation grew with the new grant")
+
+    report.step("Worker B retries step 'charge' (it cannot know A already charged)")
+    charge_b = await b.http.post("/payments/charges", step="charge", json={"amount": 4200})
+    report.say(
+        f"gateway answered {charge_b.status} {charge_b.json()} "
+        f"(Idempotent-Replayed: {str(charge_b.replayed).lower()})"
+    )
+    report.check(
+        charge_b.replayed and charge_b.body == charge_a.body,
+        "the retried step got A's stored answer; the customer was not charged twice",
+    )
+    return a, b, charge_b
+
+
+async def _late_write(report: Report, client: LeaseClient, proxy: str, a: Lease, b: Lease) -> None:
+    """Worker B sends the receipt; worker A wakes up and sends it too, and is refused."""
+    report.step("Worker B sends the receipt (step 'receipt')")
+    receipt = await b.http.post("/payments/receipts", step="receipt", json={"to": "ann"})
+    report.check(receipt.status == 201, f"forwarded: upstream answered {receipt.status}")
+
+    report.step("Worker A wakes up, still believing it owns the job, and sends the receipt")
+    # Sent by hand, as any HTTP client would: the Python client would already refuse
+    # locally, but a VM that was stopped does not see its monotonic clock advance.
+    async with client.session.post(
+        proxy + "/payments/receipts",
+        json={"to": "ann"},
+        headers={"Fencing-Token": a.token, "Idempotency-Key": "receipt-from-a"},
+    ) as resp:
+        problem = json.loads(await resp.read())
+    report.say(f"gateway answered {resp.status} {resp.content_type}")
+    report.say(json.dumps(problem))
+    report.check(
+        resp.status == 409 and problem.get("reason") == Reason.STALE_GENERATION,
+        "worker A's late write was refused (stale-generation) and never reached the upstream",
+    )
+
+
+def _show_applied(report: Report, upstream: DemoUpstream) -> None:
+    report.step("What the payments upstream applied")
+    for entry in upstream.applied:
+        report.say(f"{entry['path']:<12} generation {entry['generation']}  {entry['body']}")
+    paths = [e["path"] for e in upstream.applied]
+    gens = [e["generation"] for e in upstream.applied]
+    report.check(paths == ["/charges", "/receipts"], "one write per step")
+    report.check(gens == sorted(gens), "writes arrived in generation order")
+
+
+async def _show_audit(report: Report, client: LeaseClient) -> None:
+    report.step("The gateway's audit (requests it answered itself)")
+    entries = await _audit(client)
+    for e in entries:
+        report.say(
+            f"{e['reason']:<18} {e['status']}  job {e['job_id']}  generation "
+            f"{e['generation']} (highest {e['highest_generation']})  {e['method']} {e['path']}"
         )
+    reasons = {e["reason"] for e in entries}
+    report.check(
+        {Reason.STALE_GENERATION, Reason.IDEMPOTENT_REPLAY} <= reasons,
+        "the refusal and the replay are both in the audit",
+    )
 
 
 async def _audit(client: LeaseClient) -> list[dict[str, Any]]:

@@ -66,47 +66,7 @@ def fenced_write(method: str) -> dict[str, Any]:
         "every other answer the gateway gives itself is a problem document listed here. "
         "Methods that are not fenced pass through unchecked.",
         "security": [],
-        "parameters": [
-            {
-                "name": "upstream",
-                "in": "path",
-                "required": True,
-                "schema": HEADER,
-                "description": "An [[upstreams]] name.",
-            },
-            {
-                "name": "path",
-                "in": "path",
-                "required": True,
-                "schema": HEADER,
-                "description": "The rest of the path, appended to the upstream's URL; it may "
-                "hold slashes (send them unencoded).",
-            },
-            {
-                "name": protocol.FENCING_TOKEN,
-                "in": "header",
-                "required": True,
-                "schema": HEADER,
-                "description": "The lease token (fgl_...), or <source>:<token> of a "
-                "[[lease_sources]] entry. A credential: never forwarded, never logged whole.",
-            },
-            {
-                "name": protocol.IDEMPOTENCY_KEY,
-                "in": "header",
-                "required": False,
-                "schema": KEY,
-                "description": "Required where the upstream says so (the default). Keys "
-                "belong to the job, across generations. " + KEY_RULE,
-            },
-            {
-                "name": "Prefer",
-                "in": "header",
-                "required": False,
-                "schema": {"type": "string", "pattern": "wait=[0-9]+"},
-                "description": "wait=N (RFC 7240): a duplicate whose key is in flight waits up "
-                "to N seconds (capped by gateway.max_prefer_wait_seconds) for its answer.",
-            },
-        ],
+        "parameters": _write_parameters(),
         "requestBody": {
             "required": False,
             "description": "Forwarded as it is (any media type), within the upstream's "
@@ -114,23 +74,73 @@ def fenced_write(method: str) -> dict[str, Any]:
             "content": ANY_BODY,
         },
         "responses": {
-            "default": {
-                "description": "The upstream's answer, passed through; or a stored answer "
-                "replayed to a duplicate.",
-                "headers": {
-                    protocol.IDEMPOTENT_REPLAYED: {
-                        "description": "true: a stored answer; the upstream was not called.",
-                        "schema": {"type": "string", "enum": ["true"]},
-                    },
-                    "Preference-Applied": {
-                        "description": "wait=N: the duplicate waited for its key's answer.",
-                        "schema": HEADER,
-                    },
-                },
-                "content": UPSTREAM_ANSWER,
-            },
+            "default": _upstream_answer(),
             **problems_by_status(),
         },
+    }
+
+
+def _write_parameters() -> list[dict[str, Any]]:
+    """A fenced write's path parameters and the headers a worker sends."""
+    return [
+        {
+            "name": "upstream",
+            "in": "path",
+            "required": True,
+            "schema": HEADER,
+            "description": "An [[upstreams]] name.",
+        },
+        {
+            "name": "path",
+            "in": "path",
+            "required": True,
+            "schema": HEADER,
+            "description": "The rest of the path, appended to the upstream's URL; it may "
+            "hold slashes (send them unencoded).",
+        },
+        {
+            "name": protocol.FENCING_TOKEN,
+            "in": "header",
+            "required": True,
+            "schema": HEADER,
+            "description": "The lease token (fgl_...), or <source>:<token> of a "
+            "[[lease_sources]] entry. A credential: never forwarded, never logged whole.",
+        },
+        {
+            "name": protocol.IDEMPOTENCY_KEY,
+            "in": "header",
+            "required": False,
+            "schema": KEY,
+            "description": "Required where the upstream says so (the default). Keys "
+            "belong to the job, across generations. " + KEY_RULE,
+        },
+        {
+            "name": "Prefer",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "pattern": "wait=[0-9]+"},
+            "description": "wait=N (RFC 7240): a duplicate whose key is in flight waits up "
+            "to N seconds (capped by gateway.max_prefer_wait_seconds) for its answer.",
+        },
+    ]
+
+
+def _upstream_answer() -> dict[str, Any]:
+    """The answer that is not the gateway's own: the upstream's, or its replay."""
+    return {
+        "description": "The upstream's answer, passed through; or a stored answer "
+        "replayed to a duplicate.",
+        "headers": {
+            protocol.IDEMPOTENT_REPLAYED: {
+                "description": "true: a stored answer; the upstream was not called.",
+                "schema": {"type": "string", "enum": ["true"]},
+            },
+            "Preference-Applied": {
+                "description": "wait=N: the duplicate waited for its key's answer.",
+                "schema": HEADER,
+            },
+        },
+        "content": UPSTREAM_ANSWER,
     }
 
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,9 +33,12 @@ from gateway.service.parse_errors import ProblemRunner
 from gateway.sources.secured import SourceRefused
 from lease_core import api as lease_api
 from lease_core import exceptions as exc
-from lease_core.db import Clock, create_engine
+from lease_core.db import Clock, Engine, create_engine
 from lease_core.problems import problem_middleware
 from lease_core.store import LeaseStore
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger("fencegate.server")
 
@@ -266,21 +270,9 @@ async def serve(
     stalled the event loop (docs/performance-history.md, "How the hot path got here")."""
     # The certificates first, then both ports: a bad file or a taken port is named
     # before anything else exists (no database file, no migration, no listener bound).
-    exposed = settings.exposed_without_auth()
-    if exposed:  # as for_serving says; here too for whoever calls serve() directly
-        raise SystemExit(f"fencegate: {ConfigError(exposed)}")
-    try:
-        contexts = tls.contexts(settings)
-    except ConfigError as error:
-        raise SystemExit(f"fencegate: {error}") from error
+    contexts = _tls_contexts(settings)
     provider = tracing.configure(settings.tracing)
-    sockets = {"control": bind("control_listen", settings.control_listen)}
-    try:
-        sockets["proxy"] = bind("proxy_listen", settings.proxy_listen)
-    except BaseException:
-        for sock in sockets["control"]:
-            sock.close()
-        raise
+    sockets = _bind_listeners(settings)
     engine = create_engine(settings.database_url)
     store = LeaseStore(engine, clock=clock)
     stop = stop or asyncio.Event()
@@ -292,58 +284,21 @@ async def serve(
     try:
         await prepare_database(settings, store)
         await check_replication(settings, store)
-        addresses: list[str] = []
         gateway = Gateway(settings, store)
         if reload_settings is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(
                     signal.SIGHUP, lambda: _reload(gateway, contexts, reload_settings)
                 )
-        for name, app in (
-            ("control", create_control_app(settings, store, gateway)),
-            ("proxy", create_proxy_app(gateway)),
-        ):
-            limits = settings.gateway
-            runner: web.AppRunner = ProblemRunner(
-                app,
-                access_log=None,
-                handle_signals=False,
-                shutdown_timeout=limits.shutdown_timeout_seconds,
-                max_line_size=limits.max_request_line_bytes,
-                max_field_size=limits.max_header_field_bytes,
-                max_headers=limits.max_headers,
-                keepalive_timeout=limits.keepalive_timeout_seconds,
-                # The proxy forwards bodies verbatim: a gzip body is never inflated.
-                auto_decompress=name != "proxy",
-            )
-            tracing.instrument(app, name)
-            try:
-                await runner.setup()  # the proxy's: the lease sources start
-            except SourceRefused as error:
-                raise SystemExit(f"fencegate: {error}") from None
-            runners.append(runner)
+        await _set_up_apps(settings, store, gateway, runners)
         # Both apps set up before either listens: /healthz and /readyz never answer while
         # the proxy is still starting (its lease sources wait for their stores).
-        for name, runner in zip(("control", "proxy"), runners, strict=True):
-            for sock in sockets[name]:
-                await web.SockSite(
-                    runner, sock, backlog=1024, ssl_context=contexts.get(name)
-                ).start()
-            addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
-        log_upstreams(settings)
-        log_lease_sources(settings)
-        if contexts:
-            log.info("TLS on the %s listener(s)", " and ".join(sorted(contexts)))
+        addresses = await _listen(runners, sockets, contexts)
+        _log_what_is_served(settings, contexts)
         if freeze_gc:
             gc.collect()
             gc.freeze()
-        # One line, the last of the start, in the log's format; on stdout only when the
-        # log would not show it (``--log-level warning``), so a script can still wait for it.
-        listening = "fencegate listening: " + " ".join(addresses)
-        if log.isEnabledFor(logging.INFO):
-            log.info("%s", listening)
-        elif announce:
-            print(listening, flush=True)
+        _announce(addresses, announce=announce)
         if on_ready is not None:
             result = on_ready(addresses)
             if result is not None:
@@ -351,16 +306,114 @@ async def serve(
         await stop.wait()
         log.info("fencegate stopping")
     finally:
-        for runner in reversed(runners):
-            await runner.cleanup()
-        for bound in sockets.values():
-            for sock in bound:
-                sock.close()
-        await engine.dispose()
-        if provider is not None:
-            # The spans still queued are exported (bounded by the exporter's timeout).
-            await asyncio.to_thread(provider.shutdown)
-            tracing.disable()
+        await _shut_down(runners, sockets, engine, provider)
+
+
+def _tls_contexts(settings: Settings) -> dict[str, ssl.SSLContext]:
+    """The listeners' TLS contexts, their files loaded; ``SystemExit`` for a listener
+    exposed without auth tokens or a certificate that does not load."""
+    exposed = settings.exposed_without_auth()
+    if exposed:  # as for_serving says; here too for whoever calls serve() directly
+        raise SystemExit(f"fencegate: {ConfigError(exposed)}")
+    try:
+        return tls.contexts(settings)
+    except ConfigError as error:
+        raise SystemExit(f"fencegate: {error}") from error
+
+
+def _bind_listeners(settings: Settings) -> dict[str, list[socket.socket]]:
+    """Both listeners' sockets, the control listener's first; none left open when the
+    proxy's port cannot be bound."""
+    sockets = {"control": bind("control_listen", settings.control_listen)}
+    try:
+        sockets["proxy"] = bind("proxy_listen", settings.proxy_listen)
+    except BaseException:
+        for sock in sockets["control"]:
+            sock.close()
+        raise
+    return sockets
+
+
+async def _set_up_apps(
+    settings: Settings, store: LeaseStore, gateway: Gateway, runners: list[web.AppRunner]
+) -> None:
+    """The control app's runner, then the proxy's, each set up (the proxy's starts the
+    lease sources) and appended to ``runners`` once it is, for ``serve`` to clean up."""
+    for name, app in (
+        ("control", create_control_app(settings, store, gateway)),
+        ("proxy", create_proxy_app(gateway)),
+    ):
+        limits = settings.gateway
+        runner: web.AppRunner = ProblemRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=limits.shutdown_timeout_seconds,
+            max_line_size=limits.max_request_line_bytes,
+            max_field_size=limits.max_header_field_bytes,
+            max_headers=limits.max_headers,
+            keepalive_timeout=limits.keepalive_timeout_seconds,
+            # The proxy forwards bodies verbatim: a gzip body is never inflated.
+            auto_decompress=name != "proxy",
+        )
+        tracing.instrument(app, name)
+        try:
+            await runner.setup()  # the proxy's: the lease sources start
+        except SourceRefused as error:
+            raise SystemExit(f"fencegate: {error}") from None
+        runners.append(runner)
+
+
+async def _listen(
+    runners: list[web.AppRunner],
+    sockets: dict[str, list[socket.socket]],
+    contexts: dict[str, ssl.SSLContext],
+) -> list[str]:
+    """Each runner served on its listener's sockets: ``name=host:port`` of each."""
+    addresses: list[str] = []
+    for name, runner in zip(("control", "proxy"), runners, strict=True):
+        for sock in sockets[name]:
+            await web.SockSite(runner, sock, backlog=1024, ssl_context=contexts.get(name)).start()
+        addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
+    return addresses
+
+
+def _log_what_is_served(settings: Settings, contexts: dict[str, ssl.SSLContext]) -> None:
+    """The upstreams, the lease sources and the listeners that speak TLS."""
+    log_upstreams(settings)
+    log_lease_sources(settings)
+    if contexts:
+        log.info("TLS on the %s listener(s)", " and ".join(sorted(contexts)))
+
+
+def _announce(addresses: list[str], *, announce: bool) -> None:
+    """One line, the last of the start, in the log's format; on stdout only when the log
+    would not show it (``--log-level warning``), so a script can still wait for it."""
+    listening = "fencegate listening: " + " ".join(addresses)
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", listening)
+    elif announce:
+        print(listening, flush=True)
+
+
+async def _shut_down(
+    runners: list[web.AppRunner],
+    sockets: dict[str, list[socket.socket]],
+    engine: Engine,
+    provider: TracerProvider | None,
+) -> None:
+    """The apps cleaned up in reverse (requests in progress finish), the sockets closed,
+    the engine disposed, the spans still queued exported."""
+    for runner in reversed(runners):
+        await runner.cleanup()
+    for bound in sockets.values():
+        for sock in bound:
+            sock.close()
+    await engine.dispose()
+    if provider is not None:
+        # The spans still queued are exported (bounded by the exporter's timeout).
+        await asyncio.to_thread(provider.shutdown)
+        tracing.disable()
 
 
 def log_upstreams(settings: Settings) -> None:

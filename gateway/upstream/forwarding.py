@@ -195,13 +195,7 @@ class Forwarder:
             )
         except NotSent as error:
             # Not sent: the key is free again (or back to its earlier unknown state).
-            log.warning(
-                "%s: not sent to %s: %s",
-                upstream.name,
-                _address(url),
-                error,
-                extra={"fields": {"upstream": upstream.name, "sent": False}},
-            )
+            _log_not_sent(upstream, url, error)
             if key is not None:
                 await key.release()
             return (
@@ -210,16 +204,7 @@ class Forwarder:
         except Exception as error:
             # Sent (or maybe sent), but no answer: whether it was applied is unknown.
             # Anything unexpected lands here too, so no claim is left in flight.
-            if not isinstance(error, UpstreamError):
-                log.exception("forwarding to %s failed unexpectedly", upstream.name)
-            else:
-                log.warning(
-                    "%s: sent to %s, no answer (outcome unknown): %s",
-                    upstream.name,
-                    _address(url),
-                    why_no_answer(error),
-                    extra={"fields": {"upstream": upstream.name, "sent": True}},
-                )
+            _log_no_answer(upstream, url, error)
             if key is not None:
                 await key.settle(
                     RecordState.UNKNOWN,
@@ -247,35 +232,13 @@ class Forwarder:
         async with upstream_response:
             response_headers = answer_headers(upstream_response.headers)
             status, reason = upstream_response.status, upstream_response.reason
-            out: web.StreamResponse | None = None  # started once a second piece arrives
+            relay = _Relay(request, status, reason, response_headers)
             stored: bytearray | None = bytearray()
             replay_limit = self.limits.max_replay_body_bytes
-            client_gone = False
             complete = False
             # The last piece is held back until the upstream's answer has ended and its
             # record's settle has begun: a cut answer must not reach the client whole.
             held = b""
-
-            async def started() -> web.StreamResponse:
-                nonlocal out, client_gone
-                if out is None:
-                    out = web.StreamResponse(status=status, reason=reason)
-                    for k, v in response_headers:
-                        out.headers.add(k, v)
-                    try:
-                        await out.prepare(request)
-                    except (ConnectionError, RuntimeError):
-                        client_gone = True
-                return out
-
-            async def send(chunk: bytes) -> None:
-                nonlocal client_gone
-                if chunk and not client_gone:
-                    try:
-                        await (await started()).write(chunk)
-                    except (ConnectionError, RuntimeError):
-                        client_gone = True
-
             try:
                 async for chunk in upstream_response:
                     if stored is not None:
@@ -283,40 +246,17 @@ class Forwarder:
                             stored += chunk
                         else:
                             stored = None
-                    await send(held)
+                    await relay.send(held)
                     held = chunk
                 complete = True
             except UpstreamError as error:
                 log.warning("upstream %s cut its answer short: %s", upstream.name, error)
             finally:
-                answer = upstream.answer_of(status, whole=complete)
-                if key is not None and answer is Answer.NOT_PROCESSED:
-                    # "Not processed, try later": not the key's answer. The key is free
-                    # again (or back to its earlier unknown outcome), as if not sent.
-                    await settle_quietly(key.release())
-                elif key is not None and answer is Answer.FINAL:
+                if key is not None:
                     await settle_quietly(
-                        key.settle_behind(
-                            status=status,
-                            headers=response_headers,
-                            body=bytes(stored) if stored is not None else None,
-                        )
+                        _kept_for_key(key, upstream, status, response_headers, stored, complete)
                     )
-                elif key is not None:
-                    # Not the key's answer yet (the resolver and the operator work from
-                    # it): kept before the client learns of it.
-                    await settle_quietly(
-                        key.settle(
-                            RecordState.UNKNOWN,
-                            status=status,
-                            headers=response_headers,
-                            body=bytes(stored) if stored is not None else None,
-                            note=f"upstream answered {status}"
-                            if complete
-                            else "the upstream's answer was cut short",
-                        )
-                    )
-            if complete and out is None and held:
+            if complete and relay.out is None and held:
                 # The whole body came in one piece: it goes with its head in one write,
                 # framed by its length (a streamed answer takes three).
                 whole = web.Response(
@@ -326,15 +266,78 @@ class Forwarder:
                     await whole.prepare(request)
                     await whole.write_eof()
                 return whole
-            out = await started()
-            if not client_gone:
+            out = await relay.started()
+            if not relay.client_gone:
                 if complete:
-                    await send(held)
-                    if not client_gone:
+                    await relay.send(held)
+                    if not relay.client_gone:
                         await out.write_eof()
                 elif request.transport is not None:
                     request.transport.close()  # the client must not take a cut body as whole
             return out
+
+
+class _Relay:
+    """The answer on its way to the client: its head is sent once a second piece arrives
+    (``started``), and a client that left is noted, not raised."""
+
+    __slots__ = ("client_gone", "headers", "out", "reason", "request", "status")
+
+    def __init__(
+        self, request: web.Request, status: int, reason: str, headers: list[tuple[str, str]]
+    ) -> None:
+        self.request = request
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.out: web.StreamResponse | None = None
+        self.client_gone = False
+
+    async def started(self) -> web.StreamResponse:
+        if self.out is None:
+            out = self.out = web.StreamResponse(status=self.status, reason=self.reason)
+            for k, v in self.headers:
+                out.headers.add(k, v)
+            try:
+                await out.prepare(self.request)
+            except (ConnectionError, RuntimeError):
+                self.client_gone = True
+        return self.out
+
+    async def send(self, chunk: bytes) -> None:
+        if chunk and not self.client_gone:
+            try:
+                await (await self.started()).write(chunk)
+            except (ConnectionError, RuntimeError):
+                self.client_gone = True
+
+
+def _kept_for_key(
+    key: ClaimedKey,
+    upstream: UpstreamSettings,
+    status: int,
+    headers: list[tuple[str, str]],
+    stored: bytearray | None,
+    complete: bool,
+) -> Coroutine[Any, Any, None]:
+    """What the answer's end does to the key, to be awaited (not yet started)."""
+    answer = upstream.answer_of(status, whole=complete)
+    if answer is Answer.NOT_PROCESSED:
+        # "Not processed, try later": not the key's answer. The key is free again (or
+        # back to its earlier unknown outcome), as if not sent.
+        return key.release()
+    body = bytes(stored) if stored is not None else None
+    if answer is Answer.FINAL:
+        return key.settle_behind(status=status, headers=headers, body=body)
+    # Not the key's answer yet (the resolver and the operator work from it): kept before
+    # the client learns of it.
+    return key.settle(
+        RecordState.UNKNOWN,
+        status=status,
+        headers=headers,
+        body=body,
+        note=f"upstream answered {status}" if complete else "the upstream's answer was cut short",
+    )
 
 
 def answer_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -350,6 +353,31 @@ def _address(url: str) -> str:
     """``host:port`` of an upstream URL for the log (never its credentials or query)."""
     parsed = URL(url)
     return f"{parsed.host}:{parsed.port}"
+
+
+def _log_not_sent(upstream: UpstreamSettings, url: str, error: NotSent) -> None:
+    log.warning(
+        "%s: not sent to %s: %s",
+        upstream.name,
+        _address(url),
+        error,
+        extra={"fields": {"upstream": upstream.name, "sent": False}},
+    )
+
+
+def _log_no_answer(upstream: UpstreamSettings, url: str, error: Exception) -> None:
+    """An unexpected failure with its traceback; an upstream's failure as the outcome
+    it leaves unknown."""
+    if not isinstance(error, UpstreamError):
+        log.exception("forwarding to %s failed unexpectedly", upstream.name)
+    else:
+        log.warning(
+            "%s: sent to %s, no answer (outcome unknown): %s",
+            upstream.name,
+            _address(url),
+            why_no_answer(error),
+            extra={"fields": {"upstream": upstream.name, "sent": True}},
+        )
 
 
 def why_no_answer(error: Exception) -> str:
