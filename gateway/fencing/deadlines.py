@@ -5,8 +5,9 @@ the clocks' readings are passed in (``time.monotonic()`` by the caller), except 
 duplicate's wait, which reads the monotonic clock itself.
 
 A claim's deadline is the database's: past it, other replicas treat the record as
-unknown (``effective_state``) and may move on. So the replica that holds a claim stops
-short of it, by ``MARGIN``, by its own clock and by the database's, whichever ends first.
+unknown (the SQL's ``past_deadline``, read as a record's ``overdue``) and may move on.
+So the replica that holds a claim stops short of it, by ``MARGIN``, by its own clock and
+by the database's, whichever ends first.
 """
 
 from __future__ import annotations
@@ -73,11 +74,6 @@ def send_left(send_by: float, now: float, deadline: float | None, db_now: float)
     return min(send_by - now, on_database - MARGIN)
 
 
-def past_deadline(deadline: float, now: float) -> bool:
-    """An in-flight record at ``now`` (the database's clock) whose replica is gone."""
-    return deadline <= now
-
-
 def resolve_window(dedup_window: float, timeout: float) -> float:
     """How old an unknown outcome may be for a re-send to fall inside the upstream's
     deduplication window: the window less the exchange and the margin."""
@@ -99,25 +95,16 @@ class DuplicateWait:
     until: float | None = None  # time.monotonic() at which it ends, once it has begun
     waited: bool = False  # it did wait (``Preference-Applied`` says so)
     poll: float = POLL_FIRST  # the next look at the record, after this long
-    _db_now: float = 0.0  # the database's clock at the last admission ...
-    _seen_at: float = 0.0  # ... and time.monotonic() then
     asked: bool = True  # by the client's ``Prefer: wait``
 
     @property
     def applied(self) -> str:
         return f"wait={self.seconds}"
 
-    def begin(self, db_now: float) -> None:
-        """The admission found the key in flight (by the database's clock ``db_now``)."""
+    def begin(self) -> None:
+        """The admission found the key in flight: the wait runs from its first time."""
         if self.until is None:
             self.until = time.monotonic() + self.seconds
-        self._db_now, self._seen_at = db_now, time.monotonic()
-
-    def database_now(self) -> float:
-        """The database's clock as the last admission read it, moved on by this
-        process's: only a hint that a record's deadline may have passed (the admission
-        judges it by the database's own)."""
-        return self._db_now + (time.monotonic() - self._seen_at)
 
     def left(self) -> float:
         return 0.0 if self.until is None else self.until - time.monotonic()

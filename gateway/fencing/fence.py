@@ -112,6 +112,8 @@ class Record:
     generation: int
     attempt: str
     deadline: float
+    # Its deadline has passed, by the database's clock (the SQL's ``past_deadline``).
+    overdue: bool = False
     status: int | None = None
     headers: list[tuple[str, str]] | None = None
     body: bytes | None = None
@@ -205,14 +207,15 @@ def lease_after_wait(lease: Reason | None, highest: int | None, generation: int)
     return lease
 
 
-def effective_state(record: Record, now: float) -> RecordState:
-    """An in-flight record whose deadline passed (its replica crashed or hung) is unknown."""
-    if record.state is RecordState.IN_FLIGHT and record.deadline <= now:
+def effective_state(record: Record) -> RecordState:
+    """An in-flight record whose deadline passed (its replica crashed or hung: ``overdue``,
+    as the SQL read it) is unknown."""
+    if record.state is RecordState.IN_FLIGHT and record.overdue:
         return RecordState.UNKNOWN
     return record.state
 
 
-def record_reason(record: Record | None, fingerprint: str, now: float, policy: str) -> Reason:
+def record_reason(record: Record | None, fingerprint: str, policy: str) -> Reason:
     """What a request whose key has a record that the admission did not give it gets:
     ``idempotent-replay`` (the stored answer), ``replay-unavailable`` (applied, but the
     answer was too large to keep), ``idempotency-key-reused``, ``outcome-unknown``, or
@@ -223,7 +226,7 @@ def record_reason(record: Record | None, fingerprint: str, now: float, policy: s
         return Reason.REQUEST_IN_PROGRESS
     if record.fingerprint != fingerprint:
         return Reason.IDEMPOTENCY_KEY_REUSED
-    state = effective_state(record, now)
+    state = effective_state(record)
     if state is RecordState.COMPLETED:
         return Reason.IDEMPOTENT_REPLAY if record.body is not None else Reason.REPLAY_UNAVAILABLE
     if state is RecordState.IN_FLIGHT or policy == "retry":

@@ -209,11 +209,9 @@ class RequestMachine:
         # The key has a record not ours (or gone between claim and read): what it answers.
         assert self.fingerprint is not None and self.timing is not None
         self.record = admission.record
-        facts.record = fence.record_reason(
-            admission.record, self.fingerprint, admission.now, self.policy
-        )
+        facts.record = fence.record_reason(admission.record, self.fingerprint, self.policy)
         if fence.in_progress(facts.record):
-            self._may_wait(admission.now, behind=behind, gone=gone)
+            self._may_wait(behind=behind, gone=gone)
 
     def _claimed(self, admission: Admission, asked: float, answered: float) -> None:
         """The key is ours: wait for older writes if any are in flight; an admission
@@ -227,7 +225,7 @@ class RequestMachine:
         if facts.in_order is True and not self.resolving and answered - asked < FRESH_ADMISSION:
             self._judge_send(admission.highest, self.claim.send_by - answered)
 
-    def _may_wait(self, db_now: float, *, behind: bool, gone: bool) -> None:
+    def _may_wait(self, *, behind: bool, gone: bool) -> None:
         """The key is in flight under another request: ``request-in-progress``, unless
         the request asked to wait (``Prefer: wait``) and its wait has time left, or its
         answer has gone out from this replica and its record is being settled here
@@ -236,7 +234,7 @@ class RequestMachine:
             self.wait = DuplicateWait(BEHIND_WAIT_SECONDS, asked=False)
         if self.wait is None:
             return
-        self.wait.begin(db_now)
+        self.wait.begin()
         if self.wait.left() > 0 and not gone:
             self.facts.first_settled = UNKNOWN
 

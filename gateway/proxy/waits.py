@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from gateway.fencing.deadlines import ORDERING_POLL, DuplicateWait, past_deadline
+from gateway.fencing.deadlines import ORDERING_POLL, DuplicateWait
 from gateway.fencing.fence import RecordState
 from gateway.proxy.duplicates import Settles
 from gateway.records.store import GatewayStore
@@ -42,10 +42,8 @@ async def until_settled(
                 await asyncio.wait_for(settled.wait(), min(wait.poll, left))
             wait.next_poll()
             record = await store.record(job_id, key)
-            if record is None or record.state is not RecordState.IN_FLIGHT:
-                return True
-            if past_deadline(record.deadline, wait.database_now()):
-                return True  # its replica is gone: the admission says what it is now
+            if record is None or record.state is not RecordState.IN_FLIGHT or record.overdue:
+                return True  # overdue: its replica is gone; the admission says what it is now
 
 
 async def until_older_settled(

@@ -498,6 +498,7 @@ def _record(row: Any) -> Record:
         generation=row["generation"],
         attempt=row["attempt"],
         deadline=row["deadline"],
+        overdue=bool(row["overdue"]),
         status=row["status"],
         headers=[(str(k), str(v)) for k, v in headers] if headers is not None else None,
         body=row["body"],

@@ -252,7 +252,8 @@ SELECT {now} AS now, f.generation AS fence_generation, f.holder AS fence_holder,
            ELSE {Reason.STALE_GENERATION}
        END AS refusal,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
-       r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
+       r.attempt AS r_attempt, r.deadline, {past_deadline(r)} AS overdue, r.status,
+       r.headers, r.body
 FROM (SELECT 1 AS one) AS one
 LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text)
 LEFT JOIN idempotency_records AS r
@@ -284,9 +285,11 @@ WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
 
 -- name: record
 -- Read only: a key's record (an admission that found it claimed by a concurrent one
--- after its snapshot was taken reads it here).
-SELECT fingerprint, state, generation, attempt, deadline, status, headers, body
-FROM idempotency_records WHERE job_id = :job_id AND key = :key;
+-- after its snapshot was taken reads it here; a duplicate waiting for it looks here),
+-- and whether its deadline has passed (overdue: an in-flight one's outcome is unknown).
+SELECT r.fingerprint, r.state, r.generation, r.attempt, r.deadline,
+       {past_deadline(r)} AS overdue, r.status, r.headers, r.body
+FROM idempotency_records AS r WHERE r.job_id = :job_id AND r.key = :key;
 
 -- name: older_in_flight
 -- Read only: whether a write of an older generation of the job is still in flight.

@@ -311,7 +311,8 @@ SELECT i.n, clock.now,
        {lease_older_in_flight(lease)} AS older_in_flight,
        judged.refusal,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
-       r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body,
+       r.attempt AS r_attempt, r.deadline, {past_deadline(r)} AS overdue, r.status,
+       r.headers, r.body,
        EXISTS (SELECT 1 FROM claim WHERE claim.attempt = i.attempt) AS claimed,
        EXISTS (SELECT 1 FROM taken WHERE taken.attempt = i.attempt) AS taken
 FROM input AS i

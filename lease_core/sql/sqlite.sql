@@ -150,7 +150,8 @@ SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_o
        {lease_older_in_flight(l)} AS older_in_flight,
        {lease_refusal(l, j)} AS refusal,
        r.fingerprint, r.state AS r_state, r.generation AS r_generation,
-       r.attempt AS r_attempt, r.deadline, r.status, r.headers, r.body
+       r.attempt AS r_attempt, r.deadline, {past_deadline(r)} AS overdue, r.status,
+       r.headers, r.body
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN leases AS l ON l.token_hash = :token_hash
 LEFT JOIN jobs AS j ON j.job_id = l.job_id

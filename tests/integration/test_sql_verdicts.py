@@ -18,6 +18,7 @@ import itertools
 import pytest
 import sqlalchemy as sa
 
+from gateway.fencing import fence
 from gateway.fencing.fence import Lost, Reason, RecordState
 from gateway.records.schema import fences, requests
 from gateway.records.store import GatewayStore, WriteRequest, holder_digest
@@ -316,3 +317,28 @@ async def test_list_unknown_lists_unknown_overdue_and_resolving_newest_first(
     }  # fmt: skip
     assert all(i["resolvable"] is False and i["job_id"] == "u" for i in items)
     assert [i["key"] for i in await gstore.list_unknown(limit=2)] == ["resolving", "overdue"]
+
+
+async def test_a_record_is_overdue_from_its_deadline_by_the_databases_clock(
+    store: LeaseStore, gstore: GatewayStore, clock: FakeClock
+) -> None:
+    """``past_deadline`` decides, read as a record's ``overdue`` by the record's read and
+    by the admission that finds it: an in-flight record whose deadline has come is an
+    unknown outcome (``fence.effective_state`` judges no clock)."""
+    token = await store.acquire(job_id="o", owner="w", ttl=3000.0, queue="q")
+    assert token.lease_token is not None
+    token_hash = tokens.hash_token(token.lease_token)
+    first = await gstore.admit(WriteRequest(token_hash, "k", "fp", "pay", "POST", "/x", 5.0))
+    assert first.claimed
+    found = await gstore.record("o", "k")
+    assert found is not None and not found.overdue
+    clock.advance(4.999)
+    again = await gstore.admit(WriteRequest(token_hash, "k", "fp", "pay", "POST", "/x", 5.0))
+    assert again.record is not None and not again.record.overdue
+    assert fence.record_reason(again.record, "fp", "hold") is Reason.REQUEST_IN_PROGRESS
+    clock.advance(0.001)  # exactly its deadline
+    found = await gstore.record("o", "k")
+    assert found is not None and found.overdue and found.state is RecordState.IN_FLIGHT
+    again = await gstore.admit(WriteRequest(token_hash, "k", "fp", "pay", "POST", "/x", 5.0))
+    assert again.record is not None and again.record.overdue
+    assert fence.record_reason(again.record, "fp", "hold") is Reason.OUTCOME_UNKNOWN

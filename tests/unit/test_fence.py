@@ -303,7 +303,16 @@ def record(
     fingerprint: str = FP,
     body: bytes | None = b"{}",
 ) -> Record:
-    return Record(fingerprint, state, generation=4, attempt="a1", deadline=deadline, body=body)
+    # ``overdue``: as the SQL's past_deadline reads it at NOW
+    return Record(
+        fingerprint,
+        state,
+        generation=4,
+        attempt="a1",
+        deadline=deadline,
+        overdue=deadline <= NOW,
+        body=body,
+    )
 
 
 @pytest.mark.parametrize(
@@ -320,7 +329,7 @@ def record(
     ],
 )
 def test_effective_state(stored: Record, state: RecordState) -> None:
-    assert fence.effective_state(stored, NOW) is state
+    assert fence.effective_state(stored) is state
 
 
 REUSED = Reason.IDEMPOTENCY_KEY_REUSED
@@ -381,7 +390,7 @@ TAKEN = Reason.REQUEST_IN_PROGRESS
     ],
 )
 def test_record_reason(case: str, stored: Record | None, policy: str, reason: Reason) -> None:
-    assert fence.record_reason(stored, FP, NOW, policy) is reason, case
+    assert fence.record_reason(stored, FP, policy) is reason, case
     assert fence.in_progress(reason) is (reason is Reason.REQUEST_IN_PROGRESS)
 
 

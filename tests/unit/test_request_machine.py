@@ -175,7 +175,8 @@ def test_the_send_is_judged_by_the_earlier_of_both_clocks() -> None:
 
 
 def record(state: RecordState, *, deadline: float = 2000.0, body: bytes | None = b"ok") -> Record:
-    return Record("fp", state, 3, "a0", deadline, status=201, headers=[], body=body)
+    overdue = deadline <= 1000.0  # the admission's clock, as the SQL reads it
+    return Record("fp", state, 3, "a0", deadline, overdue, status=201, headers=[], body=body)
 
 
 @pytest.mark.parametrize(
