@@ -4,6 +4,9 @@ its list of unknown outcomes (``tests/faults``).
 
 - ``completed_jobs``: every job the database says completed had each of its steps
   applied exactly once;
+- ``acknowledged``: every 2xx a worker got for a key (forwarded or replayed) is the
+  upstream's first answer to it, status and body (``verify.check``'s invariant 5 compares
+  the bodies' hashes only);
 - ``received_in_order``: per job, the upstream never received a generation lower than
   one it had received before: every write received counts, applied or not (a duplicate
   at a deduplicating upstream, a write cut before it was applied);
@@ -53,6 +56,24 @@ def completed_jobs(
         for key in keys_of(job)
         if applied[job, key] != 1
     ]
+
+
+def acknowledged(
+    answers: Iterable[tuple[str, str, int, bytes]], ledger: Sequence[LedgerEntry]
+) -> list[str]:
+    """``answers``: (job, key, status, body) of each 2xx a worker got."""
+    first = first_applied(ledger)
+    problems = []
+    for job, key, status, body in answers:
+        entry = first.get((job, key))
+        if entry is None:
+            problems.append(f"job {job}: key {key} answered {status}, never applied")
+        elif (status, body) != answer_of(entry):
+            problems.append(
+                f"job {job}: key {key} answered {status} {body!r}; the upstream answered "
+                f"{answer_of(entry)!r}"
+            )
+    return problems
 
 
 def received_in_order(received: Iterable[Mapping[str, Any]]) -> list[str]:

@@ -918,8 +918,9 @@ async def check_run(
       answer; no write applied that was refused, or sent after a newer grant, or never
       sent with that body. Liveness (7) is the tests' own, stricter: every job ends.
     - ``verify.records``: every job the database says completed had each step
-      (``keys_of``) applied once; per job, no lower generation received after a higher
-      one (applied or not); the records and ``replica``'s list of unknown outcomes.
+      (``keys_of``) applied once; every 2xx the upstream's first answer, status and
+      body; per job, no lower generation received after a higher one (applied or not);
+      the records and ``replica``'s list of unknown outcomes.
     """
     applied = ledger(upstream)
     found = problems(attempts, grants, applied, upstream.events(), jobs or {}, keys_of)
@@ -938,7 +939,7 @@ def problems(
     keys_of: Callable[[str], Sequence[str]],
 ) -> list[str]:
     """``check_run``'s checks that need no database: ``verify.check`` (but 7) and
-    ``verify.records``' completed jobs and order of receipt."""
+    ``verify.records``' completed jobs, answers acknowledged and order of receipt."""
     report = check(history(attempts, grants), applied)
     found = [
         f"[{v.invariant} {v.name}] job {v.job!r}: {v.message}: {v.events}"
@@ -946,6 +947,8 @@ def problems(
         if v.invariant != 7
     ]
     found += account.completed_jobs(jobs, keys_of, applied)
+    acks = [(a.job, a.key, int(a.status or 0), a.body or b"") for a in attempts if a.ok and a.key]
+    found += account.acknowledged(acks, applied)
     return found + account.received_in_order(received)
 
 
