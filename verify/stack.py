@@ -176,6 +176,22 @@ async def start_upstream(
     return Upstream(child, port, f"http://127.0.0.1:{port}", ledger=ledger, received=received)
 
 
+def migrate(database_url: str, cwd: Path) -> None:
+    """``fencegate migrate`` with ``FENCEGATE_DATABASE_URL``, as a deploy step runs it
+    (``ClusterError`` with its output when it fails)."""
+    result = subprocess.run(
+        [FENCEGATE, "migrate"],
+        env=child_env(FENCEGATE_DATABASE_URL=database_url),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise ClusterError(f"fencegate migrate failed:\n{result.stdout}{result.stderr}")
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -254,18 +270,7 @@ class Stack:
             cluster = self.cluster = PgCluster(listen=[n.host_addr for n in self.namespaces])
             await asyncio.to_thread(cluster.up)
             await cluster.execute('CREATE DATABASE "verify"')
-        result = await asyncio.to_thread(
-            subprocess.run,
-            [FENCEGATE, "migrate"],
-            env=child_env(FENCEGATE_DATABASE_URL=cluster.url("verify")),
-            cwd=self.out,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise ClusterError(f"fencegate migrate failed:\n{result.stdout}{result.stderr}")
+        await asyncio.to_thread(migrate, cluster.url("verify"), self.out)
         return [cluster.url("verify", host) for host in hosts]
 
     def database_ports(self) -> list[int]:

@@ -16,7 +16,6 @@ import contextlib
 import json
 import random
 import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,8 +39,9 @@ from verify.cluster import free_port
 from verify.events import HistoryEvent, LedgerEntry, read_ledger, sha256_hex
 from verify.procs import FENCEGATE, Child, Children, child_env
 from verify.roles import resolution
+from verify.stack import migrate
 
-__all__ = ["FENCEGATE", "UpstreamProc", "child_env"]  # the failover tests use them too
+__all__ = ["FENCEGATE", "UpstreamProc", "child_env", "migrate"]  # the failover tests' too
 
 PROBLEM = "application/problem+json"
 
@@ -235,20 +235,6 @@ async def start_stack(
         start_upstream(group, port=port, **knobs), start_replicas(group, config, replicas)
     )
     return upstream, started
-
-
-def migrate(database_url: str, cwd: Path) -> None:
-    """``fencegate migrate`` with ``FENCEGATE_DATABASE_URL``, as a deploy step runs it."""
-    result = subprocess.run(
-        [FENCEGATE, "migrate"],
-        env=child_env(FENCEGATE_DATABASE_URL=database_url),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # -- plain HTTP -----------------------------------------------------------------------------
