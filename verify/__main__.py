@@ -13,7 +13,7 @@ from pathlib import Path
 
 from verify import check
 from verify.locks import redis_binary
-from verify.nemesis import LOCK_NEMESES
+from verify.nemesis import KINDS, LOCK_NEMESES
 from verify.run import TAIL_SECONDS, Options, SetupError, choose_nemeses, run
 
 DEFAULT_LOCK_WORKERS = 3
@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start gateway replicas, a recording upstream and workers, inject "
         "faults for --seconds, then check history.jsonl against ledger.jsonl. Exit 0: no "
         "violation, 1: a violation, 2: the run could not start or its files are unreadable.",
+        epilog="nemeses: "
+        + "; ".join(
+            f"{k.name}: {k.describe}"
+            + (f" (--db {', '.join(sorted(k.databases))})" if len(k.databases) == 1 else "")
+            for k in KINDS.values()
+        ),
     )
     r.add_argument(
         "--db",
@@ -49,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--nemesis",
         default="all",
-        help="comma list of pause, kill, freeze, partition, clock, upstream, db-restart, "
-        "failover, lock-loss; or all (every one the database allows; lock-loss where "
-        "redis-server is installed) or none (default all)",
+        help=f"comma list of {', '.join(KINDS)}; or all (every one the database allows; "
+        "lock-loss where redis-server is installed) or none (default all); each is "
+        "described below",
     )
     r.add_argument(
         "--direct",

@@ -6,6 +6,11 @@ workers, seconds): every 1-4 s one fault of a nemesis drawn from the enabled one
 target drawn from those not already under a fault of the same sort. ``faults.jsonl`` gets
 the whole plan first (``"phase": "plan"``), then a line when each fault starts and ends.
 
+Each nemesis is one entry of ``KINDS`` (a ``NemesisKind``: its targets, the databases it
+applies to, what it needs from the machine (``NEEDS``), how a fault of it is drawn,
+injected and healed); ``plan``, ``Nemesis`` and ``verify run``'s ``--nemesis`` read only
+the table, so a new nemesis is a new entry:
+
 - ``pause``: SIGSTOP a worker for the longest TTL (3 s) plus 0.5-3 s, then SIGCONT.
 - ``kill``: kill -9 a replica, start it again (same addresses) after 0.5-3 s.
 - ``freeze``: SIGSTOP a replica for 2-8 s, then SIGCONT: a gateway that stalls (a GC
@@ -33,29 +38,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import shutil
 import signal
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from verify import netns
 from verify.events import JsonlWriter
+from verify.locks import redis_binary
 from verify.procs import Child, StartError
 from verify.stack import Replica, Stack
 
-NEMESES = (
-    "pause", "kill", "partition", "clock", "upstream", "db-restart", "failover", "freeze",
-    "lock-loss",
-)  # fmt: skip
-# The nemeses of one database only: db-restart restarts the one PostgreSQL of --db pg,
-# failover moves the primary of --db patroni's cluster.
-DATABASE_NEMESES = {"db-restart": "pg", "failover": "patroni"}
-# The nemeses of the lock workers' Redis (verify.locks): they need redis-server.
-LOCK_NEMESES = frozenset({"lock-loss"})
 MAX_TTL = 3.0
-# Seconds a target rests after a fault of this kind before the plan gives it another (a
-# failover's cluster needs about ten to be whole again).
-AFTER = {"kill": 3.0, "clock": 3.0, "freeze": 3.0, "failover": 12.0}
+REST = 0.5  # seconds a target rests after a fault, unless its kind says otherwise
 
 
 @dataclass(frozen=True)
@@ -70,11 +68,7 @@ class Fault:
     @property
     def slot(self) -> str:
         """What two faults at once may not share."""
-        if self.kind in ("kill", "clock", "freeze"):
-            return f"process:{self.target}"
-        if self.kind == "partition":
-            return f"network:{self.target}"
-        return f"{self.kind}:{self.target}"
+        return f"{KINDS[self.kind].slot}:{self.target}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,89 +81,38 @@ class Fault:
         }
 
 
-def plan(
-    seed: int,
-    kinds: list[str],
-    *,
-    seconds: float,
-    replicas: list[str],
-    workers: list[str],
-    db: str,
-) -> list[Fault]:
-    """The faults of a run, from its seed alone."""
-    rng = random.Random(f"nemesis/{seed}")
-    faults: list[Fault] = []
-    busy: dict[str, float] = {}  # slot -> when it is free again (planned)
-    t = rng.uniform(0.5, 2.0)
-    while kinds and t < seconds:
-        kind = rng.choice(kinds)
-        fault = _draw(rng, len(faults), t, kind, replicas, workers, db, busy)
-        if fault is not None:
-            faults.append(fault)
-            busy[fault.slot] = t + fault.duration + AFTER.get(kind, 0.5)
-        t += rng.uniform(1.0, 4.0)
-    return faults
+# A kind's draw: (rng, pick, span, db) -> (target, duration, params). ``pick()`` draws the
+# target among the free ones (a kind of one target gets it without a draw); ``span`` is
+# the 1-8 s drawn for every fault. The draws' order is the plan's: keep it.
+Draw = Callable[[random.Random, Callable[[], str], float, str], tuple[str, float, dict[str, Any]]]
+Act = Callable[["Nemesis", Fault], Awaitable[None]]
 
 
-def _draw(
-    rng: random.Random,
-    index: int,
-    at: float,
-    kind: str,
-    replicas: list[str],
-    workers: list[str],
-    db: str,
-    busy: dict[str, float],
-) -> Fault | None:
-    def free(targets: list[str], sort: str) -> list[str]:
-        return [t for t in targets if busy.get(f"{sort}:{t}", 0.0) <= at]
+@dataclass(frozen=True)
+class NemesisKind:
+    """One nemesis: everything ``plan``, ``Nemesis`` and ``verify run`` know of it."""
 
-    span = round(rng.uniform(1.0, 8.0), 2)
-    if kind == "pause":
-        targets = free(workers, "pause")
-        if not targets:
-            return None
-        duration = round(MAX_TTL + rng.uniform(0.5, 3.0), 2)
-        return Fault(index, at, kind, rng.choice(targets), duration)
-    if kind in ("kill", "clock", "freeze"):
-        targets = free(replicas, "process")
-        if not targets:
-            return None
-        if kind == "freeze":
-            return Fault(index, at, kind, rng.choice(targets), round(rng.uniform(2.0, 8.0), 2))
-        if kind == "kill":
-            return Fault(index, at, kind, rng.choice(targets), round(rng.uniform(0.5, 3.0), 2))
-        skew = f"{rng.choice('+-')}{rng.randint(2, 10)}m"
-        return Fault(index, at, kind, rng.choice(targets), span, {"skew": skew})
-    if kind == "partition":
-        targets = free(replicas, "network")
-        if not targets:
-            return None
-        to = rng.choice(["upstream", "database"]) if db != "sqlite" else "upstream"
-        loss = rng.choice([None, 0.3])
-        return Fault(index, at, kind, rng.choice(targets), span, {"to": to, "loss": loss})
-    if kind == "db-restart":
-        if busy.get("db-restart:db", 0.0) > at:
-            return None
-        return Fault(index, at, kind, "db", 3.0, {"mode": rng.choice(["fast", "immediate"])})
-    if kind == "failover":
-        if busy.get("failover:db", 0.0) > at:
-            return None
-        return Fault(index, at, kind, "db", 1.0, {"how": rng.choice(["switchover", "kill"])})
-    if kind == "upstream":
-        if busy.get("upstream:upstream", 0.0) > at:
-            return None
-        mode = rng.choice(["cut", "slow", "5xx"])
-        probability = round(rng.uniform(0.2, 0.5), 2)
-        return Fault(index, at, kind, "upstream", span, {"mode": mode, "probability": probability})
-    if kind == "lock-loss":
-        if busy.get("lock-loss:redis", 0.0) > at:
-            return None
-        if rng.random() < 0.5:
-            return Fault(index, at, kind, "redis", 0.5, {"how": "flush"})
-        down = round(rng.uniform(0.3, 2.0), 2)
-        return Fault(index, at, kind, "redis", down, {"how": "restart"})
-    raise ValueError(f"unknown nemesis {kind!r}")
+    name: str
+    describe: str
+    targets: str  # "workers", "replicas", or the one target's name ("db", "upstream")
+    slot: str  # what two faults at once may not share: "process", "network", or its own
+    draw: Draw
+    inject: Act
+    heal: Act
+    databases: frozenset[str] = frozenset({"sqlite", "pg", "patroni"})
+    needs: tuple[str, ...] = ()  # names in ``NEEDS``
+    rest: float = REST  # seconds its target rests after it before the plan gives another
+    heal_when_aborting: bool = False  # SIGCONT even when the run is being torn down
+
+
+@dataclass(frozen=True)
+class Need:
+    """Something a nemesis needs from this machine, and what ``all`` does without it."""
+
+    name: str
+    missing: Callable[[], str | None]  # why it is missing, or None
+    refusal: str  # {kind}, {why}: the message when a nemesis named needs it
+    leave_out_of_all: bool  # False: ``all`` fails as a named one would
 
 
 class Nemesis:
@@ -250,77 +193,13 @@ class Nemesis:
     # -- the faults ---------------------------------------------------------------------------
 
     async def begin(self, fault: Fault) -> None:
-        kind, params = fault.kind, fault.params
-        if kind == "pause":
-            self.workers[fault.target].signal(signal.SIGSTOP)
-        elif kind == "kill":
-            self.replica(fault.target).kill()
-        elif kind == "freeze":
-            self.replica(fault.target).signal(signal.SIGSTOP)
-        elif kind == "clock":
-            replica = self.replica(fault.target)
-            await asyncio.to_thread(replica.stop)
-            await self._start(replica, params["skew"])
-        elif kind == "partition":
-            replica = self.replica(fault.target)
-            assert replica.namespace is not None and self.stack.upstream is not None
-            ports = [self.stack.upstream.port]
-            if params["to"] == "database":
-                ports = self.stack.database_ports()
-            self.partitions += 1
-            for port in ports:
-                await asyncio.to_thread(replica.namespace.cut, port, loss=params["loss"])
-        elif kind == "db-restart":
-            assert self.stack.cluster is not None
-            await asyncio.to_thread(self.stack.cluster.restart, params["mode"])
-        elif kind == "failover":
-            await self._fail_over(fault)
-        elif kind == "upstream":
-            assert self.stack.upstream is not None
-            await self.stack.upstream.set_faults(params["mode"], params["probability"])
-        elif kind == "lock-loss":
-            store = self.stack.lock_store
-            assert store is not None
-            if params["how"] == "flush":
-                await asyncio.to_thread(store.flush)
-            else:
-                await asyncio.to_thread(store.kill)
+        await KINDS[fault.kind].inject(self, fault)
 
     async def end(self, fault: Fault) -> None:
-        kind = fault.kind
-        if self.aborting and kind not in ("pause", "freeze"):
+        kind = KINDS[fault.kind]
+        if self.aborting and not kind.heal_when_aborting:
             return
-        if kind == "pause":
-            self.workers[fault.target].signal(signal.SIGCONT)
-        elif kind == "freeze":
-            self.replica(fault.target).signal(signal.SIGCONT)
-        elif kind == "kill":
-            await self._start(self.replica(fault.target), None)
-        elif kind == "clock":
-            replica = self.replica(fault.target)
-            await asyncio.to_thread(replica.stop)
-            await self._start(replica, None)
-        elif kind == "partition":
-            replica = self.replica(fault.target)
-            assert replica.namespace is not None
-            try:
-                await asyncio.to_thread(replica.namespace.heal)
-            finally:
-                self.partitions -= 1
-                self.last_heal = time.monotonic()
-        elif kind == "db-restart":
-            assert self.stack.cluster is not None
-            await asyncio.to_thread(self.stack.cluster.ensure_running)
-        elif kind == "failover":
-            assert self.stack.patroni is not None
-            await asyncio.to_thread(self.stack.patroni.wait_healthy, 90)
-        elif kind == "upstream":
-            assert self.stack.upstream is not None
-            await self.stack.upstream.set_faults("none")
-        elif kind == "lock-loss" and fault.params["how"] == "restart":
-            store = self.stack.lock_store
-            assert store is not None
-            await asyncio.to_thread(store.start)
+        await kind.heal(self, fault)
 
     async def _fail_over(self, fault: Fault) -> None:
         """Move the primary; note when it went and how long the cluster had none."""
@@ -359,3 +238,284 @@ class Nemesis:
                 if attempt == 2:
                     raise
                 await asyncio.sleep(0.5)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+def plan(
+    seed: int,
+    kinds: list[str],
+    *,
+    seconds: float,
+    replicas: list[str],
+    workers: list[str],
+    db: str,
+) -> list[Fault]:
+    """The faults of a run, from its seed alone."""
+    rng = random.Random(f"nemesis/{seed}")
+    faults: list[Fault] = []
+    busy: dict[str, float] = {}  # slot -> when it is free again (planned)
+    t = rng.uniform(0.5, 2.0)
+    while kinds and t < seconds:
+        kind = rng.choice(kinds)
+        pools = {"replicas": replicas, "workers": workers}
+        fault = _draw(rng, len(faults), t, kind, pools, db, busy)
+        if fault is not None:
+            faults.append(fault)
+            busy[fault.slot] = t + fault.duration + KINDS[kind].rest
+        t += rng.uniform(1.0, 4.0)
+    return faults
+
+
+def _draw(
+    rng: random.Random,
+    index: int,
+    at: float,
+    name: str,
+    pools: dict[str, list[str]],
+    db: str,
+    busy: dict[str, float],
+) -> Fault | None:
+    span = round(rng.uniform(1.0, 8.0), 2)
+    kind = KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown nemesis {name!r}")
+    targets = pools.get(kind.targets, [kind.targets])
+    free = [t for t in targets if busy.get(f"{kind.slot}:{t}", 0.0) <= at]
+    if not free:
+        return None
+    pick = (lambda: rng.choice(free)) if kind.targets in pools else (lambda: free[0])
+    target, duration, params = kind.draw(rng, pick, span, db)
+    return Fault(index, at, name, target, duration, params)
+
+
+# -- each kind: its draw, its fault and its healing ---------------------------------------
+
+
+def _draw_pause(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    duration = round(MAX_TTL + rng.uniform(0.5, 3.0), 2)
+    return pick(), duration, {}
+
+
+def _draw_kill(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    target = pick()
+    return target, round(rng.uniform(0.5, 3.0), 2), {}
+
+
+def _draw_freeze(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    target = pick()
+    return target, round(rng.uniform(2.0, 8.0), 2), {}
+
+
+def _draw_clock(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    skew = f"{rng.choice('+-')}{rng.randint(2, 10)}m"
+    return pick(), span, {"skew": skew}
+
+
+def _draw_partition(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    to = rng.choice(["upstream", "database"]) if db != "sqlite" else "upstream"
+    loss = rng.choice([None, 0.3])
+    return pick(), span, {"to": to, "loss": loss}
+
+
+def _draw_db_restart(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    return pick(), 3.0, {"mode": rng.choice(["fast", "immediate"])}
+
+
+def _draw_failover(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    return pick(), 1.0, {"how": rng.choice(["switchover", "kill"])}
+
+
+def _draw_upstream(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    mode = rng.choice(["cut", "slow", "5xx"])
+    probability = round(rng.uniform(0.2, 0.5), 2)
+    return pick(), span, {"mode": mode, "probability": probability}
+
+
+def _draw_lock_loss(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    if rng.random() < 0.5:
+        return pick(), 0.5, {"how": "flush"}
+    down = round(rng.uniform(0.3, 2.0), 2)
+    return pick(), down, {"how": "restart"}
+
+
+async def _stop_worker(n: Nemesis, fault: Fault) -> None:
+    n.workers[fault.target].signal(signal.SIGSTOP)
+
+
+async def _continue_worker(n: Nemesis, fault: Fault) -> None:
+    n.workers[fault.target].signal(signal.SIGCONT)
+
+
+async def _kill_replica(n: Nemesis, fault: Fault) -> None:
+    n.replica(fault.target).kill()
+
+
+async def _start_replica(n: Nemesis, fault: Fault) -> None:
+    await n._start(n.replica(fault.target), None)
+
+
+async def _stop_replica(n: Nemesis, fault: Fault) -> None:
+    n.replica(fault.target).signal(signal.SIGSTOP)
+
+
+async def _continue_replica(n: Nemesis, fault: Fault) -> None:
+    n.replica(fault.target).signal(signal.SIGCONT)
+
+
+async def _skew_clock(n: Nemesis, fault: Fault) -> None:
+    replica = n.replica(fault.target)
+    await asyncio.to_thread(replica.stop)
+    await n._start(replica, fault.params["skew"])
+
+
+async def _real_clock(n: Nemesis, fault: Fault) -> None:
+    replica = n.replica(fault.target)
+    await asyncio.to_thread(replica.stop)
+    await n._start(replica, None)
+
+
+async def _cut_network(n: Nemesis, fault: Fault) -> None:
+    replica = n.replica(fault.target)
+    assert replica.namespace is not None and n.stack.upstream is not None
+    ports = [n.stack.upstream.port]
+    if fault.params["to"] == "database":
+        ports = n.stack.database_ports()
+    n.partitions += 1
+    for port in ports:
+        await asyncio.to_thread(replica.namespace.cut, port, loss=fault.params["loss"])
+
+
+async def _heal_network(n: Nemesis, fault: Fault) -> None:
+    replica = n.replica(fault.target)
+    assert replica.namespace is not None
+    try:
+        await asyncio.to_thread(replica.namespace.heal)
+    finally:
+        n.partitions -= 1
+        n.last_heal = time.monotonic()
+
+
+async def _restart_database(n: Nemesis, fault: Fault) -> None:
+    assert n.stack.cluster is not None
+    await asyncio.to_thread(n.stack.cluster.restart, fault.params["mode"])
+
+
+async def _database_running(n: Nemesis, fault: Fault) -> None:
+    assert n.stack.cluster is not None
+    await asyncio.to_thread(n.stack.cluster.ensure_running)
+
+
+async def _fail_over(n: Nemesis, fault: Fault) -> None:
+    await n._fail_over(fault)
+
+
+async def _cluster_whole(n: Nemesis, fault: Fault) -> None:
+    assert n.stack.patroni is not None
+    await asyncio.to_thread(n.stack.patroni.wait_healthy, 90)
+
+
+async def _upstream_faults(n: Nemesis, fault: Fault) -> None:
+    assert n.stack.upstream is not None
+    await n.stack.upstream.set_faults(fault.params["mode"], fault.params["probability"])
+
+
+async def _upstream_healthy(n: Nemesis, fault: Fault) -> None:
+    assert n.stack.upstream is not None
+    await n.stack.upstream.set_faults("none")
+
+
+async def _lose_locks(n: Nemesis, fault: Fault) -> None:
+    store = n.stack.lock_store
+    assert store is not None
+    if fault.params["how"] == "flush":
+        await asyncio.to_thread(store.flush)
+    else:
+        await asyncio.to_thread(store.kill)
+
+
+async def _locks_back(n: Nemesis, fault: Fault) -> None:
+    store = n.stack.lock_store
+    assert store is not None
+    if fault.params["how"] == "restart":
+        await asyncio.to_thread(store.start)
+
+
+def _no_redis() -> str | None:
+    return None if redis_binary() else "no redis-server on PATH (apt-get install redis-server)"
+
+
+def _no_faketime() -> str | None:
+    return None if shutil.which("faketime") else "apt-get install faketime"
+
+
+# What the nemeses need from this machine, in the order ``verify run`` asks.
+NEEDS = {
+    need.name: need
+    for need in (
+        Need("netns", netns.unavailable, "{kind} is not available here: {why}", True),
+        Need("redis-server", _no_redis, "{kind} needs the lock workers' Redis: {why}", True),
+        Need("faketime", _no_faketime, "the {kind} nemesis needs libfaketime: {why}", False),
+    )
+}
+
+# The nemeses, one entry each, in the order ``all`` lists them.
+KINDS: dict[str, NemesisKind] = {
+    kind.name: kind
+    for kind in (
+        NemesisKind(
+            "pause", "SIGSTOP a worker past the longest TTL, then SIGCONT", "workers", "pause",
+            _draw_pause, _stop_worker, _continue_worker, heal_when_aborting=True,
+        ),
+        NemesisKind(
+            "kill", "kill -9 a replica, start it again after 0.5-3 s", "replicas", "process",
+            _draw_kill, _kill_replica, _start_replica, rest=3.0,
+        ),
+        NemesisKind(
+            "partition", "cut a replica off the upstream or the database (all or 30 % of its "
+            "packets) for 1-8 s", "replicas", "network", _draw_partition, _cut_network,
+            _heal_network, needs=("netns",),
+        ),
+        NemesisKind(
+            "clock", "restart a replica under faketime (2-10 minutes off) for 1-8 s",
+            "replicas", "process", _draw_clock, _skew_clock, _real_clock,
+            needs=("faketime",), rest=3.0,
+        ),
+        NemesisKind(
+            "upstream", "the upstream cuts, answers slowly or answers 503 to a share of writes",
+            "upstream", "upstream", _draw_upstream, _upstream_faults, _upstream_healthy,
+        ),
+        NemesisKind(
+            "db-restart", "pg_ctl restart -m fast or immediate", "db", "db-restart",
+            _draw_db_restart, _restart_database, _database_running,
+            databases=frozenset({"pg"}),
+        ),
+        NemesisKind(
+            "failover", "the primary gives way (switchover or kill -9), until whole again",
+            "db", "failover", _draw_failover, _fail_over, _cluster_whole,
+            databases=frozenset({"patroni"}), rest=12.0,
+        ),
+        NemesisKind(
+            "freeze", "SIGSTOP a replica for 2-8 s, then SIGCONT", "replicas", "process",
+            _draw_freeze, _stop_replica, _continue_replica, rest=3.0, heal_when_aborting=True,
+        ),
+        NemesisKind(
+            "lock-loss", "Redis loses every lock and fence counter (FLUSHALL or kill -9)",
+            "redis", "lock-loss", _draw_lock_loss, _lose_locks, _locks_back,
+            needs=("redis-server",),
+        ),
+    )
+}  # fmt: skip
+
+NEMESES = tuple(KINDS)
+# The nemeses of one database only: db-restart restarts the one PostgreSQL of --db pg,
+# failover moves the primary of --db patroni's cluster.
+DATABASE_NEMESES = {
+    k.name: next(iter(k.databases)) for k in KINDS.values() if len(k.databases) == 1
+}
+# The nemeses of the lock workers' Redis (verify.locks): they need redis-server.
+LOCK_NEMESES = frozenset(k.name for k in KINDS.values() if "redis-server" in k.needs)
+# Seconds a target rests after a fault of this kind before the plan gives it another (a
+# failover's cluster needs about ten to be whole again).
+AFTER = {k.name: k.rest for k in KINDS.values()}

@@ -146,6 +146,19 @@ class Feeder:
                 await _pause(stop, 0.5)
 
 
+def resolution(job: str, key: str, entry: dict[str, Any] | None) -> dict[str, Any]:
+    """The body of ``POST /admin/unknown-outcomes/resolve`` for a key: applied, with the
+    upstream's answer, when ``entry`` (its ledger line) is there; else not applied."""
+    body: dict[str, Any] = {"job_id": job, "key": key, "applied": entry is not None}
+    if entry is not None:
+        body |= {
+            "status": entry["status"],
+            "body": entry["answer"],
+            "headers": {"Content-Type": "application/json; charset=utf-8"},
+        }
+    return body
+
+
 class Operator:
     """Settles unknown outcomes from the ledger, every second."""
 
@@ -174,14 +187,10 @@ class Operator:
             step = (item["job_id"], item["key"])
             seen = self.first_seen.setdefault(step, now)
             entry = self.applied.get(step)
-            body: dict[str, Any] = {"job_id": step[0], "key": step[1], "applied": entry is not None}
-            if entry is not None:
-                body |= {
-                    "status": entry["status"],
-                    "body": entry["answer"],
-                    "headers": {"Content-Type": "application/json; charset=utf-8"},
-                }
-            elif now - seen < UNKNOWN_MIN_AGE or self.network_quiet_for() < NETWORK_QUIET:
+            body = resolution(step[0], step[1], entry)
+            if entry is None and (
+                now - seen < UNKNOWN_MIN_AGE or self.network_quiet_for() < NETWORK_QUIET
+            ):
                 continue
             status, _ = await self.control.call(
                 session, "POST", "/admin/unknown-outcomes/resolve", body

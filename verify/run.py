@@ -24,8 +24,7 @@ from verify import netns
 from verify.check import Report, Violation, check, check_files
 from verify.cluster import PG_BIN, ClusterError
 from verify.events import HistoryEvent, JsonlWriter, LedgerEntry, UnreadableFile, read_history
-from verify.locks import redis_binary
-from verify.nemesis import DATABASE_NEMESES, LOCK_NEMESES, NEMESES, Nemesis, plan
+from verify.nemesis import KINDS, NEEDS, Nemesis, plan
 from verify.patroni import PATRONI
 from verify.procs import Child, StartError
 from verify.roles import Control, Feeder, Observer, Operator, Tail
@@ -67,28 +66,22 @@ def choose_nemeses(text: str, db: str) -> tuple[list[str], list[str]]:
         return [], notes
     everything = words == ["all"]
     if everything:
-        words = [n for n in NEMESES if n not in DATABASE_NEMESES or DATABASE_NEMESES[n] == db]
-    unknown = [w for w in words if w not in NEMESES]
+        words = [n for n, kind in KINDS.items() if db in kind.databases]
+    unknown = [w for w in words if w not in KINDS]
     if unknown:
-        raise SetupError(f"unknown nemesis {', '.join(unknown)}: use {', '.join(NEMESES)}, all")
+        raise SetupError(f"unknown nemesis {', '.join(unknown)}: use {', '.join(KINDS)}, all")
     for word in words:
-        if word in DATABASE_NEMESES and DATABASE_NEMESES[word] != db:
-            raise SetupError(f"{word} needs --db {DATABASE_NEMESES[word]}")
-    if "partition" in words:
-        why = netns.unavailable()
-        if why is not None:
-            if not everything:
-                raise SetupError(f"partition is not available here: {why}")
-            words.remove("partition")
-            notes.append(f"note: partition left out of `all`: {why}")
-    if LOCK_NEMESES & set(words) and redis_binary() is None:
-        why = "no redis-server on PATH (apt-get install redis-server)"
-        if not everything:
-            raise SetupError(f"lock-loss needs the lock workers' Redis: {why}")
-        words = [w for w in words if w not in LOCK_NEMESES]
-        notes.append(f"note: lock-loss left out of `all`: {why}")
-    if "clock" in words and shutil.which("faketime") is None:
-        raise SetupError("the clock nemesis needs libfaketime: apt-get install faketime")
+        if db not in KINDS[word].databases:
+            raise SetupError(f"{word} needs --db {', '.join(sorted(KINDS[word].databases))}")
+    for need in NEEDS.values():
+        needing = [w for w in words if need.name in KINDS[w].needs]
+        why = need.missing() if needing else None
+        if why is None:
+            continue
+        if not everything or not need.leave_out_of_all:
+            raise SetupError(need.refusal.format(kind=needing[0], why=why))
+        words = [w for w in words if w not in needing]
+        notes += [f"note: {kind} left out of `all`: {why}" for kind in needing]
     if db == "patroni" and shutil.which(PATRONI) is None:
         raise SetupError("--db patroni needs Patroni: apt-get install patroni etcd-server")
     if db in ("pg", "patroni") and not (PG_BIN / "initdb").is_file():

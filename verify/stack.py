@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ class Replica:
     name: str
     config: Path
     bind: str  # the address it listens on
-    proxy_port: int
+    proxy_port: int  # 0 in its config: the port it took, once started
     control_port: int
     namespace: netns.Namespace | None
     children: Children
@@ -78,7 +79,10 @@ class Replica:
         since = len(_read(self.children.folder / f"{self.name}.log"))
         self.child = self.children.spawn(self.name, argv, env=env)
         self.skew = skew
-        await wait_for_line(self.child, LISTENING, timeout, since)
+        listening = await wait_for_line(self.child, LISTENING, timeout, since)
+        # the ports it listens on (those configured, or the ones it took for a 0)
+        self.control_port = int(listening[1].rpartition(":")[2])
+        self.proxy_port = int(listening[2].rpartition(":")[2])
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as session:
             while True:
@@ -112,16 +116,80 @@ class Upstream:
     port: int
     url: str  # on 127.0.0.1 (the direct baseline's workers)
     faults: dict[str, Any] = field(default_factory=dict)
+    ledger: Path | None = None
+    received: Path | None = None  # every write received (``--received``), when kept
 
     async def set_faults(self, mode: str, probability: float = 0.0, slow: float = 2.0) -> None:
-        doc = {"mode": mode, "probability": probability, "slow_seconds": slow}
+        await self.set_knobs(mode=mode, probability=probability, slow_seconds=slow)
+
+    async def set_knobs(self, **doc: Any) -> None:
+        """``POST /__faults`` (verify.upstream says what each knob does)."""
         async with (
             aiohttp.ClientSession() as session,
             session.post(self.url + "/__faults", json=doc) as resp,
         ):
             if resp.status != 200:
                 raise RuntimeError(f"upstream /__faults: {resp.status} {await resp.text()}")
-        self.faults = doc
+        self.faults = {**self.faults, **doc}
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every write received so far, in the order received, with its ``event``
+        (applied, duplicate, dropped): the ``--received`` file."""
+        assert self.received is not None, "started without --received"
+        return [json.loads(line) for line in _read(self.received).splitlines() if line.strip()]
+
+    async def wait_received(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0
+    ) -> dict[str, Any]:
+        """The first write received that ``predicate`` accepts (waits for it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.events():
+                if predicate(event):
+                    return event
+            if time.monotonic() > deadline:
+                raise TimeoutError("the upstream never received the write")
+            await asyncio.sleep(0.02)
+
+
+async def start_upstream(
+    children: Children,
+    ledger: Path,
+    *,
+    port: int = 0,
+    hosts: Sequence[str] = ("127.0.0.1",),
+    seed: int | None = None,
+    received: Path | None = None,
+    name: str = "upstream",
+) -> Upstream:
+    """``python -m verify.upstream`` as a child, once it listens (``port`` 0: a free one)."""
+    argv = [
+        sys.executable, "-m", "verify.upstream", "--port", str(port),
+        "--hosts", ",".join(hosts), "--ledger", str(ledger),
+    ]  # fmt: skip
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    if received is not None:
+        argv += ["--received", str(received)]
+    child = children.spawn(name, argv, env=python_env())
+    port = int((await wait_for_line(child, UPSTREAM_LISTENING, 30))[1])
+    return Upstream(child, port, f"http://127.0.0.1:{port}", ledger=ledger, received=received)
+
+
+def migrate(database_url: str, cwd: Path) -> None:
+    """``fencegate migrate`` with ``FENCEGATE_DATABASE_URL``, as a deploy step runs it
+    (``ClusterError`` with its output when it fails)."""
+    result = subprocess.run(
+        [FENCEGATE, "migrate"],
+        env=child_env(FENCEGATE_DATABASE_URL=database_url),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise ClusterError(f"fencegate migrate failed:\n{result.stdout}{result.stderr}")
 
 
 def _read(path: Path) -> str:
@@ -202,18 +270,7 @@ class Stack:
             cluster = self.cluster = PgCluster(listen=[n.host_addr for n in self.namespaces])
             await asyncio.to_thread(cluster.up)
             await cluster.execute('CREATE DATABASE "verify"')
-        result = await asyncio.to_thread(
-            subprocess.run,
-            [FENCEGATE, "migrate"],
-            env=child_env(FENCEGATE_DATABASE_URL=cluster.url("verify")),
-            cwd=self.out,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise ClusterError(f"fencegate migrate failed:\n{result.stdout}{result.stderr}")
+        await asyncio.to_thread(migrate, cluster.url("verify"), self.out)
         return [cluster.url("verify", host) for host in hosts]
 
     def database_ports(self) -> list[int]:
@@ -267,14 +324,9 @@ class Stack:
 
     async def _upstream(self, port: int) -> Upstream:
         hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
-        argv = [
-            sys.executable, "-m", "verify.upstream", "--port", str(port),
-            "--hosts", ",".join(hosts), "--ledger", str(self.out / "ledger.jsonl"),
-            "--seed", str(self.seed),
-        ]  # fmt: skip
-        child = self.children.spawn("upstream", argv, env=python_env())
-        await wait_for_line(child, UPSTREAM_LISTENING, 30)
-        return Upstream(child, port, f"http://127.0.0.1:{port}")
+        return await start_upstream(
+            self.children, self.out / "ledger.jsonl", port=port, hosts=hosts, seed=self.seed
+        )
 
     def spawn_worker(self, name: str, seed: int, direct: bool, lock: bool = False) -> Child:
         """A worker of the queue's jobs, or (``lock``) of the Redis locks (verify.locks)."""

@@ -1,6 +1,8 @@
-"""The recording upstream of a verification run, run as its own process::
+"""The recording upstream of a verification run and of the fault suite (``tests/faults``),
+run as its own process::
 
-    python -m verify.upstream --port P [--hosts 127.0.0.1,10.213.3.1] --ledger FILE [--seed S]
+    python -m verify.upstream --port P [--hosts 127.0.0.1,10.213.3.1] --ledger FILE
+                              [--received FILE] [--seed S]
 
 It stands in for a payment API that checks nothing: every write (POST, PUT, PATCH,
 DELETE) to any path is applied, even the same key twice (duplicates must show). Applying
@@ -10,16 +12,32 @@ the job and generation from ``Fencing-Job``/``Fencing-Generation``, the key from
 ``answer`` itself, which the run's operator resolves unknown outcomes with), flushed
 *before* the answer goes out. The answer is ``201`` with ``{"seq", "job", "key",
 "generation"}``, so two applications give two different answer bodies. A write without
-``Fencing-Job`` is refused with 400 and not applied.
+``Fencing-Job`` is refused with 400 and not applied. ``--port 0`` takes a free port (one
+host only).
 
-Faults, set while it runs with ``POST /__faults`` ``{"mode", "probability",
-"slow_seconds"}``, drawn per write:
+Paths under ``/dedupe/`` deduplicate by (``Fencing-Job``, ``Idempotency-Key``), as an
+upstream behind the gateway's ``retry`` unknown-outcome policy must: a key applied
+already is answered with its first answer and not applied again. ``--received FILE``
+keeps every write received, in the order received, applied or not: the ledger's fields
+and ``event``, ``applied``, ``duplicate`` (``/dedupe/``, not applied again) or ``dropped``
+(cut before applying).
+
+Faults, set while it runs with ``POST /__faults``, drawn per write. The nemesis sets one
+``mode`` for a share of the writes (``{"mode", "probability", "slow_seconds"}``):
 
 - ``cut``: applied, then the connection is aborted without an answer;
 - ``slow``: applied, then answered after up to ``slow_seconds`` (longer than the gateway's
   upstream timeout, sometimes);
 - ``5xx``: answered ``503`` without applying (the gateway frees the key on 503);
 - ``none``: answered at once.
+
+The fault suite sets a mix besides (``{"delay": [MIN, MAX], "hang": P, "cut": P,
+"dribble": P, "apply_before_cut": P}``): every answer after a pause drawn from ``delay``;
+``hang``: applied, never answered (the connection stays open until the gateway gives up);
+``cut``: as above, or (``1 - apply_before_cut`` of them) ``cut-before-apply``, closed
+without applying; ``dribble``: the answer's body comes in pieces over about half a
+second. A write with ``Verify-Fault: delay=S|hang|cut|cut-before-apply|dribble|none``
+gets that fault, drawn from nothing.
 
 A write with ``Verify-Apply-Delay: S`` (the workers' ``overlap``) waits S seconds (at
 most 5) before it is applied: a write in flight at the upstream while the job's next
@@ -32,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -45,6 +64,9 @@ from verify.events import JsonlWriter, LedgerEntry, sha256_hex
 
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 MODES = ("none", "cut", "slow", "5xx")
+MIX = ("hang", "cut", "dribble", "apply_before_cut")
+FORCED = frozenset({"none", "hang", "cut", "cut-before-apply", "dribble", "slow", "5xx"})
+HANG_SECONDS = 60.0  # a hanging answer: the gateway gives up long before
 
 
 @dataclass
@@ -52,6 +74,12 @@ class Faults:
     mode: str = "none"
     probability: float = 0.0
     slow_seconds: float = 2.0
+    # the fault suite's mix, drawn besides the mode
+    delay: tuple[float, float] = (0.0, 0.0)
+    hang: float = 0.0
+    cut: float = 0.0
+    dribble: float = 0.0
+    apply_before_cut: float = 0.5
 
     def update(self, doc: dict[str, Any]) -> None:
         mode = str(doc.get("mode", self.mode))
@@ -61,7 +89,20 @@ class Faults:
         slow = float(doc.get("slow_seconds", self.slow_seconds))
         if not 0.0 <= probability <= 1.0 or not 0.0 <= slow <= 60.0:
             raise ValueError("probability: 0..1, slow_seconds: 0..60")
+        delay = doc.get("delay", self.delay)
+        low, high = (float(d) for d in (delay if isinstance(delay, list | tuple) else [delay] * 2))
+        mix = {name: float(doc.get(name, getattr(self, name))) for name in MIX}
+        if not 0.0 <= low <= high <= 60.0 or not all(0.0 <= p <= 1.0 for p in mix.values()):
+            raise ValueError(
+                "delay: [min, max] in 0..60, hang, cut, dribble, apply_before_cut: 0..1"
+            )
         self.mode, self.probability, self.slow_seconds = mode, probability, slow
+        self.delay = (low, high)
+        for name, chance in mix.items():
+            setattr(self, name, chance)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**vars(self), "delay": list(self.delay)}
 
 
 def _delay(text: str) -> float:
@@ -73,19 +114,46 @@ def _delay(text: str) -> float:
     return min(value, 5.0) if value > 0 else 0.0
 
 
+def _forced(text: str) -> tuple[str, float] | None:
+    """``Verify-Fault``'s (fault, delay), or None when absent or unknown."""
+    name, _, value = text.strip().partition("=")
+    if name == "delay":
+        return "delay", min(max(float(value or 0), 0.0), 60.0)
+    return (name, 0.0) if name in FORCED else None
+
+
 class Upstream:
-    def __init__(self, ledger: JsonlWriter, seed: int | None) -> None:
+    def __init__(self, ledger: JsonlWriter, seed: int | None, received: JsonlWriter | None) -> None:
         self.ledger = ledger
+        self.received = received
         self.faults = Faults()
         self.random = random.Random(seed)
         self.seq = 0
+        self.first: dict[tuple[str, str], str] = {}  # /dedupe/: (job, key) -> first answer
         self.counts: dict[str, int] = {"applied": 0, "cut": 0, "slow": 0, "5xx": 0}
 
-    def draw(self) -> str:
-        faults = self.faults
-        if faults.mode != "none" and self.random.random() < faults.probability:
-            return faults.mode
-        return "none"
+    def draw(self) -> tuple[str, float]:
+        """(fault, seconds before the answer) of one write."""
+        faults, rng = self.faults, self.random
+        if faults.mode != "none" and rng.random() < faults.probability:
+            return faults.mode, 0.0
+        if not (faults.delay[1] > 0 or faults.hang or faults.cut or faults.dribble):
+            return "none", 0.0
+        delay = rng.uniform(*faults.delay) if faults.delay[1] > 0 else 0.0
+        roll = rng.random()
+        for name in ("hang", "cut", "dribble"):
+            chance = float(getattr(faults, name))
+            if roll < chance:
+                if name == "cut" and rng.random() >= faults.apply_before_cut:
+                    return "cut-before-apply", delay
+                return name, delay
+            roll -= chance
+        return ("delay" if delay else "none"), delay
+
+    def note(self, event: str, entry: LedgerEntry) -> None:
+        """A write received, in ``--received``."""
+        if self.received is not None:
+            self.received.write({**entry.to_json(), "event": event})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -103,44 +171,77 @@ class Upstream:
         delay = _delay(request.headers.get("Verify-Apply-Delay", ""))
         if delay:
             await asyncio.sleep(delay)  # a write that takes its time before it lands
-        fault = self.draw()
+        fault, wait = _forced(request.headers.get("Verify-Fault", "")) or self.draw()
         if fault == "5xx":
             self.counts["5xx"] += 1
             return web.json_response({"error": "try again later"}, status=503)
         key = request.headers.get("Idempotency-Key", "")
-        self.seq += 1
-        answer = json.dumps(
-            {"seq": self.seq, "job": job, "key": key, "generation": generation},
+        first = self.first.get((job, key)) if request.path.startswith("/dedupe/") else None
+        answer = first or json.dumps(
+            {"seq": self.seq + 1, "job": job, "key": key, "generation": generation},
             separators=(",", ":"),
         )
-        self.ledger.write(
-            LedgerEntry(
-                time=time.time(),
-                job=job,
-                generation=generation,
-                key=key,
-                body_sha256=sha256_hex(body),
-                answer_sha256=sha256_hex(answer.encode()),
-                extra={
-                    "status": 201,
-                    "seq": self.seq,
-                    "answer": answer,
-                    "method": request.method,
-                    "path": request.path,
-                    "fault": fault,
-                },
-            )
+        entry = LedgerEntry(
+            time=time.time(),
+            job=job,
+            generation=generation,
+            key=key,
+            body_sha256=sha256_hex(body),
+            answer_sha256=sha256_hex(answer.encode()),
+            extra={
+                "status": 201,
+                "seq": self.seq + (first is None),
+                "answer": answer,
+                "method": request.method,
+                "path": request.path,
+                "fault": fault,
+            },
         )
-        self.counts["applied"] += 1
+        if fault == "cut-before-apply":
+            self.note("dropped", entry)
+            return self.cut(request)
+        if first is not None:
+            self.note("duplicate", entry)
+        else:
+            self.seq += 1
+            self.first.setdefault((job, key), answer)
+            self.ledger.write(entry)
+            self.note("applied", entry)
+            self.counts["applied"] += 1
+        return await self.answer(request, fault, wait, answer)
+
+    async def answer(
+        self, request: web.Request, fault: str, wait: float, answer: str
+    ) -> web.StreamResponse:
+        if fault != "none":
+            self.counts[fault] = self.counts.get(fault, 0) + 1
         if fault == "cut":
-            self.counts["cut"] += 1
-            if request.transport is not None:
-                request.transport.abort()
-            raise asyncio.CancelledError  # nothing more to write on this connection
+            return self.cut(request)
+        if fault == "hang":
+            await asyncio.sleep(HANG_SECONDS)
+            return self.cut(request)
         if fault == "slow":
-            self.counts["slow"] += 1
             await asyncio.sleep(self.random.uniform(0.0, self.faults.slow_seconds))
-        return web.Response(status=201, text=answer, content_type="application/json")
+        if wait:
+            await asyncio.sleep(wait)
+        if fault != "dribble":
+            return web.Response(status=201, text=answer, content_type="application/json")
+        out = web.StreamResponse(status=201, headers={"Content-Type": "application/json"})
+        await out.prepare(request)
+        raw = answer.encode()
+        pieces = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+        for piece in pieces:
+            await out.write(piece)
+            await asyncio.sleep(0.5 / len(pieces))
+        await out.write_eof()
+        return out
+
+    @staticmethod
+    def cut(request: web.Request) -> web.Response:
+        """Abort the connection without an answer."""
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError  # nothing more to write on this connection
 
     async def set_faults(self, request: web.Request) -> web.Response:
         try:
@@ -150,7 +251,7 @@ class Upstream:
         return web.json_response(self.state())
 
     def state(self) -> dict[str, Any]:
-        return {"seq": self.seq, "counts": self.counts, "faults": vars(self.faults)}
+        return {"seq": self.seq, "counts": self.counts, "faults": self.faults.to_json()}
 
     async def get_state(self, request: web.Request) -> web.Response:
         return web.json_response(self.state())
@@ -163,13 +264,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--hosts", default="127.0.0.1", help="comma list of addresses")
     parser.add_argument("--ledger", required=True, help="ledger.jsonl (appended to)")
+    parser.add_argument(
+        "--received", default=None, help="every write received, applied or not (appended to)"
+    )
     parser.add_argument("--seed", type=int, default=None)
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    with JsonlWriter(args.ledger) as ledger:
-        upstream = Upstream(ledger, args.seed)
+    with contextlib.ExitStack() as files:
+        ledger = files.enter_context(JsonlWriter(args.ledger))
+        received = files.enter_context(JsonlWriter(args.received)) if args.received else None
+        upstream = Upstream(ledger, args.seed, received)
         app = web.Application(client_max_size=16 * 1024 * 1024)
         app.router.add_get("/__state", upstream.get_state)
         app.router.add_post("/__faults", upstream.set_faults)
@@ -179,7 +285,7 @@ async def serve(args: argparse.Namespace) -> None:
         try:
             for host in args.hosts.split(","):
                 await web.TCPSite(runner, host.strip(), args.port, backlog=1024).start()
-            print(f"upstream listening on {args.port}", flush=True)
+            print(f"upstream listening on {args.port or runner.addresses[0][1]}", flush=True)
             await asyncio.Event().wait()
         finally:
             await runner.cleanup()

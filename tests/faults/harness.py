@@ -1,9 +1,12 @@
-"""The fault harness: real ``fencegate serve`` replicas, the fault-injection upstream as
-its own process, and workers (asyncio tasks in the test process) that claim jobs and write
-their steps through the gateway.
+"""The fault suite's harness: real ``fencegate serve`` replicas and ``verify``'s recording
+upstream (``verify.upstream``, keeping every write received), each a process of
+``verify.procs``, and workers (asyncio tasks in the test process) that claim jobs and
+write their steps through the gateway.
 
-Everything a worker sees is kept as an ``Attempt``; the upstream logs what it applied;
-``tests.faults.checker`` holds the two against each other and against the database.
+Everything a worker sees is kept as an ``Attempt`` (and each lease granted as a
+``Grant``); ``check_run`` turns them into ``verify.check``'s history and holds it against
+the upstream's ledger, and holds the gateway's database and its list of unknown outcomes
+against the upstream's record (``verify.records``).
 """
 
 from __future__ import annotations
@@ -11,14 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
-import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,12 +32,17 @@ from fencegate_client import FencedResponse, Lease, LeaseClient, RemoteError, st
 from fencegate_client import errors as exc
 from gateway.records.schema import requests
 from lease_core.schema import jobs
+from verify import records as account
+from verify import stack
+from verify.check import check
 from verify.cluster import free_port
+from verify.events import HistoryEvent, LedgerEntry, read_ledger, sha256_hex
+from verify.procs import FENCEGATE, Child, Children, child_env
+from verify.roles import resolution
+from verify.stack import migrate
 
-FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
-UPSTREAM_APP = Path(__file__).with_name("upstream_app.py")
-LISTENING = re.compile(r"fencegate listening: .*?control=([\w.:\[\]-]+).*?proxy=([\w.:\[\]-]+)")
-UPSTREAM_LISTENING = re.compile(r"upstream listening on (\d+)")
+__all__ = ["FENCEGATE", "UpstreamProc", "child_env", "migrate"]  # the failover tests' too
+
 PROBLEM = "application/problem+json"
 
 # Gateway answers after which the same request may simply be sent again.
@@ -53,14 +58,6 @@ RETRYABLE = frozenset(
 )
 PARKED = "parked: an unknown outcome holds a step"
 PARK_SECONDS = 86400.0
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """Our environment without FENCEGATE_* settings: the config file decides."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("FENCEGATE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 class BugReproduced(AssertionError):
@@ -80,163 +77,75 @@ def symptom() -> Iterator[None]:
 # -- processes ------------------------------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def send(self, sig: signal.Signals) -> None:
-        if self.alive():
-            os.kill(self.pid, sig)
-
-    def output(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    async def wait(self, timeout: float) -> int:
-        return await asyncio.to_thread(self.popen.wait, timeout)
-
-
-class ProcessGroup:
-    """Every process a test starts; ``cleanup`` (a fixture's teardown) ends them all, one
-    by one, by their own pid."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.procs: list[Proc] = []
-
-    def spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Proc:
-        log = self.folder / f"{name}.log"
-        with log.open("ab") as out:
-            popen = subprocess.Popen(
-                list(args),
-                cwd=self.folder,
-                env=env or child_env(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        proc = Proc(name, popen, log)
-        self.procs.append(proc)
-        return proc
+class ProcessGroup(Children):
+    """Every process a test starts (``verify.procs``: each in a session of its own, its
+    output in ``NAME.log`` of the test's folder); ``cleanup`` (a fixture's teardown) ends
+    them all, each by its own group, after a SIGCONT in case one was frozen."""
 
     def cleanup(self) -> None:
-        for proc in self.procs:
-            if proc.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)  # a frozen one too
-                    os.kill(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(timeout=30)
+        self.kill_all()
 
     def logs(self) -> str:
         """The tail of every process's output, for failure messages."""
-        return "\n".join(f"--- {p.name} ---\n{p.output()[-4000:]}" for p in self.procs)
+        return "\n".join(f"--- {c.name} ---\n{c.tail(4000)}" for c in self.all)
 
 
-async def _wait_for_line(proc: Proc, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        match = pattern.search(proc.output())
-        if match is not None:
-            return match
-        if not proc.alive():
-            pytest.fail(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.output()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{proc.name} did not start in {timeout:g}s:\n{proc.output()}")
-        await asyncio.sleep(0.05)
+class Replica(stack.Replica):
+    """A replica of ``verify.stack`` on 127.0.0.1, on the ports it took."""
+
+    @property
+    def proc(self) -> Child:
+        assert self.child is not None, f"{self.name} was never started"
+        return self.child
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
 
 
 # -- the upstream -------------------------------------------------------------------------
 
-
-@dataclass
-class UpstreamProc:
-    proc: Proc
-    url: str
-    events_file: Path
-
-    def events(self) -> list[dict[str, Any]]:
-        """What it received, in the order it received it."""
-        try:
-            lines = self.events_file.read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in lines if line.strip()]
-
-    async def state(self) -> dict[str, Any]:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(self.url + "/__state") as resp,
-        ):
-            doc: dict[str, Any] = await resp.json()
-            return doc
-
-    async def set_knobs(self, **knobs: Any) -> None:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(self.url + "/__knobs", json=knobs) as resp,
-        ):
-            assert resp.status == 200, await resp.text()
-
-    async def wait_received(self, predicate: Any, timeout: float = 10) -> dict[str, Any]:
-        """The first logged event that ``predicate`` accepts (waits for it)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.events():
-                if predicate(event):
-                    return event
-            assert time.monotonic() < deadline, "the upstream never received the write"
-            await asyncio.sleep(0.02)
+UpstreamProc = stack.Upstream
 
 
 async def start_upstream(
-    group: ProcessGroup, name: str = "upstream", port: int = 0, **knobs: Any
+    group: ProcessGroup,
+    name: str = "upstream",
+    port: int = 0,
+    seed: int | None = None,
+    **knobs: Any,
 ) -> UpstreamProc:
-    """``--delay 0.1:0.3 --hang 0.05 ...``: knobs as keyword arguments."""
-    events = group.folder / f"{name}.jsonl"
-    args = [sys.executable, str(UPSTREAM_APP), "--log", str(events), "--port", str(port)]
-    for knob, value in knobs.items():
-        args += [f"--{knob.replace('_', '-')}", str(value)]
-    proc = group.spawn(name, args)
-    match = await _wait_for_line(proc, UPSTREAM_LISTENING, 30)
-    return UpstreamProc(proc, f"http://127.0.0.1:{match[1]}", events)
+    """``verify.upstream`` keeping every write received (``upstream.events()``), its
+    ledger in ``NAME-ledger.jsonl``; ``knobs``: its faults (``delay=[0, 0.3], hang=0.05``,
+    verify.upstream says which)."""
+    upstream = await stack.start_upstream(
+        group,
+        group.folder / f"{name}-ledger.jsonl",
+        port=port,
+        seed=seed,
+        received=group.folder / f"{name}.jsonl",
+        name=name,
+    )
+    if knobs:
+        await upstream.set_knobs(**knobs)
+    return upstream
+
+
+def ledger(upstream: UpstreamProc) -> list[LedgerEntry]:
+    """What the upstream applied, in order (``verify.events.LedgerEntry``)."""
+    assert upstream.ledger is not None
+    return read_ledger(upstream.ledger)
 
 
 # -- gateway replicas -----------------------------------------------------------------------
 
 
-@dataclass
-class Replica:
-    proc: Proc
-    control: str
-    proxy: str
-
-    @property
-    def name(self) -> str:
-        return self.proc.name
-
-    def freeze(self) -> None:
-        self.proc.send(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        self.proc.send(signal.SIGCONT)
-
-
 @dataclass(frozen=True)
 class UpstreamSpec:
     name: str
-    path: str = "hold"  # the upstream process's behaviour: hold (apply all) or dedupe
+    path: str = "hold"  # the upstream's path: hold (apply all) or dedupe (by key)
     policy: str = "hold"
     timeout: float = 1.0
     connect_timeout: float = 0.3
@@ -292,19 +201,10 @@ def write_config(
 
 
 async def start_replica(group: ProcessGroup, config: Path, name: str) -> Replica:
-    proc = group.spawn(name, [FENCEGATE, "serve", "--config", str(config), "--log-format", "json"])
-    match = await _wait_for_line(proc, LISTENING, 60)
-    replica = Replica(proc, f"http://{match[1]}", f"http://{match[2]}")
-    async with aiohttp.ClientSession() as session:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.get(replica.control + "/healthz") as resp:
-                    if resp.status == 200:
-                        return replica
-            if time.monotonic() > deadline:
-                pytest.fail(f"{name}: /healthz never answered:\n{proc.output()}")
-            await asyncio.sleep(0.05)
+    """``fencegate serve --config CONFIG``, once ``/healthz`` answers."""
+    replica = Replica(name, config, "127.0.0.1", 0, 0, None, group)
+    await replica.start()
+    return replica
 
 
 async def start_replicas(group: ProcessGroup, config: Path, count: int = 2) -> list[Replica]:
@@ -335,20 +235,6 @@ async def start_stack(
         start_upstream(group, port=port, **knobs), start_replicas(group, config, replicas)
     )
     return upstream, started
-
-
-def migrate(database_url: str, cwd: Path) -> None:
-    """``fencegate migrate`` with ``FENCEGATE_DATABASE_URL``, as a deploy step runs it."""
-    result = subprocess.run(
-        [FENCEGATE, "migrate"],
-        env=child_env(FENCEGATE_DATABASE_URL=database_url),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # -- plain HTTP -----------------------------------------------------------------------------
@@ -386,6 +272,7 @@ async def http(
     url: str,
     *,
     json_body: Any = None,
+    data: bytes | None = None,
     headers: dict[str, str] | None = None,
     timeout: float = 10,
 ) -> Answer:
@@ -393,6 +280,7 @@ async def http(
         method,
         url,
         json=json_body,
+        data=data,
         headers=headers,
         timeout=aiohttp.ClientTimeout(total=timeout),
     ) as resp:
@@ -428,7 +316,8 @@ async def unknown_outcomes(
 
 @dataclass
 class Attempt:
-    """One write a worker tried, and what came back."""
+    """One write (or, with ``step`` ``complete``, one complete) a worker tried, and what
+    came back."""
 
     worker: str
     job: str
@@ -443,11 +332,51 @@ class Attempt:
     error: str | None = None
     zombie: bool = False
     after_stall: bool = False
-    at: float = field(default_factory=time.monotonic)
+    sent: float | None = None  # time.time() when it was sent; None: never sent
+    answered: float | None = None  # time.time() when its answer (or error) came
+    request_sha256: str | None = None  # the body sent
 
     @property
     def ok(self) -> bool:
         return self.status is not None and 200 <= self.status < 300
+
+    def events(self, process: str) -> list[HistoryEvent]:
+        """Its invoke and completion in ``verify.check``'s history."""
+        assert self.sent is not None
+        f = "complete" if self.step == "complete" else "write"
+        common: dict[str, Any] = {
+            "process": process,
+            "f": f,
+            "job": self.job,
+            "generation": self.generation,
+            "key": self.key if f == "write" else None,
+        }
+        sha = self.request_sha256 if f == "write" else None
+        invoke = HistoryEvent(time=self.sent, type="invoke", body_sha256=sha, **common)
+        done = self.answered if self.answered is not None else self.sent
+        if self.status is None:
+            return [invoke, HistoryEvent(time=done, type="info", **common)]
+        answer = sha256_hex(self.body) if self.body is not None and f == "write" else None
+        end = HistoryEvent(
+            time=done,
+            type="ok" if self.ok else "fail",
+            status=self.status,
+            reason=self.reason,
+            body_sha256=answer,
+            **common,
+        )
+        return [invoke, end]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease a worker was granted: asked for at ``asked``, granted by ``at``."""
+
+    job: str
+    generation: int
+    owner: str
+    asked: float
+    at: float = field(default_factory=time.time)
 
 
 def steps_of(job: str, steps: int) -> list[str]:
@@ -457,6 +386,14 @@ def steps_of(job: str, steps: int) -> list[str]:
 def step_body(job: str, step: str) -> dict[str, Any]:
     """The same request every time this step is tried (so a repeat is a duplicate)."""
     return {"job": job, "step": step, "amount": sum(map(ord, job + step)) % 997}
+
+
+def step_bytes(job: str, step: str) -> bytes:
+    """``step_body`` as the bytes sent (their sha256 is in the history)."""
+    return json.dumps(step_body(job, step)).encode()
+
+
+JSON = {"Content-Type": "application/json"}
 
 
 # -- a run of workers ---------------------------------------------------------------------
@@ -500,7 +437,7 @@ class Run:
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.zombies: list[asyncio.Task[None]] = []
-        self.grants: list[tuple[str, int, str]] = []  # (job, generation, owner)
+        self.grants: list[Grant] = []
 
     def steps(self, job: str) -> list[str]:
         return steps_of(job, self.scale.steps)
@@ -620,11 +557,12 @@ class Run:
                     )
                 client = clients[pair]
                 try:
+                    asked = time.time()
                     async with client.claim(self.queue, owner=name, ttl=self.scale.ttl) as lease:
                         if lease is None:
                             await asyncio.sleep(0.05 + self.random.random() * 0.1)
                             continue
-                        self.grants.append((lease.job_id, lease.generation, name))
+                        self.grants.append(Grant(lease.job_id, lease.generation, name, asked))
                         await self.do_job(name, lease, gateway)
                 except (exc.LeaseError, aiohttp.ClientError, TimeoutError, ValueError):
                     await asyncio.sleep(0.1 + self.random.random() * 0.2)
@@ -642,13 +580,21 @@ class Run:
             if outcome != "ok":
                 return outcome
         for _ in range(20):
+            attempt = Attempt(name, lease.job_id, "complete", "", lease.generation, gateway.name)
+            attempt.sent = time.time()
+            self.attempts.append(attempt)
             try:
                 await lease.complete({"by": name})
+                attempt.status = 200
                 return "completed"
-            except exc.LeaseLost:
+            except exc.LeaseLost as error:
+                attempt.status, attempt.reason = 409, error.reason
                 return "lost"
-            except (exc.LeaseError, aiohttp.ClientError, TimeoutError):
+            except (exc.LeaseError, aiohttp.ClientError, TimeoutError) as error:
+                attempt.error = f"{type(error).__name__}: {error}"
                 await asyncio.sleep(0.2)
+            finally:
+                attempt.answered = time.time()
         return "gave-up"
 
     async def do_step(self, name: str, lease: Lease, gateway: Replica, step: str) -> str:
@@ -660,22 +606,27 @@ class Run:
                 attempt.error = "lapsed locally, not sent"
                 self.attempts.append(attempt)
                 return "lost"
+            body = step_bytes(job, step)
+            attempt.sent, attempt.request_sha256 = time.time(), sha256_hex(body)
             try:
                 answer: FencedResponse = await lease.http.post(
-                    path, step=step, json=step_body(job, step), timeout=self.write_timeout
+                    path, step=step, data=body, headers=JSON, timeout=self.write_timeout
                 )
             except exc.LeaseLost as error:
                 if error.detail.startswith("the lease lapsed"):
-                    attempt.error = "lapsed locally, not sent"
+                    attempt.error, attempt.sent = "lapsed locally, not sent", None
                 else:
                     attempt.status, attempt.reason = 409, error.reason
+                    attempt.answered = time.time()
                 self.attempts.append(attempt)
                 return "lost"
             except (aiohttp.ClientError, TimeoutError) as error:
                 attempt.error = f"{type(error).__name__}: {error}"
+                attempt.answered = time.time()
                 self.attempts.append(attempt)
                 await asyncio.sleep(0.1 + self.random.random() * 0.2)
                 continue
+            attempt.answered = time.time()
             problem = answer.problem
             attempt.status, attempt.body, attempt.replayed = (
                 answer.status,
@@ -702,6 +653,7 @@ class Run:
             for control, gateway in self.pairs(index):
                 if self.stop.is_set() or done >= rounds:
                     return
+                asked = time.time()
                 try:
                     answer = await http(
                         session,
@@ -716,7 +668,7 @@ class Run:
                     await asyncio.sleep(0.05)
                     continue
                 lease = json.loads(answer.body)
-                self.grants.append((lease["job_id"], lease["generation"], name))
+                self.grants.append(Grant(lease["job_id"], lease["generation"], name, asked))
                 steps = self.steps(lease["job_id"])
                 before = self.random.randint(1, max(len(steps) - 1, 1))
                 for step in steps[:before]:
@@ -725,6 +677,7 @@ class Run:
                 for step in steps:
                     await self.raw_write(session, name, lease, gateway, step, after_stall=True)
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    sent = time.time()
                     end = await http(
                         session,
                         "POST",
@@ -744,6 +697,8 @@ class Run:
                             reason=end.reason,
                             zombie=True,
                             after_stall=True,
+                            sent=sent,
+                            answered=time.time(),
                         )
                     )
                 done += 1
@@ -786,10 +741,11 @@ class Run:
                 if not left:
                     return
                 for job in left:
+                    asked = time.time()
                     try:
                         async with client.acquire(job, owner="finisher", ttl=30) as lease:
                             assert lease is not None
-                            self.grants.append((job, lease.generation, "finisher"))
+                            self.grants.append(Grant(job, lease.generation, "finisher", asked))
                             await self.do_job("finisher", lease, replica)
                     except (exc.LeaseError, RemoteError, aiohttp.ClientError, TimeoutError):
                         await asyncio.sleep(0.2)
@@ -801,24 +757,18 @@ class Run:
 async def resolve_unknowns(
     replica: Replica, events: list[dict[str, Any]]
 ) -> list[tuple[str, str, bool]]:
-    """What an operator does: look each unknown outcome up at the upstream (its log) and
-    resolve it applied (with the answer the upstream gave) or not applied."""
-    applied = {(e["job"], e["key"]): e for e in events if e["event"] == "applied"}
+    """What an operator does: look each unknown outcome up at the upstream (``events``:
+    every write it received) and resolve it applied (with the answer the upstream gave)
+    or not applied (``verify.roles.resolution``)."""
+    applied: dict[tuple[str, str], dict[str, Any]] = {}
+    for event in events:
+        if event["event"] == "applied":
+            applied.setdefault((event["job"], event["key"]), event)
     done = []
     async with aiohttp.ClientSession() as session:
         for item in await unknown_outcomes(session, replica):
-            event = applied.get((item["job_id"], item["key"]))
-            body: dict[str, Any] = {
-                "job_id": item["job_id"],
-                "key": item["key"],
-                "applied": event is not None,
-            }
-            if event is not None:
-                body |= {
-                    "status": event["status"],
-                    "body": event["answer"],
-                    "headers": {"Content-Type": "application/json"},
-                }
+            found = applied.get((item["job_id"], item["key"]))
+            body = resolution(item["job_id"], item["key"], found)
             answer = await http(
                 session,
                 "POST",
@@ -826,7 +776,7 @@ async def resolve_unknowns(
                 json_body=body,
             )
             assert answer.status == 200, answer
-            done.append((item["job_id"], item["key"], event is not None))
+            done.append((item["job_id"], item["key"], found is not None))
     return done
 
 
@@ -846,6 +796,7 @@ async def raw_write(
     """One step's write with plain HTTP (no client-side lease check), as an Attempt."""
     job = lease["job_id"]
     key = step_key(job, step)
+    body = step_bytes(job, step)
     attempt = Attempt(
         name,
         job,
@@ -855,14 +806,17 @@ async def raw_write(
         gateway.name,
         zombie=zombie,
         after_stall=after_stall,
+        sent=time.time(),
+        request_sha256=sha256_hex(body),
     )
     try:
         answer = await http(
             session,
             "POST",
             f"{gateway.proxy}/{upstream}/charges",
-            json_body=step_body(job, step),
+            data=body,
             headers={
+                **JSON,
                 **(headers or {}),
                 "Fencing-Token": lease["lease_token"],
                 "Idempotency-Key": key,
@@ -874,6 +828,7 @@ async def raw_write(
     else:
         attempt.status, attempt.body = answer.status, answer.body
         attempt.reason, attempt.replayed = answer.reason, answer.replayed
+    attempt.answered = time.time()
     return attempt
 
 
@@ -911,3 +866,88 @@ async def wait_no_live_in_flight(engine: AsyncEngine, timeout: float = 30) -> No
         assert time.monotonic() < deadline, f"records still in flight: {live}"
         wait = min(r["deadline"] for r in live) - now
         await asyncio.sleep(min(max(wait, 0.05), 1.0))
+
+
+# -- the checks ---------------------------------------------------------------------------
+
+
+def history(attempts: Iterable[Attempt], grants: Iterable[Grant] = ()) -> list[HistoryEvent]:
+    """What the workers saw as ``verify.check``'s history, in time order: each lease
+    granted and each write or complete sent an operation of a process of its own (one
+    worker may have several outstanding)."""
+    events: list[HistoryEvent] = []
+    for n, grant in enumerate(grants):
+        common: dict[str, Any] = {"process": f"{grant.owner}#c{n}", "f": "claim", "job": grant.job}
+        events.append(HistoryEvent(time=grant.asked, type="invoke", **common))
+        events.append(HistoryEvent(time=grant.at, type="ok", generation=grant.generation, **common))
+    for n, attempt in enumerate(attempts):
+        if attempt.sent is not None:
+            events += attempt.events(f"{attempt.worker}#{n}")
+    return sorted(events, key=lambda e: (e.time, e.type != "invoke"))
+
+
+async def check_run(
+    engine: AsyncEngine,
+    replica: Replica,
+    upstream: UpstreamProc,
+    *,
+    attempts: Sequence[Attempt],
+    grants: Sequence[Grant] = (),
+    jobs: dict[str, Any] | None = None,
+    keys_of: Callable[[str], list[str]] = lambda job: [],
+) -> list[str]:
+    """Every problem of a run, as sentences (call it once nothing is in flight any more):
+
+    - ``verify.check``'s invariants 1-6 and 8-12 on the workers' history and the
+      upstream's ledger: each key applied at most once, and exactly once when a worker
+      got a 2xx; generations in order at the upstream; every 2xx the upstream's first
+      answer; no write applied that was refused, or sent after a newer grant, or never
+      sent with that body. Liveness (7) is the tests' own, stricter: every job ends.
+    - ``verify.records``: every job the database says completed had each step
+      (``keys_of``) applied once; every 2xx the upstream's first answer, status and
+      body; per job, no lower generation received after a higher one (applied or not);
+      the records and ``replica``'s list of unknown outcomes.
+    """
+    applied = ledger(upstream)
+    found = problems(attempts, grants, applied, upstream.events(), jobs or {}, keys_of)
+    rows, now = await records(engine)
+    async with aiohttp.ClientSession() as session:
+        listed = await unknown_outcomes(session, replica)
+    return found + account.stored_records(rows, now, applied, listed)
+
+
+def problems(
+    attempts: Sequence[Attempt],
+    grants: Sequence[Grant],
+    applied: Sequence[LedgerEntry],
+    received: Sequence[dict[str, Any]],
+    jobs: Mapping[str, Mapping[str, Any]],
+    keys_of: Callable[[str], Sequence[str]],
+) -> list[str]:
+    """``check_run``'s checks that need no database: ``verify.check`` (but 7) and
+    ``verify.records``' completed jobs, answers acknowledged and order of receipt."""
+    report = check(history(attempts, grants), applied)
+    found = [
+        f"[{v.invariant} {v.name}] job {v.job!r}: {v.message}: {v.events}"
+        for v in report.violations
+        if v.invariant != 7
+    ]
+    found += account.completed_jobs(jobs, keys_of, applied)
+    acks = [(a.job, a.key, int(a.status or 0), a.body or b"") for a in attempts if a.ok and a.key]
+    found += account.acknowledged(acks, applied)
+    return found + account.received_in_order(received)
+
+
+def summary(events: Sequence[dict[str, Any]], attempts: Sequence[Attempt]) -> str:
+    """One line about the run, for the test's output."""
+    kinds = Counter(e["event"] for e in events)
+    faults = Counter(e["fault"] for e in events)
+    answers: Counter[str] = Counter()
+    for attempt in attempts:
+        replayed = " replayed" if attempt.replayed else ""
+        status = f"{attempt.status}{replayed}" if attempt.status else ""
+        answers[attempt.reason or status or "no answer"] += 1
+    return (
+        f"upstream: {dict(kinds)} faults {dict(faults)}; "
+        f"workers saw: {dict(sorted(answers.items()))}"
+    )

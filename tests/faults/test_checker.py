@@ -1,4 +1,5 @@
-"""The checker itself: each violation it exists to catch is caught (no processes here).
+"""The checks of the fault suite (``verify.check`` on the workers' history, and
+``verify.records``): each violation they exist to catch is caught (no processes here).
 
 A checker that passes everything would make every fault test pass; these cases keep it
 honest.
@@ -6,77 +7,131 @@ honest.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from .checker import check
-from .harness import Attempt
+from verify.events import LedgerEntry, sha256_hex
+from verify.records import stored_records
+
+from .harness import Attempt, Grant, problems, step_bytes
 
 KEYS = {"job-1": ["k0", "k1"]}
+GRANTS = [Grant("job-1", 1, "w1", 0.0, 1.0), Grant("job-1", 2, "w2", 14.0, 15.0)]
 
 
-def event(seq: int, key: str, generation: int, kind: str = "applied", job: str = "job-1") -> Any:
-    answer = f'{{"key":"{key}","generation":{generation}}}'
-    return {
-        "seq": seq,
-        "event": kind,
-        "job": job,
-        "key": key,
-        "generation": generation,
-        "status": 201,
-        "answer": answer,
-        "fault": "none",
-    }
+def answer(key: str, generation: int, seq: int) -> str:
+    return json.dumps({"seq": seq, "job": "job-1", "key": key, "generation": generation})
 
 
-def saw(key: str, body: bytes, status: int = 201, replayed: bool = False) -> Attempt:
-    return Attempt("w", "job-1", key, key, 1, "a", status=status, body=body, replayed=replayed)
-
-
-def run_check(events: list[Any], attempts: list[Attempt] = (), **kwargs: Any) -> list[str]:  # type: ignore[assignment]
-    return check(
-        events=events,
-        attempts=attempts,
-        jobs=kwargs.pop("jobs", {"job-1": {"state": "completed"}}),
-        keys_of=lambda job: KEYS[job],
-        **kwargs,
+def entry(t: float, key: str, generation: int, seq: int) -> LedgerEntry:
+    """The upstream's application of ``key`` at ``t``, as verify.upstream writes it."""
+    text = answer(key, generation, seq)
+    return LedgerEntry(
+        time=t,
+        job="job-1",
+        generation=generation,
+        key=key,
+        body_sha256=sha256_hex(step_bytes("job-1", key)),
+        answer_sha256=sha256_hex(text.encode()),
+        extra={"status": 201, "seq": seq, "answer": text},
     )
 
 
-GOOD = [event(1, "k0", 1), event(2, "k1", 2)]
+def received(applied: list[LedgerEntry], event: str = "applied") -> list[dict[str, Any]]:
+    return [{**e.to_json(), "event": event} for e in applied]
+
+
+def saw(t: float, key: str, generation: int, body: bytes | None, **answer: Any) -> Attempt:
+    """A write of ``key`` sent at ``t`` and answered at once."""
+    status = answer.pop("status", 201 if body is not None else None)
+    return Attempt(
+        f"w{generation}", "job-1", key, key, generation, "a", status=status, body=body,
+        sent=t, answered=t + 0.5, request_sha256=sha256_hex(step_bytes("job-1", key)), **answer,
+    )  # fmt: skip
+
+
+def check(
+    attempts: list[Attempt],
+    applied: list[LedgerEntry],
+    state: str = "completed",
+    got: list[dict[str, Any]] | None = None,
+) -> list[str]:
+    return problems(
+        attempts,
+        GRANTS,
+        applied,
+        received(applied) if got is None else got,
+        {"job-1": {"state": state}},
+        lambda job: KEYS[job],
+    )
+
+
+GOOD = [entry(10.0, "k0", 1, 1), entry(20.0, "k1", 2, 2)]
+SENT = [
+    saw(9.0, "k0", 1, GOOD[0].extra["answer"].encode()),
+    saw(19.0, "k1", 2, GOOD[1].extra["answer"].encode()),
+    saw(30.0, "k0", 2, GOOD[0].extra["answer"].encode(), replayed=True),
+]
 
 
 def test_a_correct_run_passes() -> None:
-    attempts = [
-        saw("k0", GOOD[0]["answer"].encode()),
-        saw("k0", GOOD[0]["answer"].encode(), replayed=True),
-    ]
-    assert run_check(GOOD, attempts) == []
+    assert check(SENT, GOOD) == []
 
 
 def test_a_step_applied_twice() -> None:
-    [problem] = run_check([*GOOD, event(3, "k1", 2)], jobs={"job-1": {"state": "leased"}})
-    assert "k1 applied 2 times" in problem
+    twice = [*GOOD, entry(21.0, "k1", 2, 3)]
+    [problem] = check(SENT, twice, state="leased")
+    assert "acked-not-applied-once" in problem and "applied 2 times" in problem
+    [problem] = check(SENT[:1], [GOOD[0], entry(11.0, "k0", 1, 2)], state="leased")
+    assert "acked-not-applied-once" in problem
+    unanswered = [saw(9.0, "k0", 1, None), saw(9.2, "k0", 1, None)]
+    [problem] = check(unanswered, [GOOD[0], entry(11.0, "k0", 1, 2)], state="leased")
+    assert "unacked-applied-twice" in problem
 
 
 def test_a_duplicate_delivery_to_a_deduplicating_upstream_is_not_applied_twice() -> None:
-    assert run_check([*GOOD, event(3, "k1", 2, kind="duplicate")]) == []
+    duplicate = received([entry(21.0, "k1", 2, 2)], event="duplicate")
+    assert check(SENT, GOOD, got=[*received(GOOD), *duplicate]) == []
 
 
 def test_a_generation_going_backwards() -> None:
-    [problem] = run_check([event(1, "k0", 2), event(2, "k1", 1)])
-    assert "received generation 1" in problem and "after generation 2" in problem
+    backwards = [entry(10.0, "k0", 2, 1), entry(20.0, "k1", 1, 2)]
+    sent = [saw(9.0, "k0", 2, None), saw(8.0, "k1", 1, None)]
+    found = check(sent, backwards, state="leased")
+    assert any("generations-decrease" in p for p in found), found
+    assert any("received generation 1" in p and "after generation 2" in p for p in found)
+
+
+def test_a_lower_generation_received_after_a_higher_one_even_if_not_applied() -> None:
+    dropped = received([entry(21.0, "k0", 1, 3)], event="dropped")
+    [problem] = check(SENT, GOOD, got=[*received(GOOD), *dropped])
+    assert "received generation 1" in problem and "dropped" in problem
 
 
 def test_a_completed_job_with_a_step_missing() -> None:
-    [problem] = run_check([GOOD[0]])
+    [problem] = check(SENT[:1], [GOOD[0]])
     assert "completed but step k1 was applied 0 times" in problem
 
 
 def test_a_2xx_that_is_not_the_upstreams_answer() -> None:
-    [problem] = run_check(GOOD, [saw("k0", b'{"forged": true}', replayed=True)])
-    assert "upstream answered" in problem
-    [problem] = run_check([GOOD[0]], [saw("k1", b"{}")], jobs={"job-1": {"state": "leased"}})
-    assert "never applied" in problem
+    forged = saw(30.0, "k0", 2, b'{"forged": true}', replayed=True)
+    found = check([*SENT[:2], forged], GOOD)
+    assert any("replay-answer-differs" in p for p in found), found
+    assert any("the upstream answered" in p for p in found), found
+    found = check([SENT[0], saw(19.0, "k1", 2, b"{}")], [GOOD[0]], state="leased")
+    assert any("acked-not-applied-once" in p and "applied 0 times" in p for p in found)
+    assert any("never applied" in p for p in found), found
+    wrong_status = saw(30.0, "k0", 2, GOOD[0].extra["answer"].encode(), status=200)
+    [problem] = check([*SENT[:2], wrong_status], GOOD)
+    assert "answered 200" in problem and "the upstream answered (201" in problem
+
+
+def test_a_write_the_gateway_must_have_refused_or_nobody_sent() -> None:
+    refused = saw(9.0, "k0", 1, b"{}", status=409, reason="stale-generation")
+    found = check([refused, SENT[1]], GOOD, state="leased")
+    assert any("refused-but-applied" in p for p in found), found
+    [problem] = check(SENT[1:2], GOOD, state="leased")  # nobody sent k0
+    assert "body-not-sent" in problem
 
 
 def record(key: str, state: str, deadline: float = 0.0, body: bytes = b"") -> dict[str, Any]:
@@ -91,22 +146,22 @@ def record(key: str, state: str, deadline: float = 0.0, body: bytes = b"") -> di
 
 
 def test_records_in_flight_unknown_and_listed() -> None:
-    stored = record("k0", "completed", body=GOOD[0]["answer"].encode())
+    stored = record("k0", "completed", body=GOOD[0].extra["answer"].encode())
     listed = [{"job_id": "job-1", "key": "k1"}]
     ok = [stored, record("k1", "in_flight", deadline=10.0)]  # past its deadline: unknown
-    assert run_check(GOOD, records=ok, db_now=20.0, listed_unknown=listed) == []
+    assert stored_records(ok, 20.0, GOOD, listed) == []
 
-    problems = run_check(
+    found = stored_records(
+        [record("k0", "completed", body=b"{}"), record("k1", "in_flight", deadline=30.0)],
+        20.0,
         GOOD,
-        records=[record("k0", "completed", body=b"{}"), record("k1", "in_flight", deadline=30.0)],
-        db_now=20.0,
-        listed_unknown=listed,
+        listed,
     )
-    assert any("stored answer" in p for p in problems), problems
-    assert any("still in flight" in p for p in problems), problems
-    assert any("not unknown" in p for p in problems), problems
+    assert any("stored answer" in p for p in found), found
+    assert any("still in flight" in p for p in found), found
+    assert any("not unknown" in p for p in found), found
 
-    [problem] = run_check(
-        GOOD, records=[stored, record("k1", "unknown")], db_now=20.0, listed_unknown=[]
-    )
+    [problem] = stored_records([stored, record("k1", "unknown")], 20.0, GOOD, [])
     assert "does not list" in problem
+    [problem] = stored_records([record("k1", "completed", body=b"{}")], 20.0, [GOOD[0]], None)
+    assert "never applied" in problem

@@ -26,7 +26,6 @@ import sqlalchemy as sa
 
 from verify.cluster import PgCluster
 
-from . import checker
 from .conftest import LONG
 from .harness import (
     ORDERING_WAIT,
@@ -38,10 +37,12 @@ from .harness import (
     Run,
     Scale,
     acquire,
+    check_run,
     database,
     http,
     raw_write,
     start_stack,
+    summary,
     symptom,
     unknown_outcomes,
     wait_no_live_in_flight,
@@ -95,7 +96,7 @@ async def healthy(session: aiohttp.ClientSession, replica: Replica) -> bool:
 
 @pytest.mark.timeout(300 if LONG else 90)
 async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
-    upstream, (a, b) = await start_stack(group, fault_db, [PAY], delay="0:0.02")
+    upstream, (a, b) = await start_stack(group, fault_db, [PAY], delay=[0, 0.02])
     # Workers claim through both replicas and write through B, so that what is in flight
     # at A when it freezes is exactly the forwards below.
     run = Run([a, b], fault_db, SCALE, upstreams=("pay",), write_via=[b], write_timeout=3.0)
@@ -110,7 +111,13 @@ async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
             late = [
                 asyncio.ensure_future(
                     raw_write(
-                        session, "stalled", lease, a, "pay", "s0", headers={"X-Fault": "delay=2"}
+                        session,
+                        "stalled",
+                        lease,
+                        a,
+                        "pay",
+                        "s0",
+                        headers={"Verify-Fault": "delay=2"},
                     )
                 )
                 for lease in leases
@@ -145,18 +152,19 @@ async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
             await wait_no_live_in_flight(engine)
             events = upstream.events()
             jobs = await run.job_rows()
-            problems = await checker.check_run(
+            problems = await check_run(
                 engine,
                 b,
-                events=events,
+                upstream,
                 attempts=[*run.attempts, *attempts],
+                grants=run.grants,
                 jobs=jobs,
                 keys_of=run.keys,
             )
         assert not problems, "\n".join(problems)
         for job in frozen_jobs:  # generation 1 once (before the freeze), then generation 2
             assert [e["generation"] for e in events if e["job"] == job] == [1, 2]
-        print(checker.summary(events, [*run.attempts, *attempts]))
+        print(summary(events, [*run.attempts, *attempts]))
     finally:
         await run.close()
 
@@ -203,9 +211,7 @@ async def test_frozen_between_admission_and_forward(
         print(f"A's late answer: {attempts[-1]}; upstream: {events}")
         async with database(fault_db) as engine:
             await wait_no_live_in_flight(engine)
-            problems = await checker.check_run(
-                engine, b, events=events, attempts=attempts, jobs={}, keys_of=lambda j: []
-            )
+            problems = await check_run(engine, b, upstream, attempts=attempts)
         with symptom():
             assert not problems, "\n".join(problems)
             # Generation 1's write is never forwarded: on waking, A judges its claim again
@@ -269,7 +275,5 @@ async def test_woken_after_a_newer_generation_was_admitted(
         assert [(e["job"], e["generation"]) for e in events] == [(job, 2), (job, 2)]
         async with database(fault_db) as engine:
             await wait_no_live_in_flight(engine)
-            problems = await checker.check_run(
-                engine, b, events=events, attempts=attempts, jobs={}, keys_of=lambda j: []
-            )
+            problems = await check_run(engine, b, upstream, attempts=attempts)
         assert not problems, "\n".join(problems)

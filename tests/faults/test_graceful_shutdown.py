@@ -15,12 +15,12 @@ import signal
 import aiohttp
 import pytest
 
-from . import checker
 from .harness import (
     PAY,
     SLOW,
     ProcessGroup,
     acquire,
+    check_run,
     database,
     raw_write,
     records,
@@ -38,14 +38,16 @@ async def test_sigterm_lets_the_forward_in_flight_finish(
     async with aiohttp.ClientSession() as session:
         lease = await acquire(session, a, "graceful", "worker-1", ttl=300)
         in_flight = asyncio.ensure_future(
-            raw_write(session, "worker-1", lease, a, "slow", "s0", headers={"X-Fault": "delay=1"})
+            raw_write(
+                session, "worker-1", lease, a, "slow", "s0", headers={"Verify-Fault": "delay=1"}
+            )
         )
         event = await upstream.wait_received(lambda e: e["job"] == "graceful")
-        a.proc.send(signal.SIGTERM)
+        a.signal(signal.SIGTERM)
         answer = await in_flight
         assert answer.ok and not answer.replayed, answer
         assert answer.body == event["answer"].encode()
-        assert await a.proc.wait(20) == 0, a.proc.output()
+        assert await asyncio.to_thread(a.proc.popen.wait, 20) == 0, a.proc.output()
         assert "fencegate stopping" in a.proc.output()
 
         duplicate = await raw_write(session, "worker-1", lease, b, "slow", "s0")
@@ -60,12 +62,5 @@ async def test_sigterm_lets_the_forward_in_flight_finish(
             "completed",
             201,
         )
-        problems = await checker.check_run(
-            engine,
-            b,
-            events=upstream.events(),
-            attempts=[answer, duplicate],
-            jobs={},
-            keys_of=lambda job: [],
-        )
+        problems = await check_run(engine, b, upstream, attempts=[answer, duplicate])
     assert not problems, "\n".join(problems)

@@ -17,13 +17,13 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from . import checker
 from .harness import (
     DEDUPE,
     ORDERING_WAIT,
     PAY,
     ProcessGroup,
     acquire,
+    check_run,
     database,
     raw_write,
     start_stack,
@@ -42,7 +42,7 @@ async def test_a_killed_replicas_forwards_become_unknown(
     async with aiohttp.ClientSession() as session:
         hold = await acquire(session, a, "killed-hold", "worker-1", ttl=300)
         retry = await acquire(session, a, "killed-retry", "worker-2", ttl=300)
-        slow = {"X-Fault": "delay=3"}
+        slow = {"Verify-Fault": "delay=3"}
         in_flight = [
             asyncio.ensure_future(
                 raw_write(session, "worker-1", hold, a, "pay", "s0", headers=slow)
@@ -54,8 +54,8 @@ async def test_a_killed_replicas_forwards_become_unknown(
         for job in ("killed-hold", "killed-retry"):
             await upstream.wait_received(lambda e, job=job: e["job"] == job)
         killed_at = time.monotonic()
-        a.proc.send(signal.SIGKILL)
-        assert await a.proc.wait(10) == -signal.SIGKILL
+        a.signal(signal.SIGKILL)
+        assert await asyncio.to_thread(a.proc.popen.wait, 10) == -signal.SIGKILL
         attempts = list(await asyncio.gather(*in_flight))
         assert all(x.status is None for x in attempts), attempts  # the clients lost A
 
@@ -94,7 +94,5 @@ async def test_a_killed_replicas_forwards_become_unknown(
 
     async with database(fault_db) as engine:
         await wait_no_live_in_flight(engine)
-        problems = await checker.check_run(
-            engine, b, events=events, attempts=attempts, jobs={}, keys_of=lambda job: []
-        )
+        problems = await check_run(engine, b, upstream, attempts=attempts)
     assert not problems, "\n".join(problems)

@@ -27,7 +27,6 @@ import sqlalchemy as sa
 
 from verify.cluster import PgCluster
 
-from . import checker
 from .conftest import LONG
 from .harness import (
     DEDUPE,
@@ -41,12 +40,14 @@ from .harness import (
     Run,
     Scale,
     acquire,
+    check_run,
     database,
     http,
     raw_write,
     resolve_unknowns,
     start_stack,
     step_body,
+    summary,
     symptom,
     wait_no_live_in_flight,
 )
@@ -124,7 +125,7 @@ async def until_ready(session: aiohttp.ClientSession, replica: Replica, timeout:
 async def test_postgres_restart_and_outage_during_a_run(
     group: ProcessGroup, fault_db: str, pg_cluster: PgCluster
 ) -> None:
-    upstream, replicas = await start_stack(group, fault_db, [PAY, DEDUPE], delay="0:0.03")
+    upstream, replicas = await start_stack(group, fault_db, [PAY, DEDUPE], delay=[0, 0.03])
     pids = [r.proc.pid for r in replicas]
     run = Run(replicas, fault_db, SCALE, upstreams=("pay", "dedupe"), write_timeout=3.0)
     try:
@@ -164,12 +165,13 @@ async def test_postgres_restart_and_outage_during_a_run(
 
         await wait_no_live_in_flight(run.engine, timeout=PAY.deadline(ORDERING_WAIT) + 10)
         events = upstream.events()
-        print(checker.summary(events, run.attempts))
-        problems = await checker.check_run(
+        print(summary(events, run.attempts))
+        problems = await check_run(
             run.engine,
             replicas[0],
-            events=events,
+            upstream,
             attempts=[*run.attempts, after],
+            grants=run.grants,
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )
@@ -178,12 +180,12 @@ async def test_postgres_restart_and_outage_during_a_run(
         resolved = await resolve_unknowns(replicas[0], events)
         run.stop.clear()
         await run.finish(replicas[1])
-        events = upstream.events()
-        problems = await checker.check_run(
+        problems = await check_run(
             run.engine,
             replicas[1],
-            events=events,
+            upstream,
             attempts=[*run.attempts, after],
+            grants=run.grants,
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )
@@ -257,7 +259,7 @@ async def test_an_answer_being_streamed_when_the_database_goes_is_not_left_hangi
                 replica,
                 "slow",
                 "s0",
-                headers={"X-Fault": "delay=1.5"},
+                headers={"Verify-Fault": "delay=1.5"},
                 timeout=3.5,  # the upstream answers after 1.5 s
             )
         )

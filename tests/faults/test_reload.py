@@ -74,7 +74,7 @@ async def test_sighup_adds_an_upstream_and_refuses_a_broken_config(group: Proces
         assert (await write("second", "s1")).reason == "unknown-upstream"
 
         write_config(group.folder, database_url, upstream.url, [PAY, SECOND])
-        replica.proc.send(signal.SIGHUP)
+        replica.signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
         while "second" not in await upstream_names(control, replica.control):
             assert time.monotonic() < deadline, replica.proc.output()
@@ -85,7 +85,7 @@ async def test_sighup_adds_an_upstream_and_refuses_a_broken_config(group: Proces
 
         # A broken config: refused, the running one stays.
         config.write_text(config.read_text() + "\n[gateway]\nno_such_setting = 1\n")
-        replica.proc.send(signal.SIGHUP)
+        replica.signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
         while "reload refused" not in replica.proc.output():
             assert time.monotonic() < deadline, replica.proc.output()

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from . import checker
 from .conftest import LONG
 from .harness import (
     ProcessGroup,
     Run,
     Scale,
+    check_run,
     start_stack,
+    summary,
     wait_no_live_in_flight,
 )
 
@@ -37,7 +38,7 @@ STALL = SCALE.ttl + 0.8  # well past the lease
 async def test_zombies_are_fenced_off_while_others_take_over(
     group: ProcessGroup, fault_db: str
 ) -> None:
-    upstream, replicas = await start_stack(group, fault_db, delay="0:0.02")
+    upstream, replicas = await start_stack(group, fault_db, delay=[0, 0.02])
     run = Run(replicas, fault_db, SCALE, upstreams=("pay", "dedupe"))
     try:
         await run.enqueue()
@@ -58,7 +59,7 @@ async def test_zombies_are_fenced_off_while_others_take_over(
             }, attempt
         # Nothing a zombie sent after its stall reached the upstream: the upstream's writes
         # of a zombie's (job, generation) are exactly its forwards from before the stall.
-        zombie_grants = {(j, g) for j, g, owner in run.grants if owner.startswith("zombie")}
+        zombie_grants = {(g.job, g.generation) for g in run.grants if g.owner.startswith("zombie")}
         before = [
             a for a in run.attempts if a.zombie and not a.after_stall and a.ok and not a.replayed
         ]
@@ -66,15 +67,16 @@ async def test_zombies_are_fenced_off_while_others_take_over(
         assert len(received) == len(before), (received, before)
 
         await wait_no_live_in_flight(run.engine)
-        problems = await checker.check_run(
+        problems = await check_run(
             run.engine,
             replicas[1],
-            events=events,
+            upstream,
             attempts=run.attempts,
+            grants=run.grants,
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )
         assert not problems, "\n".join(problems)
-        print(checker.summary(events, run.attempts))
+        print(summary(events, run.attempts))
     finally:
         await run.close()
