@@ -27,6 +27,7 @@ import io
 import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Final
 
 from multidict import CIMultiDict
 
@@ -78,10 +79,14 @@ class Claim:
     send_by: float  # time.monotonic() after which the write stays unsent
 
 
-_BY_NEED = {
-    Step.SLOT: Next(Act.TAKE_SLOT),
-    Step.BODY: Next(Act.READ_BODY),
-    Step.ADMISSION: Next(Act.ADMIT),
+# The steps that need nothing but their name, made once (the hot path allocates none).
+CHECK_LEASE, TAKE_SLOT, READ_BODY, ADMIT, RELEASE = (
+    Next(act) for act in (Act.CHECK_LEASE, Act.TAKE_SLOT, Act.READ_BODY, Act.ADMIT, Act.RELEASE)
+)
+_BY_NEED: Final = {
+    Step.SLOT: TAKE_SLOT,
+    Step.BODY: READ_BODY,
+    Step.ADMISSION: ADMIT,
     Step.WAIT: Next(Act.WAIT_FIRST),
     Step.ORDER: Next(Act.WAIT_OLDER),
     Step.SEND: Next(Act.READ_CLAIM),
@@ -115,7 +120,7 @@ class RequestMachine:
         verdict = decide(self.facts)
         if verdict.need is None:
             if verdict.outcome is Outcome.REFUSE and self.claim is not None:
-                return Next(Act.RELEASE)  # our claim on the key: not sent, undone first
+                return RELEASE  # our claim on the key: not sent, undone first
             return Next(Act.ANSWER, verdict)
         if verdict.need is Step.LEASE:
             return self._lease_step()
@@ -128,14 +133,14 @@ class RequestMachine:
         that decides) tell about the lease, instead of asking twice."""
         facts = self.facts
         if facts.over_limit is True or not self.body_arrived:
-            return Next(Act.CHECK_LEASE)
+            return CHECK_LEASE
         if facts.slot_free is UNKNOWN:
-            return Next(Act.TAKE_SLOT)
+            return TAKE_SLOT
         if facts.slot_free is True and facts.over_limit is UNKNOWN:
-            return Next(Act.READ_BODY)
+            return READ_BODY
         if facts.slot_free is True and facts.over_limit is False and facts.body_in_time:
-            return Next(Act.ADMIT)
-        return Next(Act.CHECK_LEASE)
+            return ADMIT
+        return CHECK_LEASE
 
     def admitting(self) -> float:
         """Seconds the claim the ADMIT step asks for lasts."""
@@ -256,7 +261,7 @@ class RequestMachine:
             self.facts.in_order = False
             return self.next()
         self._after_wait = True
-        return Next(Act.CHECK_LEASE)
+        return CHECK_LEASE
 
     def claim_seen(self, claim: ClaimState, now: float) -> None:
         """READ_CLAIM, read at ``now`` (monotonic): a claimed write judged once more right
