@@ -47,3 +47,24 @@ def hot_tables_text(tables: dict[str, dict[str, Any]]) -> str:
             f"{shown}{judged}; {seen['dead_rows']:,.0f} dead rows, {seen['mib']:,.1f} MiB"
         )
     return "\n".join(lines)
+
+
+def postgres_summary(row: dict[str, Any]) -> list[str]:
+    """PostgreSQL over a soak (``row["postgres_change"]``, ``row["postgres_after"]``):
+    WAL, checkpoints, the records table, and each hot table's HOT share, which it also
+    keeps in the row (``hot_tables``). Nothing for a run without them (SQLite)."""
+    change = row.get("postgres_change")
+    if not change or not row.get("ok"):
+        return []
+    after = row["postgres_after"]
+    row["hot_tables"] = hot_tables(change, after)
+    return [
+        f"PostgreSQL over the run: WAL {change['wal_bytes'] / row['ok']:,.0f} bytes "
+        f"per write, {change['checkpoints']:.0f} checkpoint(s), "
+        f"{change['buffers_backend']:,.0f} buffers written by backends; the records "
+        f"table {after['live_rows']:,.0f} live and {after['dead_rows']:,.0f} dead rows "
+        f"(autovacuum = {row.get('autovacuum')}, {change['autovacuums']:.0f} autovacuum "
+        f"pass(es) over it), {after['records_bytes'] / 2**20:,.0f} MiB with its indexes; "
+        f"{after.get('in_flight_bytes', 0.0) / 2**20:,.1f} MiB of writes_in_flight",
+        hot_tables_text(row["hot_tables"]),
+    ]
