@@ -77,6 +77,30 @@ PG_STATE_COUNTS = (
     "wal_bytes",
 )
 
+# The tables a fenced write updates (and jobs, the lease API's, for comparison): their
+# updates and the share of them that were heap-only (HOT: no index entry written, the
+# old version pruned from its page without a vacuum), their dead rows and size with
+# their indexes. ``Database.server_state`` adds them as "<reading>:<table>".
+HOT_TABLES = ("idempotency_records", "writes_in_flight", "fences", "audit_log", "jobs")
+PG_TABLES = """
+    SELECT relname, n_tup_upd AS updates, n_tup_hot_upd AS hot_updates,
+           n_dead_tup AS dead_rows, pg_total_relation_size(relid)::float8 AS bytes
+    FROM pg_stat_user_tables WHERE relname = ANY($1::text[])
+"""
+PG_TABLE_COUNTS = ("updates", "hot_updates", "dead_rows", "bytes")
+
+
+async def pg_tables(dsn: str) -> dict[str, float]:
+    """``PG_TABLES`` of ``HOT_TABLES``, flat: ``{"updates:fences": ..., ...}``."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(PG_TABLES, list(HOT_TABLES))
+    finally:
+        await conn.close()
+    return {f"{k}:{r['relname']}": float(r[k]) for r in rows for k in PG_TABLE_COUNTS}
+
 
 async def pg_fetchval(dsn: str, query: str) -> Any:
     import asyncpg
@@ -149,11 +173,12 @@ class Database:
         return {"planner_rows": believed}
 
     def server_state(self) -> dict[str, float]:
-        """PostgreSQL: what a long run may change under the hot statements (``PG_STATE``)."""
+        """PostgreSQL: what a long run may change under the hot statements (``PG_STATE``),
+        and each hot table's updates, HOT updates, dead rows and size (``PG_TABLES``)."""
         if self.backend != "postgres":
             return {}
         row = asyncio.run(pg_fetchrow(self.dsn, PG_STATE))
-        return {k: float(row[k]) for k in PG_STATE_COUNTS}
+        return {k: float(row[k]) for k in PG_STATE_COUNTS} | asyncio.run(pg_tables(self.dsn))
 
     def analyze(self) -> None:
         if self.backend == "postgres":

@@ -229,7 +229,9 @@ def _forwarded(
     own process since it started; a counter table would cost every write an update of a
     row that all replicas contend for. A record's ``created_at`` is not indexed, but
     it never exceeds its ``updated_at``, which is: the range on ``updated_at`` limits
-    the read to records that changed hands since ``since``. A record counts once
+    the read to records that changed hands since ``since``, bounded on both sides (to
+    infinity): to a planner with no statistics "since" alone is a third of the table,
+    read whole, where a range is a small part of the index. A record counts once
     however often its write was sent (a retry after an unknown outcome, the resolver's
     re-sends), and completed records are purged ``idempotency_retention_seconds`` after
     they changed hands, so the caller counts only from then on (``records_since``)."""
@@ -237,6 +239,7 @@ def _forwarded(
         sa.select(requests.c.upstream, sa.func.count().label("n"))
         .where(
             requests.c.updated_at >= since,
+            requests.c.updated_at <= math.inf,
             requests.c.created_at >= since,
             requests.c.created_at < until,
         )

@@ -346,14 +346,17 @@ WHERE job_id = :job_id AND key = :key AND CAST(:changed AS integer) IS NOT NULL;
 -- deadline, re-sent before: state "resolving"), the most recently changed first, :limit
 -- of them; resolvable: the request is kept, so the gateway may re-send it. The keys
 -- come from the unknown records' index and writes_in_flight: never a read of every
--- record.
+-- record. The unknown ones are a range of unknown_at bounded on both sides (by finite
+-- numbers: SQLite reads 'Infinity' as 0): to a planner with no statistics "IS NOT NULL"
+-- alone is nearly every record (a read of the table).
 SELECT r.job_id, r.key,
        CASE WHEN r.state = {RecordState.IN_FLIGHT} AND {in_flight(r)} THEN 'resolving'
             ELSE {RecordState.UNKNOWN} END AS state,
        r.generation, r.upstream, r.method, r.path, r.status, r.note, r.resolve_attempts,
        r.request_body IS NOT NULL AS resolvable, r.updated_at
 FROM (
-    SELECT job_id, key FROM idempotency_records WHERE unknown_at IS NOT NULL
+    SELECT job_id, key FROM idempotency_records
+    WHERE unknown_at >= -1e308 AND unknown_at <= 1e308
     UNION ALL
     SELECT w.job_id, w.key FROM writes_in_flight AS w
     JOIN idempotency_records AS x ON x.job_id = w.job_id AND x.key = w.key

@@ -163,6 +163,16 @@ def test_quick_soak_reports_each_interval(pg_database_url: str, tmp_path: Path) 
         assert passes == 0, passes
     assert pg["postgres_after"]["live_rows"] + pg["postgres_after"]["dead_rows"] > 0
     assert "bytes per write" in result.stdout
+    # The hot tables' updates over the run and the share of them heap-only (HOT).
+    hot = pg["hot_tables"]
+    assert set(hot) == {"idempotency_records", "writes_in_flight", "fences", "audit_log", "jobs"}
+    records = hot["idempotency_records"]
+    assert records["updates"] > 0 and 0 <= records["hot_updates"] <= records["updates"]
+    assert records["hot_share"] == records["hot_updates"] / records["updates"]
+    assert all(t["mib"] > 0 for t in hot.values()), hot
+    assert "heap-only (HOT) updates over the run, per table:" in result.stdout
+    assert "  idempotency_records: " in result.stdout
+    assert pg["soak_last_to_second"] == pg["intervals"][-1]["rps"] / pg["intervals"][1]["rps"]
     # PostgreSQL's background work, read once a second, per interval of the soak.
     seen = [i["postgres"] for i in pg["intervals"]]
     assert all(
