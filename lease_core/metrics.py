@@ -4,9 +4,19 @@ listener; the gateway adds its own series to it (``gateway.observe.metrics``).""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# The phases of one write: some take microseconds (a pool's free connection, a slot), so
+# the buckets start lower.
+PHASE_BUCKETS = (0.0001, 0.00025, *LATENCY_BUCKETS)
+# ``fencegate_db_seconds``'s phases: waiting for a connection of the pool, the statement
+# (a single-statement operation's own commit included: it is sent without BEGIN/COMMIT),
+# and the COMMIT of an operation of several statements.
+DB_PHASES = ("pool", "statement", "commit")
 
 
 class Metrics:
@@ -44,6 +54,38 @@ class Metrics:
             "or switchover seen by this replica.",
             registry=r,
         )
+        self.db_seconds = Histogram(
+            "fencegate_db_seconds",
+            "The hot path's database work by catalogue operation and phase: pool (waiting "
+            "for a connection), statement (sent and answered; a one-statement operation's "
+            "commit included), commit (of an operation of several statements; on SQLite "
+            "the group transaction's, operation 'group').",
+            ["operation", "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
         self.purged = Counter(
             "fencegate_purged_rows", "Rows removed by retention.", ["what"], registry=r
         )
+
+
+class Observes(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class PhaseTimers(dict[object, tuple[Observes, Observes, Observes]]):
+    """``fencegate_db_seconds``'s series of each statement (or of a name: SQLite's
+    ``group``): its operation's pool, statement and commit, bound on first use (a
+    ``labels()`` call takes a lock and builds a key; the executors look these up on
+    every hot call)."""
+
+    def __init__(self, histogram: Histogram, names: Mapping[object, str]) -> None:
+        super().__init__()
+        self._histogram = histogram
+        self._names = names
+
+    def __missing__(self, key: object) -> tuple[Observes, Observes, Observes]:
+        name = self._names.get(key) or (key if isinstance(key, str) else "other")
+        pool, statement, commit = (self._histogram.labels(name, phase) for phase in DB_PHASES)
+        found = self[key] = (pool, statement, commit)
+        return found
