@@ -58,6 +58,7 @@ SATURATED_SHARE = 0.01  # more than this share late or failed: the gateway canno
 SATURATED_RATE = 0.9  # answering under this share of the rate: it cannot keep up either
 TIMEOUT_SECONDS = 30.0  # a request unanswered this long is an error
 TARGETS = ("gateway", "bare")
+EPOCH_OFFSET = time.time() - time.perf_counter()  # perf_counter() readings as epoch seconds
 
 
 def body_of(size: int) -> bytes:
@@ -89,8 +90,9 @@ class Tally:
     lags: array[float] = field(default_factory=lambda: array("d"))  # the client's own delay
     answers_span: float = 0.0  # seconds from each slice's first answer to its last
     answers_spanned: int = 0  # the answers after each slice's first
-    # Each ok answer's latency and ``Server-Timing``, when it had one.
-    timings: list[tuple[float, str]] = field(default_factory=list)
+    # Each ok answer's latency, ``Server-Timing`` (when it had one) and scheduled start
+    # (epoch seconds: the slowest ones' moments, to be read beside the database's logs).
+    timings: list[tuple[float, str, float]] = field(default_factory=list)
 
     def record(
         self, scheduled: float, started: float, ended: float, ok: bool, timing: str | None = None
@@ -109,7 +111,7 @@ class Tally:
         if latency > LATE_SECONDS:
             self.late += 1
         if timing:
-            self.timings.append((latency, timing))
+            self.timings.append((latency, timing, scheduled + EPOCH_OFFSET))
 
     def answered_rps(self) -> float:
         """Answers a second while a slice was being answered (each slice's first answer
@@ -161,14 +163,14 @@ def phases_of(latency: float, timing: str) -> dict[str, float]:
     return phases
 
 
-def slowest_phases(timings: Sequence[tuple[float, str]]) -> dict[str, Any]:
+def slowest_phases(timings: Sequence[tuple[float, str, float]]) -> dict[str, Any]:
     """Where the slowest 1 % of the writes (at least one) spent their time: per phase its
     median and max among them, and its median over all writes; the top cause, the phase
-    that took the most of most of them (how many)."""
+    that took the most of most of them (how many); when each was sent, and its phases."""
     ordered = sorted(timings, key=lambda t: t[0])
     count = max(1, math.ceil(len(ordered) * SLOWEST_SHARE))
-    slow = [phases_of(latency, timing) for latency, timing in ordered[-count:]]
-    every = [phases_of(latency, timing) for latency, timing in ordered]
+    slow = [phases_of(latency, timing) for latency, timing, _ in ordered[-count:]]
+    every = [phases_of(latency, timing) for latency, timing, _ in ordered]
     names = list(dict.fromkeys(name for phases in every for name in phases))
     table = {}
     for name in names:
@@ -188,6 +190,10 @@ def slowest_phases(timings: Sequence[tuple[float, str]]) -> dict[str, Any]:
         "phases": table,
         "top_cause": cause,
         "top_cause_writes": times,
+        "each": [
+            {"at_epoch": at, "latency_ms": latency * 1000, **phases}
+            for (latency, _, at), phases in zip(ordered[-count:], slow, strict=True)
+        ],
     }
 
 

@@ -181,10 +181,10 @@ def test_the_added_latency_is_judged_at_300_writes_a_second() -> None:
 def test_the_slowest_writes_phases_come_from_their_server_timing() -> None:
     """The slowest 1 % (at least one) of the writes, each split by its Server-Timing:
     the gateway's own time between its phases and the time outside it are what is left."""
-    timings = [(0.002, "admit;dur=0.5, upstream;dur=0.4, gateway;dur=1.2")] * 199
-    timings.append((0.030, "admit;dur=20.0, upstream;dur=0.5, gateway;dur=21.5"))
-    timings.append((0.020, "admit;dur=12.0, upstream;dur=0.5, gateway;dur=13.0"))
-    timings.append((0.025, "admit;dur=1.0, wait-older;dur=15.0, upstream;dur=0.5, gateway;dur=17"))
+    timings = [(0.002, "admit;dur=0.5, upstream;dur=0.4, gateway;dur=1.2", 1.0)] * 199
+    timings.append((0.030, "admit;dur=20.0, upstream;dur=0.5, gateway;dur=21.5", 7.0))
+    timings.append((0.020, "admit;dur=12.0, upstream;dur=0.5, gateway;dur=13.0", 5.0))
+    timings.append((0.025, "admit;dur=1, wait-older;dur=15, upstream;dur=0.5, gateway;dur=17", 6.0))
     slowest = slowest_phases(timings)
     assert slowest["writes"] == 3 and slowest["of"] == 202
     phases = slowest["phases"]
@@ -194,4 +194,9 @@ def test_the_slowest_writes_phases_come_from_their_server_timing() -> None:
     assert phases["between"]["max_ms"] == pytest.approx(1.0)  # 21.5 - 20.0 - 0.5
     assert phases["outside"]["max_ms"] == pytest.approx(8.5)  # 30 - 21.5
     assert (slowest["top_cause"], slowest["top_cause_writes"]) == ("admit", 2)
+    assert [(w["at_epoch"], w["latency_ms"]) for w in slowest["each"]] == [
+        (5.0, 20.0),
+        (6.0, 25.0),
+        (7.0, 30.0),
+    ]
     assert phases_of(0.001, "admit;dur=0.2") == {"admit": 0.2}  # no total: nothing derived
