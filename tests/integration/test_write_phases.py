@@ -88,3 +88,16 @@ async def test_no_server_timing_by_default(make_stack: Any, upstream: Upstream) 
     lease = await stack.lease("job-quiet")
     resp = await stack.write("/pay/charges", lease, key="q-1")
     assert resp.status == 201 and "Server-Timing" not in resp.headers
+
+
+async def test_the_upkeep_vacuum_is_timed_beside_the_writes(
+    make_stack: Any, upstream: Upstream, backend: str
+) -> None:
+    from gateway.service.admin import GATEWAY_STATE
+
+    stack = await make_stack(upstreams=[upstream_config(upstream)])
+    before = await _counts(stack)
+    await stack.control.app[GATEWAY_STATE].store.vacuum_writing()
+    after = await _counts(stack)
+    vacuumed = 1 if backend == "postgres" else 0  # SQLite reuses the space itself
+    assert _moved(before, after, DB.format("vacuum", "statement")) == vacuumed
