@@ -7,10 +7,10 @@ import weakref
 from typing import ClassVar
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.fencing.request import Act, RequestMachine
-from lease_core.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, Observes
+from lease_core.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, LoopHistogram, Observes
 
 # ``fencegate_write_phase_seconds``'s phases beside the driver's steps (``Act``): the
 # exchange with the upstream (from the send to the answer's end streamed back), the
@@ -52,14 +52,15 @@ class GatewayMetrics:
             ["source", "reason"],
             registry=r,
         )
-        self.forward_seconds = Histogram(
+        # The write path's histograms take no lock (``LoopHistogram``).
+        self.forward_seconds = LoopHistogram(
             "fencegate_gateway_forward_seconds",
             "Time from forwarding a request to the end of the upstream's answer.",
             ["upstream"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = LoopHistogram(
             "fencegate_gateway_decision_seconds",
             "Time spent deciding a fenced write before forwarding it (database included).",
             ["upstream"],
@@ -75,7 +76,7 @@ class GatewayMetrics:
             ["upstream", "outcome"],
             registry=r,
         )
-        self.write_phase_seconds = Histogram(
+        self.write_phase_seconds = LoopHistogram(
             "fencegate_write_phase_seconds",
             "The phases of fenced writes inside the gateway: each step of the request's "
             "machine (check-lease, take-slot, read-body, admit, wait-first, wait-older, "
