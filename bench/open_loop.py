@@ -72,6 +72,8 @@ def body_of(size: int) -> bytes:
 Send = Callable[[], Awaitable[bool | tuple[bool, str | None]]]
 # The share of the slowest writes whose phases the breakdown shows (at least one write).
 SLOWEST_SHARE = 0.01
+# Every write slower than this is kept with its phases and moment too (a stall).
+STALL_SECONDS = 0.010
 # The breakdown's columns beyond the gateway's own steps: time outside the gateway's
 # handler (the network, the driver, the event loop's queue before the handler ran, the
 # answer's way back), and the gateway's own time between its timed phases.
@@ -166,7 +168,8 @@ def phases_of(latency: float, timing: str) -> dict[str, float]:
 def slowest_phases(timings: Sequence[tuple[float, str, float]]) -> dict[str, Any]:
     """Where the slowest 1 % of the writes (at least one) spent their time: per phase its
     median and max among them, and its median over all writes; the top cause, the phase
-    that took the most of most of them (how many); when each was sent, and its phases."""
+    that took the most of most of them (how many); and every stall (a write over
+    ``STALL_SECONDS``) with when it was sent and its phases."""
     ordered = sorted(timings, key=lambda t: t[0])
     count = max(1, math.ceil(len(ordered) * SLOWEST_SHARE))
     slow = [phases_of(latency, timing) for latency, timing, _ in ordered[-count:]]
@@ -190,9 +193,10 @@ def slowest_phases(timings: Sequence[tuple[float, str, float]]) -> dict[str, Any
         "phases": table,
         "top_cause": cause,
         "top_cause_writes": times,
-        "each": [
-            {"at_epoch": at, "latency_ms": latency * 1000, **phases}
-            for (latency, _, at), phases in zip(ordered[-count:], slow, strict=True)
+        "stalls": [
+            {"at_epoch": at, "latency_ms": latency * 1000, **phases_of(latency, timing)}
+            for latency, timing, at in ordered
+            if latency > STALL_SECONDS
         ],
     }
 

@@ -194,9 +194,11 @@ def test_the_slowest_writes_phases_come_from_their_server_timing() -> None:
     assert phases["between"]["max_ms"] == pytest.approx(1.0)  # 21.5 - 20.0 - 0.5
     assert phases["outside"]["max_ms"] == pytest.approx(8.5)  # 30 - 21.5
     assert (slowest["top_cause"], slowest["top_cause_writes"]) == ("admit", 2)
-    assert [(w["at_epoch"], w["latency_ms"]) for w in slowest["each"]] == [
+    # Every write over 10 ms is a stall, kept with its moment and phases.
+    assert [(w["at_epoch"], w["latency_ms"]) for w in slowest["stalls"]] == [
         (5.0, 20.0),
         (6.0, 25.0),
         (7.0, 30.0),
     ]
+    assert slowest["stalls"][2]["admit"] == 20.0
     assert phases_of(0.001, "admit;dur=0.2") == {"admit": 0.2}  # no total: nothing derived
