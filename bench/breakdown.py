@@ -4,6 +4,7 @@ against the bare proxy's per request, as the report prints them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 # What each phase of the breakdown is (docs/performance.md, "Where a write's time goes").
@@ -66,8 +67,22 @@ def slowest_lines(rate: float, slowest: dict[str, Any]) -> list[str]:
         _table(head, body),
         f"top cause: {slowest['top_cause']} (the largest phase of {slowest['top_cause_writes']} "
         f"of {slowest['writes']})",
+        stalls_line(slowest.get("stalls") or []),
     ]
     return lines
+
+
+def stalls_line(stalls: list[dict[str, Any]]) -> str:
+    """How many writes took over 10 ms, and how many of them each phase was the largest
+    part of (each is in the JSON with its moment, to be read beside the server's logs)."""
+    if not stalls:
+        return "no write over 10 ms"
+    largest = Counter(
+        max((k for k in stall if k not in ("at_epoch", "latency_ms")), key=lambda k: stall[k])
+        for stall in stalls
+    )
+    parts = ", ".join(f"{name} {count}" for name, count in largest.most_common())
+    return f"{len(stalls)} writes over 10 ms; the largest phase of each: {parts}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

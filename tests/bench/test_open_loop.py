@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from bench.breakdown import stalls_line
 from bench.open_loop import (
     LATE_SECONDS,
     Tally,
@@ -65,6 +66,8 @@ def test_quick_open_loop_reports_each_rate(tmp_path: Path) -> None:
         assert cpu["gateway_ms"] > 0 and cpu["ratio"] == cpu["gateway_ms"] / cpu["bare_ms"]
         assert f"CPU at {r['rate']:g}/s: the gateway " in table
     assert "top cause: " in table
+    stalls = sum(len(r["gateway"]["slowest"]["stalls"]) for r in row["rates"])
+    assert ("writes over 10 ms; the largest phase of each: " in table) == (stalls > 0)
     assert "the gateway kept up at every rate (saturated: over 1 % late by 1 s" in table
 
 
@@ -201,4 +204,7 @@ def test_the_slowest_writes_phases_come_from_their_server_timing() -> None:
         (7.0, 30.0),
     ]
     assert slowest["stalls"][2]["admit"] == 20.0
+    line = stalls_line(slowest["stalls"])
+    assert line == "3 writes over 10 ms; the largest phase of each: admit 2, wait-older 1"
+    assert stalls_line([]) == "no write over 10 ms"
     assert phases_of(0.001, "admit;dur=0.2") == {"admit": 0.2}  # no total: nothing derived
