@@ -45,14 +45,19 @@ from bench.xacts import count_transactions
 GATEWAY_READY = re.compile(r"fencegate listening: .*?control=([^\s\",]+).*?proxy=([^\s\",]+)")
 
 
-def write_config(folder: Path, database_url: str, upstream_url: str) -> Path:
+def write_config(
+    folder: Path, database_url: str, upstream_url: str, *, server_timing: bool = False
+) -> Path:
+    """``server_timing``: the open loop's breakdown of its slowest writes reads each
+    answer's ``Server-Timing`` (``gateway.server_timing``)."""
     path = folder / "fencegate.toml"
     path.write_text(
         f'database_url = "{database_url}"\n'
         'proxy_listen = "127.0.0.1:0"\n'
         'control_listen = "127.0.0.1:0"\n'
         "\n[lease]\ndefault_ttl_seconds = 30\nmax_ttl_seconds = 86400\n"
-        f'\n[[upstreams]]\nname = "{UPSTREAM_NAME}"\nurl = "{upstream_url}"\n',
+        + (f"\n[gateway]\nserver_timing = {str(server_timing).lower()}\n")
+        + f'\n[[upstreams]]\nname = "{UPSTREAM_NAME}"\nurl = "{upstream_url}"\n',
         encoding="utf-8",
     )
     return path
@@ -375,7 +380,7 @@ def run_open_loop(
     db.create()
     gateway: Child | None = None
     try:
-        config = write_config(folder, db.url, upstream_url)
+        config = write_config(folder, db.url, upstream_url, server_timing=True)
         migrate(children, config)
         seed_records(db, opts.seed_records[0])
         db.vacuum("jobs", "leases", "idempotency_records", "audit_log")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -36,7 +37,8 @@ import secrets
 import sys
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,14 +50,15 @@ if __package__ in (None, ""):  # run as a file: python bench/open_loop.py
 
 from bench.common import percentile
 from bench.common import run as run_on_loop
-from bench.driver import CLIENTS, acquire_leases, poster
-from gateway.upstream import UpstreamError
+from bench.driver import CLIENTS, acquire_leases
+from gateway.upstream import UpstreamClient, UpstreamError
 
 LATE_SECONDS = 1.0  # an answer this long after its scheduled start is late
 SATURATED_SHARE = 0.01  # more than this share late or failed: the gateway cannot keep up
 SATURATED_RATE = 0.9  # answering under this share of the rate: it cannot keep up either
 TIMEOUT_SECONDS = 30.0  # a request unanswered this long is an error
 TARGETS = ("gateway", "bare")
+EPOCH_OFFSET = time.time() - time.perf_counter()  # perf_counter() readings as epoch seconds
 
 
 def body_of(size: int) -> bytes:
@@ -64,8 +67,17 @@ def body_of(size: int) -> bytes:
     return head + b"x" * max(0, size - len(head) - 2) + b'"}'
 
 
-# One request: sent at its scheduled time, True when answered as a first write should be.
-Send = Callable[[], Awaitable[bool]]
+# One request: sent at its scheduled time, True when answered as a first write should be;
+# or that and the answer's ``Server-Timing`` (the gateway's, ``gateway.server_timing``).
+Send = Callable[[], Awaitable[bool | tuple[bool, str | None]]]
+# The share of the slowest writes whose phases the breakdown shows (at least one write).
+SLOWEST_SHARE = 0.01
+# Every write slower than this is kept with its phases and moment too (a stall).
+STALL_SECONDS = 0.010
+# The breakdown's columns beyond the gateway's own steps: time outside the gateway's
+# handler (the network, the driver, the event loop's queue before the handler ran, the
+# answer's way back), and the gateway's own time between its timed phases.
+OUTSIDE, BETWEEN = "outside", "between"
 
 
 @dataclass
@@ -80,8 +92,13 @@ class Tally:
     lags: array[float] = field(default_factory=lambda: array("d"))  # the client's own delay
     answers_span: float = 0.0  # seconds from each slice's first answer to its last
     answers_spanned: int = 0  # the answers after each slice's first
+    # Each ok answer's latency, ``Server-Timing`` (when it had one) and scheduled start
+    # (epoch seconds: the slowest ones' moments, to be read beside the database's logs).
+    timings: list[tuple[float, str, float]] = field(default_factory=list)
 
-    def record(self, scheduled: float, started: float, ended: float, ok: bool) -> None:
+    def record(
+        self, scheduled: float, started: float, ended: float, ok: bool, timing: str | None = None
+    ) -> None:
         """A request scheduled at ``scheduled``, whose task began at ``started`` (the
         client's own lag) and was answered at ``ended``. Its latency is ``ended -
         scheduled``: a request held up by the answers before it counts its wait."""
@@ -95,6 +112,8 @@ class Tally:
         self.latencies.append(latency)
         if latency > LATE_SECONDS:
             self.late += 1
+        if timing:
+            self.timings.append((latency, timing, scheduled + EPOCH_OFFSET))
 
     def answered_rps(self) -> float:
         """Answers a second while a slice was being answered (each slice's first answer
@@ -126,7 +145,60 @@ class Tally:
             "max_ms": (lat[-1] * 1000) if lat else 0.0,
             "client_lag_p99_ms": percentile(lags, 0.99) * 1000,
             "saturated": self.saturated(rate),
+            **({"slowest": slowest_phases(self.timings)} if self.timings else {}),
         }
+
+
+def phases_of(latency: float, timing: str) -> dict[str, float]:
+    """One answer's phases, ms: its ``Server-Timing`` entries (``name;dur=ms``), what the
+    gateway spent between them (``between``: its ``gateway`` total less the others) and
+    the time outside its handler (``outside``: the latency less that total)."""
+    phases: dict[str, float] = {}
+    for entry in timing.split(","):
+        name, _, rest = entry.strip().partition(";dur=")
+        if rest:
+            phases[name] = phases.get(name, 0.0) + float(rest)
+    total = phases.pop("gateway", None)
+    if total is not None:
+        phases[BETWEEN] = max(0.0, total - sum(phases.values()))
+        phases[OUTSIDE] = max(0.0, latency * 1000 - total)
+    return phases
+
+
+def slowest_phases(timings: Sequence[tuple[float, str, float]]) -> dict[str, Any]:
+    """Where the slowest 1 % of the writes (at least one) spent their time: per phase its
+    median and max among them, and its median over all writes; the top cause, the phase
+    that took the most of most of them (how many); and every stall (a write over
+    ``STALL_SECONDS``) with when it was sent and its phases."""
+    ordered = sorted(timings, key=lambda t: t[0])
+    count = max(1, math.ceil(len(ordered) * SLOWEST_SHARE))
+    slow = [phases_of(latency, timing) for latency, timing, _ in ordered[-count:]]
+    every = [phases_of(latency, timing) for latency, timing, _ in ordered]
+    names = list(dict.fromkeys(name for phases in every for name in phases))
+    table = {}
+    for name in names:
+        mine = sorted(p.get(name, 0.0) for p in slow)
+        table[name] = {
+            "median_ms": percentile(mine, 0.5),
+            "max_ms": mine[-1],
+            "all_median_ms": percentile(sorted(p.get(name, 0.0) for p in every), 0.5),
+        }
+    tops = Counter(max(p, key=lambda name: p[name]) for p in slow if p)
+    cause, times = tops.most_common(1)[0] if tops else ("-", 0)
+    return {
+        "writes": count,
+        "of": len(ordered),
+        "latency_min_ms": ordered[-count][0] * 1000,
+        "latency_max_ms": ordered[-1][0] * 1000,
+        "phases": table,
+        "top_cause": cause,
+        "top_cause_writes": times,
+        "stalls": [
+            {"at_epoch": at, "latency_ms": latency * 1000, **phases_of(latency, timing)}
+            for latency, timing, at in ordered
+            if latency > STALL_SECONDS
+        ],
+    }
 
 
 def schedule(t0: float, rate: float, seconds: float) -> list[float]:
@@ -154,14 +226,16 @@ async def run_slice(
     async def one(at: float) -> None:
         nonlocal in_flight
         started = clock()
+        timing = None
         try:
-            ok = await send()
+            answer = await send()
+            ok, timing = answer if isinstance(answer, tuple) else (answer, None)
         except (aiohttp.ClientError, UpstreamError, OSError, TimeoutError):
             ok = False
         ended = clock()
         in_flight -= 1
         if tally is not None:
-            tally.record(at, started, ended, ok)
+            tally.record(at, started, ended, ok, timing)
             if ok:
                 answers.append(ended)
 
@@ -247,7 +321,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent",),
         ) as session,
-        poster(args.client, session, args.pool, timeout=TIMEOUT_SECONDS) as post,
+        timed_poster(args.client, session, args.pool) as post,
     ):
         tokens = await acquire_leases(session, args.control, job_ids, args.ttl)
         prefix = f"{args.tag}-{secrets.token_hex(3)}"
@@ -256,16 +330,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             cycle = itertools.cycle(tokens)
             counter = itertools.count()
 
-            async def send() -> bool:
+            async def send() -> tuple[bool, str | None]:
                 headers = {
                     "Fencing-Token": next(cycle),
                     "Idempotency-Key": f"{prefix}-{target}-{next(counter)}",
                     "Content-Type": "application/json",
                 }
-                status, answer = await post(url, body, headers)
+                status, answer, timing = await post(url, body, headers)
                 if status != 201 and len(_ERRORS) < 5:
                     _ERRORS.append(f"{target} {status}: {answer[:300].decode(errors='replace')}")
-                return status == 201
+                return status == 201, timing
 
             return send
 
@@ -287,6 +361,42 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         f"its scheduled time, up to {args.pool} connections per target",
         "driver_pid": os.getpid(),
     }
+
+
+# A POST through the chosen client: the answer's status, body and ``Server-Timing``.
+TimedPost = Callable[[str, bytes, dict[str, str]], Awaitable[tuple[int, bytes, str | None]]]
+
+
+@contextlib.asynccontextmanager
+async def timed_poster(
+    client: str, session: aiohttp.ClientSession, pool: int
+) -> AsyncIterator[TimedPost]:
+    """``bench.driver.poster``'s POST, keeping the answer's ``Server-Timing`` header."""
+    if client == "aiohttp":
+
+        async def post_aiohttp(
+            url: str, body: bytes, headers: dict[str, str]
+        ) -> tuple[int, bytes, str | None]:
+            async with session.post(url, data=body, headers=headers) as resp:
+                return resp.status, await resp.read(), resp.headers.get("Server-Timing")
+
+        yield post_aiohttp
+        return
+    lean = UpstreamClient(connections_per_host=pool + 8, keepalive_seconds=60)
+
+    async def post_lean(
+        url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        async with await lean.request(
+            "POST", url, headers.items(), body, timeout=TIMEOUT_SECONDS, connect_timeout=10
+        ) as resp:
+            timing = next((v for k, v in resp.headers if k.lower() == "server-timing"), None)
+            return resp.status, await resp.read(), timing
+
+    try:
+        yield post_lean
+    finally:
+        await lean.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from bench.breakdown import cpu_line, cpu_per_request, slowest_lines
 from bench.charts import draw_soak
 from bench.driver import load_generator
 from bench.hot_tables import postgres_summary
@@ -60,6 +61,8 @@ def judge_writes(rows: list[dict[str, Any]], bare: dict[str, Any] | None) -> Non
         row["rps_ok"] = row["rps_ratio"] >= row["rps_target"]
         row["p99_ok"] = row["p99_ratio"] is not None and row["p99_ratio"] <= P99_TARGET
         row["cpu_budget"] = cpu_budget(row, bare)
+        spent, floor = row.get("server_cpu_ms_per_request"), bare.get("server_cpu_ms_per_request")
+        row["cpu_ratio"] = spent / floor if spent and floor else None
 
 
 # The processes beside the server under test whose CPU a fenced write also costs.
@@ -240,6 +243,15 @@ def report(rows: list[dict[str, Any]], opts: Options) -> str:
     bares = [r for r in writes if r["target"].startswith("bare")]
     if len(bares) > 1:
         out.append(f"(ratios are to the mean of the {len(bares)} bare proxy runs)")
+    ratios = [r for r in writes if r.get("cpu_ratio")]
+    if ratios:
+        out.append(
+            "CPU per fenced write over the bare proxy's per request (same run): "
+            + "; ".join(
+                f"{r['target']} {r['server_cpu_ms_per_request']:.3f} ms, {r['cpu_ratio']:.2f}x"
+                for r in ratios
+            )
+        )
     budgets = [budget_line(r["target"], r["cpu_budget"]) for r in writes if r.get("cpu_budget")]
     if budgets:
         out.append("CPU budget of the throughput target, from this run's CPU per write:")
@@ -512,6 +524,12 @@ def open_loop_report(rows: list[dict[str, Any]], opts: Options) -> str:
                 body,
             )
         )
+        for r in row["rates"]:
+            found = r["cpu_ms_per_request"] = cpu_per_request(r, opts.slice)
+            if found is not None:
+                out.append(cpu_line(r["rate"], found))
+            if r["gateway"].get("slowest"):
+                out.extend(slowest_lines(r["rate"], r["gateway"]["slowest"]))
         saturated = row.get("saturated_at")
         out.append(
             f"the gateway saturates at {saturated:g}/s ({SATURATION_RULE})"

@@ -50,6 +50,7 @@ from .statement import Batched, Row, Statement
 
 if TYPE_CHECKING:
     from .catalogue import Operation
+    from .metrics import PhaseTimers
 
 
 class Direct:
@@ -60,6 +61,9 @@ class Direct:
     # Told "host:port" of the server each new connection reached (PostgreSQL): the
     # backend counts reconnects and notices a new primary after a failover.
     on_connect: Callable[[str], None] | None = None
+    # Where each statement's phases are timed (pool, statement, commit: the backend's
+    # ``fencegate_db_seconds``); None: not timed.
+    timers: PhaseTimers | None = None
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         """Run one statement as its own transaction; its first row, if any."""

@@ -5,6 +5,7 @@ callers of a ``Batched`` statement sharing one round trip (``Coalescer``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -129,12 +130,20 @@ class PostgresDirect(Direct):
         args = [params[name] for name in names]
         try:
             pool = await self._get_pool()
+            began = time.perf_counter()
             async with pool.acquire() as conn:
+                sent = time.perf_counter()
                 try:
-                    return await getattr(conn, method)(text, *args)
+                    answer = await getattr(conn, method)(text, *args)
                 except Exception as error:
                     _discard_if_unavailable(conn, error)
                     raise
+                timers = self.timers
+                if timers is not None:
+                    waited, ran, _ = timers[statement]
+                    waited.observe(sent - began)
+                    ran.observe(time.perf_counter() - sent)
+                return answer
         except Exception as error:
             if is_unavailable(error):
                 raise exc.StoreUnavailable() from error
@@ -146,13 +155,28 @@ class PostgresDirect(Direct):
         injected = params.get("now") is not None
         try:
             pool = await self._get_pool()
+            began = time.perf_counter()
             async with pool.acquire() as conn:
+                sent = time.perf_counter()
                 try:
-                    async with conn.transaction():
-                        return await self._run_chain(conn, statements, params, injected)
+                    transaction = conn.transaction()
+                    await transaction.start()
+                    try:
+                        answer = await self._run_chain(conn, statements, params, injected)
+                    except BaseException:
+                        await transaction.rollback()
+                        raise
+                    committing = time.perf_counter()
+                    await transaction.commit()
                 except Exception as error:
                     _discard_if_unavailable(conn, error)
                     raise
+                if self.timers is not None:
+                    waited, ran, committed = self.timers[statements[0]]
+                    waited.observe(sent - began)
+                    ran.observe(committing - sent)
+                    committed.observe(time.perf_counter() - committing)
+                return answer
         except Exception as error:
             if is_unavailable(error):
                 raise exc.StoreUnavailable() from error

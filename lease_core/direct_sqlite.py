@@ -11,6 +11,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -65,9 +66,13 @@ class SqliteDirect(Direct):
 
     async def fetchrow(self, statement: Statement, params: Mapping[str, Any]) -> Row | None:
         text = statement.sqlite
+        timers = self.timers
 
         def one(conn: sqlite3.Connection) -> Row | None:
+            began = time.perf_counter()
             row: Row | None = conn.execute(text, params).fetchone()
+            if timers is not None:
+                timers[statement][1].observe(time.perf_counter() - began)
             return row
 
         if statement.reads_only:
@@ -104,7 +109,20 @@ class SqliteDirect(Direct):
     async def _chain(
         self, statements: Sequence[Statement], params: Mapping[str, Any]
     ) -> Row | None:
-        return await self.in_write_transaction(partial(_chain_sqlite, statements, params))
+        work = partial(_chain_sqlite, statements, params)
+        timers = self.timers
+        if timers is None:
+            return await self.in_write_transaction(work)
+        ran = timers[statements[0]][1]
+
+        def timed(conn: sqlite3.Connection) -> Row | None:
+            began = time.perf_counter()
+            try:
+                return work(conn)
+            finally:
+                ran.observe(time.perf_counter() - began)
+
+        return await self.in_write_transaction(timed)
 
     async def in_write_transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """``work`` runs at once, on this thread, under its own savepoint of the group
@@ -185,7 +203,10 @@ class SqliteDirect(Direct):
             failure = exc.StoreUnavailable()
         else:
             try:
+                began = time.perf_counter()
                 conn.execute("COMMIT")
+                if self.timers is not None:
+                    self.timers["group"][2].observe(time.perf_counter() - began)
             except sqlite3.Error as error:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")

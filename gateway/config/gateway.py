@@ -67,6 +67,9 @@ class GatewaySettings(BaseModel):
     # meanwhile waits for the settle), or before its last byte goes out (True: a
     # duplicate sent to any replica after the answer finds it stored).
     settle_before_answer: bool = False
+    # A forwarded fenced write's answer carries a ``Server-Timing`` header (W3C): the
+    # seconds of each of its steps in the gateway, the upstream's and the gateway's total.
+    server_timing: bool = False
     # The name this replica writes into the audit entries it makes (the ``replica``
     # column): None, the default, is the machine's hostname (a container's: its pod's).
     replica_name: str | None = Field(None, pattern=REPLICA_NAME)

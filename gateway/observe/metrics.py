@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from lease_core.metrics import LATENCY_BUCKETS
+from gateway.fencing.request import Act, RequestMachine
+from lease_core.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, LoopHistogram, Observes
+
+# ``fencegate_write_phase_seconds``'s phases beside the driver's steps (``Act``): the
+# exchange with the upstream (from the send to the answer's end streamed back), the
+# settle of the key's record (behind the answer or before it) and an audit entry's write.
+FORWARD, SETTLE, AUDIT = "forward", "settle", "audit"
+PHASES = (*(act.value for act in Act if act is not Act.ANSWER), FORWARD, SETTLE, AUDIT)
+# A fenced write's steps and their seconds, kept for its ``Server-Timing`` header
+# (``gateway.server_timing``).
+STEPS = web.RequestKey("steps", list[tuple[str, float]])
 
 
 class GatewayMetrics:
@@ -40,14 +52,15 @@ class GatewayMetrics:
             ["source", "reason"],
             registry=r,
         )
-        self.forward_seconds = Histogram(
+        # The write path's histograms take no lock (``LoopHistogram``).
+        self.forward_seconds = LoopHistogram(
             "fencegate_gateway_forward_seconds",
             "Time from forwarding a request to the end of the upstream's answer.",
             ["upstream"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = LoopHistogram(
             "fencegate_gateway_decision_seconds",
             "Time spent deciding a fenced write before forwarding it (database included).",
             ["upstream"],
@@ -63,9 +76,48 @@ class GatewayMetrics:
             ["upstream", "outcome"],
             registry=r,
         )
+        self.write_phase_seconds = LoopHistogram(
+            "fencegate_write_phase_seconds",
+            "The phases of fenced writes inside the gateway: each step of the request's "
+            "machine (check-lease, take-slot, read-body, admit, wait-first, wait-older, "
+            "read-claim, release), forward (the send to the answer's end), settle (the "
+            "key's record stored) and audit (an audit entry written).",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        # Bound once: ``labels()`` takes a lock and builds a key on every call.
+        self.phase: dict[str, Observes] = {
+            phase: self.write_phase_seconds.labels(phase) for phase in PHASES
+        }
         self.in_flight = Gauge(
             "fencegate_gateway_in_flight_writes",
             "Fenced writes being forwarded right now.",
             ["upstream"],
             registry=r,
         )
+
+
+class StepTimer:
+    """The driver's timing of a request's steps (``Driver.handle``): a fenced write's
+    step goes to its phase's histogram and, with ``gateway.server_timing``, to the
+    request's own list, which its ``Server-Timing`` header reads (``forwarding``)."""
+
+    __slots__ = ("_by_act", "_per_request")
+
+    def __init__(self, metrics: GatewayMetrics, *, per_request: bool) -> None:
+        self._by_act: dict[Act, Observes] = {
+            act: metrics.phase[act.value] for act in Act if act is not Act.ANSWER
+        }
+        self._per_request = per_request
+
+    def took(self, act: Act, began: float, request: web.Request, machine: RequestMachine) -> None:
+        if not machine.facts.fenced:
+            return
+        seconds = time.perf_counter() - began
+        self._by_act[act].observe(seconds)
+        if self._per_request:
+            steps = request.get(STEPS)
+            if steps is None:
+                steps = request[STEPS] = []
+            steps.append((act.value, seconds))

@@ -14,7 +14,7 @@ from gateway import sources
 from gateway.config import Settings, UpstreamSettings
 from gateway.fencing.request import Act
 from gateway.observe.logs import request_id_middleware
-from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics, StepTimer
 from gateway.proxy.answers import Answers
 from gateway.proxy.duplicates import Settles
 from gateway.proxy.handler import MACHINE, Driver
@@ -70,6 +70,8 @@ class Gateway(Driver):
             Act.READ_CLAIM: self._read_claim,
             Act.RELEASE: self._release_step,
         }
+        # Each step of a fenced write timed (``Server-Timing`` with gateway.server_timing).
+        self.timer = StepTimer(self.metrics, per_request=settings.gateway.server_timing)
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""

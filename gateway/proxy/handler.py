@@ -23,7 +23,7 @@ from gateway.fencing import fence
 from gateway.fencing.after_forward import answer_after
 from gateway.fencing.decision import EXPECT_UNSUPPORTED, STORE_UNAVAILABLE, Outcome, Verdict
 from gateway.fencing.request import Act, Next, RequestMachine
-from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics, StepTimer
 from gateway.proxy import leases
 from gateway.proxy.answers import Answers
 from gateway.proxy.body import BodyTimeout, read_body, start_body_clock
@@ -64,15 +64,15 @@ class Driver:
     settles: Settles
     behind: Behind
     steps: dict[Act, Perform]
+    timer: StepTimer
 
     # -- the request path ---------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        """Perform the machine's steps until it answers, then carry out its verdict. The
-        machine asks for the lease before a slot and a slot before the body: a request
-        without a current lease is refused before its body is read and never holds a
-        slot while a slow client sends it. Fenced and unfenced requests have separate
-        pools, and every body must arrive in time (``body.read_body``)."""
+        """Perform the machine's steps (each timed: ``StepTimer``) until it answers, then
+        carry out its verdict. The lease comes before a slot and a slot before the body:
+        a request without a current lease is refused before its body is read and holds
+        no slot while a slow client sends it (separate pools for fenced and unfenced)."""
         start_body_clock(request, self.settings.gateway)
         incoming, machine = self._begin(request)
         try:
@@ -81,11 +81,13 @@ class Driver:
                 machine.lease_checked(checked)
             step = machine.next()
             while step.act is not Act.ANSWER:
+                act, began = step.act, time.perf_counter()
                 try:
-                    step = await self.steps[step.act](incoming, machine)
+                    step = await self.steps[act](incoming, machine)
                 except lease_exc.StoreUnavailable:
                     await self._release_unsent(incoming, machine)
                     raise
+                self.timer.took(act, began, request, machine)
             assert step.verdict is not None
             return await self._carry_out(incoming, machine, step.verdict)
         except lease_exc.StoreUnavailable:

@@ -6,6 +6,7 @@ wait on this replica are woken. ``Behind``: the settles of answers already given
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -14,6 +15,7 @@ from gateway.config import GatewaySettings
 from gateway.fencing import fence
 from gateway.fencing.fence import RecordState
 from gateway.fencing.request import RequestMachine
+from gateway.observe.metrics import SETTLE, GatewayMetrics
 from gateway.proxy.request import Incoming
 from gateway.proxy.resolve import kept_request
 from gateway.records.store import GatewayStore, KeptRequest
@@ -117,6 +119,7 @@ class HeldKey:
         body: bytes | None,
         note: str | None,
     ) -> None:
+        began = time.perf_counter()
         kept = self._kept() if state is RecordState.UNKNOWN else None
         if kept is not None:
             await self._store.hold_for_resolution(
@@ -140,6 +143,8 @@ class HeldKey:
                 body=body,
                 note=note,
             )
+        metrics = GatewayMetrics.of(self._store.backend.metrics.registry)
+        metrics.phase[SETTLE].observe(time.perf_counter() - began)
         self._settled(self._job_id, self._key)
 
     async def settle_behind(

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from gateway.config import REPLICA_NAME, SOURCE_NAME, GatewaySettings
 from gateway.fencing.fence import GATEWAY_REASONS, source_of
+from gateway.observe.metrics import AUDIT, GatewayMetrics
 from gateway.records.schema import audit
 from lease_core import exceptions as lease_exc
 from lease_core.backend import PURGE_BATCH
@@ -109,6 +110,8 @@ class Audit:
         # when it was given (None: the database's clock, when it is written).
         self._queue: list[tuple[AuditEntry, float | None]] = []
         self._writer: asyncio.Future[None] | None = None
+        # Each entry's write, timed (``fencegate_write_phase_seconds{phase="audit"}``).
+        self._timed = GatewayMetrics.of(self.backend.metrics.registry).phase[AUDIT]
 
     def record(self, entry: AuditEntry) -> None:
         """Write one entry behind the answer: the answer does not wait for it. Entries
@@ -167,8 +170,10 @@ class Audit:
             operation = "audit_grouped"
             values["body"] = None
             values["group_key"] = self._group(values)
+        began = time.perf_counter()
         try:
             await self.backend.run(operation, **values)
+            self._timed.observe(time.perf_counter() - began)
         except lease_exc.StoreUnavailable:
             log.warning(
                 "audit entry lost (database unavailable): %s %s %s",

@@ -27,7 +27,7 @@ from gateway.config import GatewaySettings, UpstreamSettings
 from gateway.fencing.after_forward import Ended, Exchange
 from gateway.fencing.fence import RecordState
 from gateway.fencing.profiles import Answer
-from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.metrics import FORWARD, STEPS, GatewayMetrics
 from gateway.upstream import (
     ConnectTimeout,
     NoAnswerInTime,
@@ -93,6 +93,7 @@ class Forwarder:
         self.metrics = metrics
         self.client: UpstreamClient | None = None
         self._by_upstream: dict[str, ForwardingMetrics] = {}
+        self._forward_phase = metrics.phase[FORWARD]  # of fenced writes
 
     @property
     def started(self) -> bool:
@@ -145,11 +146,17 @@ class Forwarder:
                 answer.close()
                 await key.release()
                 return await refuse(Answer.PRECONDITION_FAILED)
+            timing = None
+            if self.limits.server_timing and decided_since is not None:
+                timing = _Timing(request, decided_since, started, time.perf_counter())
             try:
-                return await self._stream(request, upstream, answer, key)
+                return await self._stream(request, upstream, answer, key, timing)
             finally:
-                metrics.forward_seconds.observe(time.perf_counter() - started)
+                took = time.perf_counter() - started
+                metrics.forward_seconds.observe(took)
                 metrics.forwarded.inc()
+                if decided_since is not None:
+                    self._forward_phase.observe(took)
         finally:
             metrics.in_flight.dec()
 
@@ -225,6 +232,7 @@ class Forwarder:
         upstream: UpstreamSettings,
         upstream_response: UpstreamResponse,
         key: ClaimedKey | None,
+        timing: _Timing | None = None,
     ) -> web.StreamResponse:
         """Stream the answer back, keeping what a replay needs. A final answer's record
         is settled behind it (``ClaimedKey.settle_behind``), started before its last
@@ -232,7 +240,7 @@ class Forwarder:
         async with upstream_response:
             response_headers = answer_headers(upstream_response.headers)
             status, reason = upstream_response.status, upstream_response.reason
-            relay = _Relay(request, status, reason, response_headers)
+            relay = _Relay(request, status, reason, response_headers, timing)
             stored: bytearray | None = bytearray()
             replay_limit = self.limits.max_replay_body_bytes
             complete = False
@@ -262,6 +270,8 @@ class Forwarder:
                 whole = web.Response(
                     status=status, reason=reason, body=held, headers=CIMultiDict(response_headers)
                 )
+                if timing is not None:
+                    whole.headers["Server-Timing"] = timing.header()
                 with contextlib.suppress(ConnectionError, RuntimeError):  # the client left
                     await whole.prepare(request)
                     await whole.write_eof()
@@ -281,15 +291,21 @@ class _Relay:
     """The answer on its way to the client: its head is sent once a second piece arrives
     (``started``), and a client that left is noted, not raised."""
 
-    __slots__ = ("client_gone", "headers", "out", "reason", "request", "status")
+    __slots__ = ("client_gone", "headers", "out", "reason", "request", "status", "timing")
 
     def __init__(
-        self, request: web.Request, status: int, reason: str, headers: list[tuple[str, str]]
+        self,
+        request: web.Request,
+        status: int,
+        reason: str,
+        headers: list[tuple[str, str]],
+        timing: _Timing | None = None,
     ) -> None:
         self.request = request
         self.status = status
         self.reason = reason
         self.headers = headers
+        self.timing = timing
         self.out: web.StreamResponse | None = None
         self.client_gone = False
 
@@ -298,6 +314,8 @@ class _Relay:
             out = self.out = web.StreamResponse(status=self.status, reason=self.reason)
             for k, v in self.headers:
                 out.headers.add(k, v)
+            if self.timing is not None:
+                out.headers["Server-Timing"] = self.timing.header()
             try:
                 await out.prepare(self.request)
             except (ConnectionError, RuntimeError):
@@ -310,6 +328,24 @@ class _Relay:
                 await (await self.started()).write(chunk)
             except (ConnectionError, RuntimeError):
                 self.client_gone = True
+
+
+class _Timing:
+    """A fenced write's ``Server-Timing`` (``gateway.server_timing``): its steps in the
+    gateway (``STEPS``, ms), ``upstream`` from the send to the answer's head, and
+    ``gateway`` from the request's first step to this answer's head (the steps, the
+    upstream, the gateway's own work between them, and a settle before the answer)."""
+
+    __slots__ = ("began", "headed", "request", "sent")
+
+    def __init__(self, request: web.Request, began: float, sent: float, headed: float) -> None:
+        self.request, self.began, self.sent, self.headed = request, began, sent, headed
+
+    def header(self) -> str:
+        parts = [f"{name};dur={1000 * s:.3f}" for name, s in self.request.get(STEPS, ())]
+        parts.append(f"upstream;dur={1000 * (self.headed - self.sent):.3f}")
+        parts.append(f"gateway;dur={1000 * (time.perf_counter() - self.began):.3f}")
+        return ", ".join(parts)
 
 
 def _kept_for_key(

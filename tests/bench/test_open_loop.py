@@ -11,7 +11,17 @@ from typing import Any
 
 import pytest
 
-from bench.open_loop import LATE_SECONDS, Tally, body_of, run_slice, schedule, slice_order
+from bench.breakdown import stalls_line
+from bench.open_loop import (
+    LATE_SECONDS,
+    Tally,
+    body_of,
+    phases_of,
+    run_slice,
+    schedule,
+    slice_order,
+    slowest_phases,
+)
 from bench.options import Options, build_parser, options_from
 from tests.bench.test_bench_smoke import run_quick
 
@@ -42,6 +52,22 @@ def test_quick_open_loop_reports_each_rate(tmp_path: Path) -> None:
     assert row["saturated_at"] is None and "transactions" not in row  # PostgreSQL only
     table = result.stdout
     assert "added p50" in table and "answered/s gw/bare" in table
+    # Where the slowest writes' time went, from each answer's Server-Timing: real phases.
+    for r in row["rates"]:
+        slowest = r["gateway"]["slowest"]
+        assert slowest["writes"] == 1 and slowest["of"] == r["gateway"]["ok"], slowest
+        phases = slowest["phases"]
+        assert {"read-body", "admit", "upstream", "between", "outside"} <= set(phases)
+        assert phases["admit"]["median_ms"] > 0 and phases["upstream"]["max_ms"] > 0
+        assert slowest["top_cause"] in phases
+        assert "slowest" not in r["bare"]  # the bare proxy says nothing of its phases
+        assert f"the slowest 1 % at {r['rate']:g}/s, 1 of " in table
+        cpu = r["cpu_ms_per_request"]
+        assert cpu["gateway_ms"] > 0 and cpu["ratio"] == cpu["gateway_ms"] / cpu["bare_ms"]
+        assert f"CPU at {r['rate']:g}/s: the gateway " in table
+    assert "top cause: " in table
+    stalls = sum(len(r["gateway"]["slowest"]["stalls"]) for r in row["rates"])
+    assert ("writes over 10 ms; the largest phase of each: " in table) == (stalls > 0)
     assert "the gateway kept up at every rate (saturated: over 1 % late by 1 s" in table
 
 
@@ -153,3 +179,32 @@ def test_the_added_latency_is_judged_at_300_writes_a_second() -> None:
     for given, verdict in cases:
         judge_open_loop(given)
         assert given["latency_ok"] is verdict, given
+
+
+def test_the_slowest_writes_phases_come_from_their_server_timing() -> None:
+    """The slowest 1 % (at least one) of the writes, each split by its Server-Timing:
+    the gateway's own time between its phases and the time outside it are what is left."""
+    timings = [(0.002, "admit;dur=0.5, upstream;dur=0.4, gateway;dur=1.2", 1.0)] * 199
+    timings.append((0.030, "admit;dur=20.0, upstream;dur=0.5, gateway;dur=21.5", 7.0))
+    timings.append((0.020, "admit;dur=12.0, upstream;dur=0.5, gateway;dur=13.0", 5.0))
+    timings.append((0.025, "admit;dur=1, wait-older;dur=15, upstream;dur=0.5, gateway;dur=17", 6.0))
+    slowest = slowest_phases(timings)
+    assert slowest["writes"] == 3 and slowest["of"] == 202
+    phases = slowest["phases"]
+    assert phases["admit"]["max_ms"] == 20.0 and phases["admit"]["all_median_ms"] == 0.5
+    assert phases["admit"]["median_ms"] == 12.0
+    assert phases["wait-older"]["max_ms"] == 15.0 and phases["wait-older"]["median_ms"] == 0.0
+    assert phases["between"]["max_ms"] == pytest.approx(1.0)  # 21.5 - 20.0 - 0.5
+    assert phases["outside"]["max_ms"] == pytest.approx(8.5)  # 30 - 21.5
+    assert (slowest["top_cause"], slowest["top_cause_writes"]) == ("admit", 2)
+    # Every write over 10 ms is a stall, kept with its moment and phases.
+    assert [(w["at_epoch"], w["latency_ms"]) for w in slowest["stalls"]] == [
+        (5.0, 20.0),
+        (6.0, 25.0),
+        (7.0, 30.0),
+    ]
+    assert slowest["stalls"][2]["admit"] == 20.0
+    line = stalls_line(slowest["stalls"])
+    assert line == "3 writes over 10 ms; the largest phase of each: admit 2, wait-older 1"
+    assert stalls_line([]) == "no write over 10 ms"
+    assert phases_of(0.001, "admit;dur=0.2") == {"admit": 0.2}  # no total: nothing derived
