@@ -333,7 +333,12 @@ async def test_a_resolution_claimed_during_a_newer_admission_is_waited_for(
             later = asyncio.create_task(
                 stack.write("/pay/v1/refunds", newer, key="refund-1", body={"charge": "ch_1"})
             )
-            for _ in range(500):  # until the admission waits for the job's row
+            # Until the admission waits for the job's row (within 30 s: a loaded machine
+            # running the suite in parallel took more than 5). Each look reads the
+            # activity afresh: the holder's transaction would otherwise keep reading the
+            # statistics snapshot its first look took.
+            for _ in range(3000):
+                await holder.execute(text("SELECT pg_stat_clear_snapshot()"))
                 waiting = await holder.execute(
                     text(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
