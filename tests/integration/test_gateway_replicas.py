@@ -114,6 +114,7 @@ async def test_a_reclaim_on_one_replica_fences_the_other(
     second = await a.lease("job-1", owner="w2", ttl=10)
     doc = await problem(await b.write("/pay/c", first, key="step-2"), 409, "stale-generation")
     assert (doc["generation"], doc["highest_generation"]) == (1, 2)
+    await b.written()  # its audit entry, written behind its answer, before a's below
     # The new worker's duplicate of step-1 on the other replica is a replay.
     resp = await a.write("/pay/c", second, key="step-1")
     assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "true"
