@@ -201,6 +201,7 @@ async def test_a_job_with_a_write_in_flight_is_not_purged(
     assert doc["detail"].startswith("A write of this job is still in flight")
     assert doc["detail"].endswith(".")
     await ok(await write)
+    await stack.written()  # its record settles behind its answer
     resp = await stack.control.delete("/admin/jobs/job-1")
     assert resp.status in (200, 204), await resp.text()
 

@@ -32,7 +32,11 @@ def namespace() -> Iterator[netns.Namespace]:
         if os.environ.get("CI"):
             pytest.fail(f"the partition nemesis cannot run in CI: {why}")
         pytest.skip(why)
-    ns = netns.Namespace(f"{netns.PREFIX}-test{os.getpid() % 1000}", 245)
+    # One subnet (and veth name) per xdist worker: two workers' tests run at once, and
+    # a shared index made one's ``ip link add`` meet the other's interface. 241..250 is
+    # apart from verify's stacks (1..240).
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    ns = netns.Namespace(f"{netns.PREFIX}-test{os.getpid() % 1000}", 241 + worker % 10)
     ns.create()
     try:
         yield ns
