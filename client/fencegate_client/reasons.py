@@ -43,6 +43,8 @@ class Reason(StrEnum):
     ORDERING_TIMEOUT = "ordering-timeout"
     UPSTREAM_UNAVAILABLE = "upstream-unavailable"
     UPSTREAM_TIMEOUT = "upstream-timeout"
+    # Sent, and the connection failed before the upstream's answer arrived.
+    UPSTREAM_CONNECTION_LOST = "upstream-connection-lost"
     # An S3 upstream refused the write's own precondition (If-None-Match: *, If-Match).
     PRECONDITION_FAILED = "precondition-failed"
     STORE_UNAVAILABLE = "store-unavailable"
@@ -69,6 +71,24 @@ class Reason(StrEnum):
     INVALID_RESPONSE = "invalid-response"
 
 
+class Sent(StrEnum):
+    """What a gateway's answer says of the write it answers: whether any byte of it
+    reached the upstream. A worker decides what to do from this fact alone:
+
+    - ``never``: nothing was sent. The upstream never saw it: send it again (the same key
+      is free, or back as it was), now or after ``Retry-After``; a new key is safe too.
+    - ``maybe``: sent, or maybe sent, and whether it was applied is unknown. Never send it
+      under a new key: retry with the same key (the upstream's ``unknown_outcome`` says
+      what that gets) or have it resolved (``fencegate outcomes resolve``).
+    - ``yes``: sent and answered; the answer is the outcome (a replay is the earlier
+      write's answer). Sending it again under the same key gets the same answer.
+    """
+
+    NEVER = "never"
+    MAYBE = "maybe"
+    YES = "yes"
+
+
 class Layer(Flag):
     """Who answers with a reason."""
 
@@ -83,6 +103,9 @@ class ReasonInfo:
     layers: Layer
     detail: str = ""  # the gateway's default; a lease-API error's is its class's docstring
     retry_after: bool = False  # answered with ``Retry-After: 1``: the same request may pass soon
+    # Of the gateway's answers: whether the write reached the upstream (``Sent``); None
+    # for the control listener's only, which answer no write.
+    sent: Sent | None = None
 
 
 _GW = Layer.GATEWAY
@@ -93,19 +116,32 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
     {
         # -- the gateway's -----------------------------------------------------------------
         Reason.UNKNOWN_UPSTREAM: ReasonInfo(
-            404, "Unknown upstream", _GW, "No upstream of that name."
+            404,
+            "Unknown upstream",
+            _GW,
+            "No upstream of that name.",
+            sent=Sent.NEVER,
         ),
         Reason.INVALID_REQUEST: ReasonInfo(
             400,
             "Invalid request",
             _BOTH,
             "The request is malformed or not allowed through the gateway.",
+            sent=Sent.NEVER,
         ),
         Reason.MISSING_FENCING_TOKEN: ReasonInfo(
-            428, "Fencing token required", _GW, "This method is fenced: send Fencing-Token."
+            428,
+            "Fencing token required",
+            _GW,
+            "This method is fenced: send Fencing-Token.",
+            sent=Sent.NEVER,
         ),
         Reason.INVALID_FENCING_TOKEN: ReasonInfo(
-            403, "Invalid fencing token", _GW, "The fencing token is malformed or unknown."
+            403,
+            "Invalid fencing token",
+            _GW,
+            "The fencing token is malformed or unknown.",
+            sent=Sent.NEVER,
         ),
         Reason.MISSING_IDEMPOTENCY_KEY: ReasonInfo(
             400,
@@ -113,18 +149,28 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             _GW,
             "This upstream requires an Idempotency-Key: a quoted string or a token, 1 to 255 "
             "characters.",
+            sent=Sent.NEVER,
         ),
         Reason.STALE_GENERATION: ReasonInfo(
             409,
             "Stale generation",
             _BOTH,
             "A newer generation of this job exists or has already written.",
+            sent=Sent.NEVER,
         ),
         Reason.LEASE_ENDED: ReasonInfo(
-            409, "Lease ended", _BOTH, "The lease was completed, failed or released."
+            409,
+            "Lease ended",
+            _BOTH,
+            "The lease was completed, failed or released.",
+            sent=Sent.NEVER,
         ),
         Reason.LEASE_EXPIRED: ReasonInfo(
-            409, "Lease expired", _BOTH, "The lease behind this token expired."
+            409,
+            "Lease expired",
+            _BOTH,
+            "The lease behind this token expired.",
+            sent=Sent.NEVER,
         ),
         Reason.GENERATION_REISSUED: ReasonInfo(
             409,
@@ -133,9 +179,14 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             "Another holder of this lock was admitted under this generation: the lock "
             "service issued it twice (it lost its fence counter). Nothing was forwarded; "
             "acquire the lock again once its counter is past highest_generation.",
+            sent=Sent.NEVER,
         ),
         Reason.BODY_TOO_LARGE: ReasonInfo(
-            413, "Body too large", _GW, "The body is over this upstream's limit."
+            413,
+            "Body too large",
+            _GW,
+            "The body is over this upstream's limit.",
+            sent=Sent.NEVER,
         ),
         Reason.BODY_TIMEOUT: ReasonInfo(
             408,
@@ -143,12 +194,14 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             _GW,
             "The request body did not arrive in time (body_timeout_seconds, "
             "body_idle_timeout_seconds); the connection is closed.",
+            sent=Sent.NEVER,
         ),
         Reason.IDEMPOTENCY_KEY_REUSED: ReasonInfo(
             422,
             "Idempotency key reused",
             _GW,
             "This key was used for this job with a different request.",
+            sent=Sent.NEVER,
         ),
         Reason.REQUEST_IN_PROGRESS: ReasonInfo(
             409,
@@ -156,12 +209,14 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             _GW,
             "A request with this key is being forwarded right now.",
             retry_after=True,
+            sent=Sent.NEVER,
         ),
         Reason.OUTCOME_UNKNOWN: ReasonInfo(
             409,
             "Outcome unknown",
             _GW,
             "An earlier forward with this key has an unknown outcome; an operator must resolve it.",
+            sent=Sent.MAYBE,
         ),
         Reason.REPLAY_UNAVAILABLE: ReasonInfo(
             409,
@@ -169,6 +224,7 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             _GW,
             "This key's request was applied, but its answer was larger than "
             "max_replay_body_bytes and was not stored; its status is in stored_status.",
+            sent=Sent.YES,
         ),
         Reason.ORDERING_TIMEOUT: ReasonInfo(
             503,
@@ -176,15 +232,31 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             _GW,
             "A write of an older generation of this job did not settle in time.",
             retry_after=True,
+            sent=Sent.NEVER,
         ),
         Reason.UPSTREAM_UNAVAILABLE: ReasonInfo(
             502,
             "Upstream unavailable",
             _GW,
-            "The upstream refused the connection or failed to answer.",
+            "The upstream could not be reached: nothing of the request was sent; safe to retry.",
+            retry_after=True,
+            sent=Sent.NEVER,
         ),
         Reason.UPSTREAM_TIMEOUT: ReasonInfo(
-            504, "Upstream timeout", _GW, "The upstream did not answer in time."
+            504,
+            "Upstream timeout",
+            _GW,
+            "The request was sent and the upstream did not answer in time: whether it was "
+            "applied is unknown.",
+            sent=Sent.MAYBE,
+        ),
+        Reason.UPSTREAM_CONNECTION_LOST: ReasonInfo(
+            502,
+            "Upstream connection lost",
+            _GW,
+            "The request was sent and the connection to the upstream failed before its "
+            "answer arrived: whether it was applied is unknown.",
+            sent=Sent.MAYBE,
         ),
         Reason.PRECONDITION_FAILED: ReasonInfo(
             412,
@@ -193,6 +265,7 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             "The upstream refused this write's precondition (If-None-Match: * or "
             "If-Match): the object exists, or has changed. Nothing was written; the "
             "key stays free.",
+            sent=Sent.YES,
         ),
         Reason.OVERLOADED: ReasonInfo(
             503,
@@ -200,16 +273,27 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             _GW,
             "The gateway is at max_concurrent_requests; try again shortly.",
             retry_after=True,
+            sent=Sent.NEVER,
         ),
         Reason.STORE_UNAVAILABLE: ReasonInfo(
             503,
             "Store unavailable",
             _BOTH,
-            "The gateway's database is not reachable; try again shortly.",
+            "The gateway's database is not reachable; nothing of this request was sent: "
+            "try again shortly.",
             retry_after=True,
+            sent=Sent.NEVER,
+        ),
+        Reason.INTERNAL_ERROR: ReasonInfo(
+            500,
+            "Internal error",
+            _BOTH,
+            "The gateway failed unexpectedly: whether this request reached the upstream "
+            "is unknown.",
+            sent=Sent.MAYBE,
         ),
         # -- the control listener's only ---------------------------------------------------
-        Reason.INTERNAL_ERROR: ReasonInfo(500, "Internal error", _API),
+        # -- the control listener's only ---------------------------------------------------
         Reason.UNAUTHORIZED: ReasonInfo(401, "Unauthorized", _API),
         Reason.FORBIDDEN: ReasonInfo(403, "Forbidden", _API),
         Reason.INVALID_LEASE_TOKEN: ReasonInfo(403, "Invalid lease token", _API),

@@ -34,10 +34,11 @@ Ended = Exchange | Answer  # an exchange's end, or the meaning of the answer's h
 
 # fmt: off
 AFTER_FORWARD: Final[Mapping[Ended, Reason]] = {
-    Exchange.CONNECT_TIMEOUT:    Reason.UPSTREAM_TIMEOUT,
+    # Each reason says one thing of the write (its ``sent``): never, or maybe.
+    Exchange.CONNECT_TIMEOUT:    Reason.UPSTREAM_UNAVAILABLE,
     Exchange.NOT_SENT:           Reason.UPSTREAM_UNAVAILABLE,
     Exchange.NO_ANSWER_IN_TIME:  Reason.UPSTREAM_TIMEOUT,
-    Exchange.NO_ANSWER:          Reason.UPSTREAM_UNAVAILABLE,
+    Exchange.NO_ANSWER:          Reason.UPSTREAM_CONNECTION_LOST,
     # Not applied (RFC 9110 13.1): told in the gateway's words, not in the upstream's.
     Answer.PRECONDITION_FAILED:  Reason.PRECONDITION_FAILED,
 }

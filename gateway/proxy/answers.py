@@ -74,6 +74,7 @@ class Answers:
             detail=detail or info.detail,
             headers=headers,
             **extra,
+            **({"sent": info.sent.value} if info.sent is not None else {}),
             **(members or {}),
         )
 

@@ -188,10 +188,10 @@ def test_a_request_without_a_current_lease_is_refused_before_it_takes_a_slot() -
 @pytest.mark.parametrize(
     ("ended", "reason"),
     [
-        (Exchange.CONNECT_TIMEOUT, Reason.UPSTREAM_TIMEOUT),
+        (Exchange.CONNECT_TIMEOUT, Reason.UPSTREAM_UNAVAILABLE),
         (Exchange.NOT_SENT, Reason.UPSTREAM_UNAVAILABLE),
         (Exchange.NO_ANSWER_IN_TIME, Reason.UPSTREAM_TIMEOUT),
-        (Exchange.NO_ANSWER, Reason.UPSTREAM_UNAVAILABLE),
+        (Exchange.NO_ANSWER, Reason.UPSTREAM_CONNECTION_LOST),
         (Answer.PRECONDITION_FAILED, Reason.PRECONDITION_FAILED),
     ],
 )

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fencegate_client import errors, reasons
-from fencegate_client.reasons import AUDIT_ONLY, GATEWAY_REASONS, REASONS, Layer, Reason
+from fencegate_client.reasons import AUDIT_ONLY, GATEWAY_REASONS, REASONS, Layer, Reason, Sent
 from gateway.fencing import fence
 from lease_core import exceptions as lease_exc
 from lease_core import rules
@@ -44,6 +44,7 @@ WIRE: dict[str, tuple[int | None, str]] = {
     "ordering-timeout": (503, "gateway"),
     "upstream-unavailable": (502, "gateway"),
     "upstream-timeout": (504, "gateway"),
+    "upstream-connection-lost": (502, "gateway"),
     "precondition-failed": (412, "gateway"),
     "idempotent-replay": (None, "gateway"),  # audited with the stored status
     "auto-resolved": (None, "gateway"),  # audited with the status of the answer it stored
@@ -54,7 +55,7 @@ WIRE: dict[str, tuple[int | None, str]] = {
     "gateway-overloaded": (503, "gateway"),
     "replay-unavailable": (409, "gateway"),
     # the control listener's (SPEC.md: 401, 403, 404, 409 job-exists; docs/protocol.md)
-    "internal-error": (500, "lease-api"),
+    "internal-error": (500, "both"),
     "unauthorized": (401, "lease-api"),
     "forbidden": (403, "lease-api"),
     "invalid-lease-token": (403, "lease-api"),
@@ -222,3 +223,44 @@ def test_the_catalogue_needs_only_the_standard_library() -> None:
             imported.add((node.module or "").partition(".")[0])
     assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
     assert reasons.__name__ == "fencegate_client.reasons"
+
+
+# What each of the gateway's answers says of the write (``Sent``), written down here a
+# second time on purpose: a change to one fact must be made in both places.
+SENT = {
+    "never": {
+        "unknown-upstream",
+        "invalid-request",
+        "missing-fencing-token",
+        "invalid-fencing-token",
+        "missing-idempotency-key",
+        "stale-generation",
+        "lease-ended",
+        "lease-expired",
+        "generation-reissued",
+        "body-too-large",
+        "body-timeout",
+        "idempotency-key-reused",
+        "request-in-progress",
+        "ordering-timeout",
+        "upstream-unavailable",
+        "gateway-overloaded",
+        "store-unavailable",
+    },
+    "maybe": {"outcome-unknown", "upstream-timeout", "upstream-connection-lost", "internal-error"},
+    "yes": {"replay-unavailable", "precondition-failed"},
+}
+
+
+def test_each_gateway_answer_says_whether_the_write_was_sent() -> None:
+    """Every reason the gateway answers with says one thing of the write: sent never,
+    maybe or yes; "never" (and only it) may be retried under a new key."""
+    found: dict[str, set[str]] = {"never": set(), "maybe": set(), "yes": set()}
+    for reason, info in REASONS.items():
+        if Layer.GATEWAY in info.layers:
+            assert info.sent is not None, reason
+            found[info.sent.value].add(reason.value)
+        else:
+            assert info.sent is None, reason
+    assert found == SENT
+    assert REASONS[Reason.STORE_UNAVAILABLE].sent is Sent.NEVER
