@@ -167,7 +167,10 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(Reason.BODY_TIMEOUT,          "body_in_time",         _false,                 Step.BODY,
         fenced_only=False, close=True),
     # The wait that ``Prefer: wait`` asks for; at its end, still in flight.
-    Row(Reason.REQUEST_IN_PROGRESS,   "first_settled",        _false,                 Step.WAIT),
+    Row(Reason.REQUEST_IN_PROGRESS,   "first_settled",        _false,                 Step.WAIT,
+        detail="The key's first attempt had not settled when this request's wait ended, "
+               "or it ended without an answer to replay. Nothing of this request was "
+               "sent: send it again with the same key."),
     # idempotent-replay, replay-unavailable, idempotency-key-reused, request-in-progress,
     # outcome-unknown
     Row(FROM_FACT,                    "record",               _given,             Step.ADMISSION),
@@ -189,6 +192,9 @@ PASS: Final = Verdict(Outcome.PASS)
 # Answers outside the table's walk: the database (or a lease source) did not answer while
 # facts were gathered; an ``Expect`` other than ``100-continue``.
 STORE_UNAVAILABLE: Final = Verdict(Outcome.REFUSE, Reason.STORE_UNAVAILABLE)
+# A failure nobody foresaw (a bug): a problem document all the same, never aiohttp's
+# plain-text 500; sent "maybe" (the forward may have begun).
+INTERNAL_ERROR: Final = Verdict(Outcome.REFUSE, Reason.INTERNAL_ERROR)
 EXPECT_UNSUPPORTED: Final = Verdict(
     Outcome.REFUSE, Reason.INVALID_REQUEST, "Only Expect: 100-continue is supported."
 )

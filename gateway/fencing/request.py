@@ -40,6 +40,8 @@ from gateway.fencing.deadlines import (
     send_left,
 )
 from gateway.fencing.decision import (
+    INTERNAL_ERROR,
+    STORE_UNAVAILABLE,
     UNKNOWN,
     Facts,
     Outcome,
@@ -112,7 +114,11 @@ class RequestMachine:
     claim: Claim | None = None
     send_left: float | None = None  # seconds the claim still allows, judged at the send
     forwarded: CIMultiDict[str] | None = None  # the headers a fenced write went with
+    sending: bool = False  # the forward has begun: from here on, the write may be sent
     _after_wait: bool = False  # the lease is being judged again after WAIT_OLDER
+    # After WAIT_FIRST: answered from the store alone (the stored answer, or a refusal),
+    # never forwarded: a waiter holds no body.
+    _from_store: bool = False
 
     # -- what to do next ----------------------------------------------------------------
 
@@ -132,7 +138,7 @@ class RequestMachine:
         a slot for long: take one, read it and let the admission (the one statement
         that decides) tell about the lease, instead of asking twice."""
         facts = self.facts
-        if facts.over_limit is True or not self.body_arrived:
+        if facts.over_limit is True or not self.body_arrived or self._from_store:
             return CHECK_LEASE
         if facts.slot_free is UNKNOWN:
             return TAKE_SLOT
@@ -242,16 +248,28 @@ class RequestMachine:
         self.wait.begin()
         if self.wait.left() > 0 and not gone:
             self.facts.first_settled = UNKNOWN
+            # A waiter is answered from the store, never forwarded: it needs its
+            # fingerprint, not its body (which would otherwise stay in memory for the
+            # whole wait, outside the slots' bound).
+            self.body = None
 
-    def first_waited(self, settled: bool) -> None:
-        """WAIT_FIRST (the slot given back): the key's first attempt settled within the
-        wait; then a slot and the admission again, which decides what the duplicate
-        gets (the stored answer, as a replay)."""
-        assert self.wait is not None
+    def first_waited(self, settled: bool, record: Record | None) -> None:
+        """WAIT_FIRST (the slot and the body given back): the key's first attempt settled
+        within the wait, and its record as then read (None: free again). A stored answer
+        (or a refusal the record gives: reused key, unknown outcome) is this waiter's,
+        once the lease is looked at again: no slot is needed for an answer from the
+        store. A key free again (released, "not processed", to be forwarded again) has no
+        answer to give: the waiter, never sent, is told to send again
+        (``request-in-progress``, with ``Retry-After``)."""
+        assert self.wait is not None and self.fingerprint is not None
         self.wait.waited = True
-        self.facts.first_settled = settled
-        if settled:
-            self.facts.slot_free = self.facts.record = UNKNOWN
+        reason = fence.record_reason(record, self.fingerprint, self.policy) if settled else None
+        if reason is None or fence.in_progress(reason):
+            self.facts.first_settled = False
+            return
+        self.facts.first_settled = True
+        self.record, self.facts.record = record, reason
+        self.facts.lease, self._from_store = UNKNOWN, True
 
     def older_waited(self, settled: bool) -> Next:
         """WAIT_OLDER: older generations' writes settled within the wait (then the lease
@@ -283,6 +301,24 @@ class RequestMachine:
     def released(self) -> None:
         """RELEASE: the claim is undone."""
         self.claim = None
+
+    def forwarding(self) -> None:
+        """The verdict to forward is being carried out: from here on, bytes of the write
+        may reach the upstream, and no answer may say it was never sent unless the
+        exchange itself says so."""
+        self.sending = True
+
+    def failed(self) -> Verdict:
+        """The answer to a request that failed (the database, or a bug) outside the
+        exchange: nothing was sent before the forward began; after, whether anything
+        was is unknown (``internal-error``, sent maybe), never "send it again"."""
+        return INTERNAL_ERROR if self.sending else STORE_UNAVAILABLE
+
+    @property
+    def unsent_claim(self) -> bool:
+        """A claim on the key is held for a write that was never sent: it is to be given
+        back however the request ends (refused, failed, cancelled)."""
+        return self.claim is not None and not self.sending
 
     # -- reading the state ----------------------------------------------------------------
 

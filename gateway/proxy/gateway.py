@@ -4,6 +4,7 @@ request path is the driver's (``handler.Driver``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 
@@ -18,7 +19,7 @@ from gateway.observe.metrics import GatewayMetrics, StepTimer
 from gateway.proxy.answers import Answers
 from gateway.proxy.duplicates import Settles
 from gateway.proxy.handler import MACHINE, Driver
-from gateway.proxy.held import Behind
+from gateway.proxy.held import Behind, Releases
 from gateway.proxy.resolve import Resolver
 from gateway.records.audit import Audit
 from gateway.records.store import GatewayStore
@@ -59,6 +60,12 @@ class Gateway(Driver):
         self.settles = Settles()
         # Final answers given, their records still being settled.
         self.behind = Behind.of(settings.gateway)
+        # Set as the proxy's listener shuts down: the waits end, answered "not sent".
+        self.draining = asyncio.Event()
+        # Claims of writes never sent, given back (or owed until the database answers).
+        self.releases = Releases(
+            self.store, self.settles.notify, limit=4 * settings.gateway.max_concurrent_requests
+        )
         # The step the machine asks for, and who performs it.
         self.steps = {
             Act.CHECK_LEASE: self._check_lease,
@@ -137,6 +144,13 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
         yield
         await gateway.close()
 
+    async def drain(app: web.Application) -> None:
+        # The listener has stopped accepting; before the requests in progress are waited
+        # for (``shutdown_timeout_seconds``) and then cancelled, every wait ends, so its
+        # worker is told "not sent" and its claim given back while there is time.
+        gateway.draining.set()
+
+    app.on_shutdown.append(drain)
     app.cleanup_ctx.append(session_ctx)
     app.router.add_route("*", "/{tail:.*}", gateway.handle, expect_handler=gateway.expect)
     return app

@@ -11,6 +11,7 @@ decided here: every one is the machine's, the decision table's or ``fence``'s.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,7 +29,7 @@ from gateway.proxy import leases
 from gateway.proxy.answers import Answers
 from gateway.proxy.body import BodyTimeout, read_body, start_body_clock
 from gateway.proxy.duplicates import Settles
-from gateway.proxy.held import Behind, HeldKey
+from gateway.proxy.held import Behind, HeldKey, Releases
 from gateway.proxy.intake import begin, outgoing_headers
 from gateway.proxy.request import Incoming
 from gateway.proxy.waits import gone, until_older_settled, until_settled
@@ -65,6 +66,8 @@ class Driver:
     behind: Behind
     steps: dict[Act, Perform]
     timer: StepTimer
+    draining: asyncio.Event  # the listener shuts down: waits end, answered "never sent"
+    releases: Releases  # claims of writes never sent, given back (or owed)
 
     # -- the request path ---------------------------------------------------------------
 
@@ -84,14 +87,18 @@ class Driver:
                 act, began = step.act, time.perf_counter()
                 try:
                     step = await self.steps[act](incoming, machine)
-                except lease_exc.StoreUnavailable:
-                    await self._release_unsent(incoming, machine)
+                except BaseException:  # the database, a cancellation, a bug: never sent
+                    await self.releases.release_unsent(machine, incoming.key)
                     raise
                 self.timer.took(act, began, request, machine)
             assert step.verdict is not None
             return await self._carry_out(incoming, machine, step.verdict)
-        except lease_exc.StoreUnavailable:
-            return await self.answers.refuse(incoming, machine, STORE_UNAVAILABLE)
+        except web.HTTPException:
+            raise
+        except Exception as error:  # store-unavailable before the send, else internal-error
+            if not isinstance(error, lease_exc.StoreUnavailable):
+                log.exception("the request failed unexpectedly")
+            return await self.answers.refuse(incoming, machine, machine.failed())
         finally:
             self._free_slot(machine)
 
@@ -111,7 +118,7 @@ class Driver:
     async def _refuse_before_body(self, request: web.Request) -> web.StreamResponse | None:
         incoming, machine = self._begin(request)
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return await self.answers.refuse(Incoming(request), machine, EXPECT_UNSUPPORTED)
+            return await self.answers.refuse(incoming, machine, EXPECT_UNSUPPORTED)
         machine.before_body()
         try:
             step = machine.next()
@@ -205,16 +212,24 @@ class Driver:
         for a moment). Ends early when the client goes away."""
         assert machine.wait is not None and incoming.key is not None
         self._free_slot(machine)
-        settled = await until_settled(
-            self.store, self.settles, incoming.request, machine.job_id, incoming.key, machine.wait
+        settled, record = await until_settled(
+            self.store,
+            self.settles,
+            incoming.request,
+            machine.job_id,
+            incoming.key,
+            machine.wait,
+            stop=self.draining,
         )
-        machine.first_waited(settled)
+        machine.first_waited(settled, record)
         return machine.next()
 
     async def _wait_in_order(self, incoming: Incoming, machine: RequestMachine) -> Next:
         """Wait (bounded) for older generations' writes to the job."""
         seconds = self.settings.gateway.ordering_wait_seconds
-        settled = await until_older_settled(self.store, machine.job_id, machine.generation, seconds)
+        settled = await until_older_settled(
+            self.store, machine.job_id, machine.generation, seconds, stop=self.draining
+        )
         return machine.older_waited(settled)
 
     async def _read_claim(self, incoming: Incoming, machine: RequestMachine) -> Next:
@@ -226,26 +241,9 @@ class Driver:
         return machine.next()
 
     async def _release_step(self, incoming: Incoming, machine: RequestMachine) -> Next:
-        await self._release(incoming, machine)
+        assert incoming.key is not None
+        await self.releases.release(machine, incoming.key)
         return machine.next()
-
-    async def _release_unsent(self, incoming: Incoming, machine: RequestMachine) -> None:
-        """The database failed while a claimed write was still being decided on: it was
-        never sent, so its claim is undone if the database lets us, rather than left to
-        count as an unknown outcome once its deadline passes."""
-        if machine.claim is None:
-            return
-        try:
-            await self._release(incoming, machine)
-        except lease_exc.StoreUnavailable:
-            log.warning("a claim not sent could not be released (database unavailable)")
-
-    async def _release(self, incoming: Incoming, machine: RequestMachine) -> None:
-        claim, key = machine.claim, incoming.key
-        assert claim is not None and key is not None
-        await self.store.release(machine.job_id, key, claim.attempt, claim.back_to)
-        machine.released()
-        self.settles.notify(machine.job_id, key)
 
     # -- carrying out the verdict ---------------------------------------------------------
 
@@ -265,6 +263,7 @@ class Driver:
         a claimed key goes along, to be settled by how the exchange ends."""
         upstream = incoming.upstream
         assert upstream is not None and machine.body is not None
+        machine.forwarding()
         headers = outgoing_headers(incoming, machine, fenced=fenced)
         url = upstream_url(upstream, incoming.rest, incoming.query)
         machine.forwarded = headers.copy()  # as kept for a re-send: unsigned
@@ -278,7 +277,7 @@ class Driver:
                 self.store,
                 incoming,
                 machine,
-                release=lambda: self._release(incoming, machine),
+                release=lambda: self.releases.release(machine, incoming.key or ""),
                 settled=self.settles.notify,
                 behind=self.behind,
                 max_replay_body_bytes=self.settings.gateway.max_replay_body_bytes,

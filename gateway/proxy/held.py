@@ -6,6 +6,7 @@ wait on this replica are woken. ``Behind``: the settles of answers already given
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -13,7 +14,7 @@ from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.fencing import fence
-from gateway.fencing.fence import RecordState
+from gateway.fencing.fence import Record, RecordState
 from gateway.fencing.request import RequestMachine
 from gateway.observe.metrics import SETTLE, GatewayMetrics
 from gateway.proxy.request import Incoming
@@ -21,6 +22,12 @@ from gateway.proxy.resolve import kept_request
 from gateway.records.store import GatewayStore, KeptRequest
 from gateway.upstream import s3
 from gateway.upstream.forwarding import settle_quietly
+from lease_core import exceptions as lease_exc
+
+log = logging.getLogger("fencegate.proxy")
+
+# How often the claims owed a release (``Owed``) are tried again.
+OWED_INTERVAL_SECONDS = 0.5
 
 
 class Behind:
@@ -35,7 +42,7 @@ class Behind:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._tasks: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Future[bool]] = set()
         self._keys: Counter[str] = Counter()  # asked by key alone: before the job is known
 
     def start(self, key: str, settling: Coroutine[Any, Any, None]) -> None:
@@ -43,7 +50,7 @@ class Behind:
         self._tasks.add(task)
         self._keys[key] += 1
 
-        def done(_: asyncio.Future[None]) -> None:
+        def done(_: asyncio.Future[bool]) -> None:
             self._tasks.discard(task)
             self._keys[key] -= 1
             if self._keys[key] <= 0:
@@ -68,6 +75,78 @@ class Behind:
         """Until every settle begun is written (or has failed, logged)."""
         while self._tasks:
             await asyncio.gather(*self._tasks)
+
+
+class Releases:
+    """Claims of writes that were never sent (or "not processed"), given back. When the
+    database cannot take a release (it is unavailable), the claim is owed: ``pay``
+    (every ``OWED_INTERVAL_SECONDS``, one of the control app's background loops) gives
+    it back once the database answers again, instead of leaving a write that never left
+    to turn into an unknown outcome at its deadline. A release is conditional on the
+    claim's attempt, so paying one that another request has since taken over changes
+    nothing. At most ``limit`` are owed: past it the oldest is dropped with a warning
+    (it turns unknown at its deadline, as it would have without this)."""
+
+    def __init__(self, store: GatewayStore, notify: Callable[[str, str], None], limit: int) -> None:
+        self._store, self._notify, self.limit = store, notify, limit
+        self._owed: dict[tuple[str, str, str], Record | None] = {}
+
+    async def release(self, machine: RequestMachine, key: str) -> None:
+        """The machine's claim given back now, or owed; either way the request goes on
+        to its answer (it was never sent)."""
+        claim = machine.claim
+        assert claim is not None
+        try:
+            await self._store.release(machine.job_id, key, claim.attempt, claim.back_to)
+        except lease_exc.StoreUnavailable:
+            log.warning("the database is unavailable: a claim not sent is owed its release")
+            self._owe(machine.job_id, key, claim.attempt, claim.back_to)
+        else:
+            self._notify(machine.job_id, key)
+        machine.released()
+
+    async def release_unsent(self, machine: RequestMachine, key: str | None) -> None:
+        """Whatever ended the request before its forward (the database, a cancellation
+        at shutdown, a bug): a claim it holds is given back. Shielded: a cancellation
+        does not stop the release half-way."""
+        if not machine.unsent_claim or key is None:
+            return
+        try:
+            await asyncio.shield(self.release(machine, key))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("a claim not sent could not be released")
+
+    def _owe(self, job_id: str, key: str, attempt: str, back_to: Record | None) -> None:
+        if len(self._owed) >= self.limit:
+            dropped = next(iter(self._owed))
+            del self._owed[dropped]
+            log.warning(
+                "more than %d unsent claims owed a release: the oldest (job %s) is left "
+                "to turn unknown at its deadline",
+                self.limit,
+                dropped[0],
+            )
+        self._owed[(job_id, key, attempt)] = back_to
+
+    @property
+    def owed(self) -> int:
+        return len(self._owed)
+
+    async def pay(self) -> int:
+        """Give back every claim owed, oldest first, until the database fails again
+        (``StoreUnavailable`` propagates: the loop tries again next round). How many."""
+        paid = 0
+        for ident, back_to in list(self._owed.items()):
+            job_id, key, attempt = ident
+            await self._store.release(job_id, key, attempt, back_to)
+            self._owed.pop(ident, None)
+            self._notify(job_id, key)
+            paid += 1
+        if paid:
+            log.info("gave back %d unsent claim(s) once the database answered again", paid)
+        return paid
 
 
 class HeldKey:

@@ -11,7 +11,7 @@ import time
 from aiohttp import web
 
 from gateway.fencing.deadlines import ORDERING_POLL, DuplicateWait
-from gateway.fencing.fence import RecordState
+from gateway.fencing.fence import Record, RecordState
 from gateway.proxy.duplicates import Settles
 from gateway.records.store import GatewayStore
 
@@ -29,30 +29,59 @@ async def until_settled(
     job_id: str,
     key: str,
     wait: DuplicateWait,
-) -> bool:
+    stop: asyncio.Event | None = None,
+) -> tuple[bool, Record | None]:
     """Until the key's record is no longer in flight (settled, released, or past its
-    deadline), this replica's settle of the key wakes us, or the wait ends (False)."""
+    deadline), this replica's settle of the key wakes us, or the wait ends (False), the
+    client goes away or the gateway shuts down (``stop``). With the record last read
+    (None: the key is free)."""
     with settles.watch(job_id, key) as watch:
         while True:
             settled = watch.current()
             left = wait.left()
-            if left <= 0 or gone(request):
-                return False
+            if left <= 0 or gone(request) or (stop is not None and stop.is_set()):
+                return False, None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(settled.wait(), min(wait.poll, left))
+                await asyncio.wait_for(_either(settled, stop), min(wait.poll, left))
+            if stop is not None and stop.is_set():
+                return False, None
             wait.next_poll()
             record = await store.record(job_id, key)
             if record is None or record.state is not RecordState.IN_FLIGHT or record.overdue:
-                return True  # overdue: its replica is gone; the admission says what it is now
+                return True, record  # overdue: its replica is gone (the record says what now)
+
+
+async def _either(first: asyncio.Event, second: asyncio.Event | None) -> None:
+    """Until ``first`` (or ``second``, when given) is set."""
+    if second is None:
+        await first.wait()
+        return
+    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def until_older_settled(
-    store: GatewayStore, job_id: str, generation: int, seconds: float
+    store: GatewayStore,
+    job_id: str,
+    generation: int,
+    seconds: float,
+    stop: asyncio.Event | None = None,
 ) -> bool:
-    """Within ``seconds``: until no older generation's write to this job is in flight."""
+    """Within ``seconds``: until no older generation's write to this job is in flight;
+    False at once when ``stop`` is set (the gateway shuts down)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        await asyncio.sleep(ORDERING_POLL)
+        if stop is None:
+            await asyncio.sleep(ORDERING_POLL)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ORDERING_POLL)
+            if stop.is_set():
+                return False
         if not await store.older_in_flight(job_id, generation):
             return True
     return False

@@ -25,6 +25,7 @@ from gateway.observe import logs, tracing
 from gateway.observe.logs import request_id_middleware
 from gateway.proxy.body import body_deadline_check
 from gateway.proxy.gateway import Gateway, create_proxy_app
+from gateway.proxy.held import OWED_INTERVAL_SECONDS
 from gateway.records import migrate, replication
 from gateway.service import admin, dashboard, openapi, tasks, tls
 from gateway.service.auth import auth_check
@@ -137,6 +138,9 @@ def create_control_app(
     tasks.every(
         app, "resolve", settings.gateway.resolve_interval_seconds, gateway.resolver.run_once
     )
+    # Claims of writes never sent whose release the database refused, given back once it
+    # answers again (a round with none owed does nothing).
+    tasks.every(app, "owed-releases", OWED_INTERVAL_SECONDS, gateway.releases.pay)
     return app
 
 

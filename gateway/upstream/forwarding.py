@@ -37,6 +37,7 @@ from gateway.upstream import (
     UpstreamResponse,
 )
 from gateway.upstream.hops import HOP_BY_HOP, connection_named
+from lease_core import exceptions as lease_exc
 
 # The proxy listener's one logger, as docs/operations.md names it.
 log = logging.getLogger("fencegate.proxy")
@@ -144,7 +145,7 @@ class Forwarder:
                 # Not applied (RFC 9110 13.1): not the key's answer, and the worker is
                 # told so in the gateway's words rather than in S3's XML.
                 answer.close()
-                await key.release()
+                await settle_quietly(key.release())
                 return await refuse(Answer.PRECONDITION_FAILED)
             timing = None
             if self.limits.server_timing and decided_since is not None:
@@ -204,7 +205,7 @@ class Forwarder:
             # Not sent: the key is free again (or back to its earlier unknown state).
             _log_not_sent(upstream, url, error)
             if key is not None:
-                await key.release()
+                await settle_quietly(key.release())
             return (
                 Exchange.CONNECT_TIMEOUT if isinstance(error, ConnectTimeout) else Exchange.NOT_SENT
             )
@@ -213,12 +214,18 @@ class Forwarder:
             # Anything unexpected lands here too, so no claim is left in flight.
             _log_no_answer(upstream, url, error)
             if key is not None:
-                await key.settle(
-                    RecordState.UNKNOWN,
-                    status=None,
-                    headers=None,
-                    body=None,
-                    note=f"no answer: {why_no_answer(error)}",
+                # Kept as unknown if the database lets us; if not, the claim stays in
+                # flight and turns unknown at its deadline: either way the worker is told
+                # the truth, that it was sent and its outcome is unknown, never that the
+                # store failed (which would mean "never sent, send it again").
+                await settle_quietly(
+                    key.settle(
+                        RecordState.UNKNOWN,
+                        status=None,
+                        headers=None,
+                        body=None,
+                        note=f"no answer: {why_no_answer(error)}",
+                    )
                 )
             return (
                 Exchange.NO_ANSWER_IN_TIME
@@ -442,11 +449,19 @@ def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
     return f"{url}?{query}" if query else url
 
 
-async def settle_quietly(settling: Coroutine[Any, Any, None]) -> None:
-    """Store an answer whose response has already started: a failure here (the
-    database went away) must not turn into a second response on the same connection.
-    The record then stays in flight and turns unknown at its deadline."""
+async def settle_quietly(settling: Coroutine[Any, Any, None]) -> bool:
+    """What the exchange's end does to the key (release, settle, hold as unknown),
+    performed once any byte may have left: a failure here (the database went away) must
+    not change what the worker is told (it was sent, or maybe sent; and never a second
+    response on the same connection). The record then stays in flight and turns unknown
+    at its deadline. Shielded: a cancellation does not stop it half-way. Whether it was
+    kept."""
     try:
         await asyncio.shield(settling)
+    except lease_exc.StoreUnavailable:
+        log.warning("the database is unavailable: the key's record turns unknown at its deadline")
+        return False
     except Exception:
         log.exception("could not store the answer; its key turns unknown at its deadline")
+        return False
+    return True

@@ -8,6 +8,7 @@ import io
 
 import pytest
 
+from fencegate_client.reasons import REASONS, Sent
 from gateway.fencing import resolution
 from gateway.fencing.deadlines import (
     MARGIN,
@@ -197,27 +198,77 @@ def test_the_keys_record_answers(found: Record, reason: Reason) -> None:
     assert verdict is not None and verdict.reason is reason
 
 
-def test_a_duplicate_that_asked_to_wait_waits_then_is_admitted_again() -> None:
+def test_a_duplicate_that_asked_to_wait_is_answered_from_the_store() -> None:
+    """After the wait: the lease looked at again (no slot, no admission: an answer from
+    the store competes for no forwarding slot), then the stored answer. The waiter gave
+    its body up when it began to wait (issue 52: a waiter holds its fingerprint only)."""
     m = machine(wait=DuplicateWait(5))
     to_admission(m)
     in_flight = admission(record=record(RecordState.IN_FLIGHT), highest=3)
     m.admitted(in_flight, asked=0, answered=0, behind=False, gone=False)
     assert m.next().act is Act.WAIT_FIRST
+    assert m.body is None and m.fingerprint == "fp"
     m.slot_given_back()
-    m.first_waited(True)
-    assert m.next().act is Act.TAKE_SLOT
-    m.slot_taken("fenced")
-    assert m.next().act is Act.ADMIT
+    m.first_waited(True, record(RecordState.COMPLETED))
+    assert m.next().act is Act.CHECK_LEASE
+    m.lease_seen(admission())
+    step = m.next()
+    assert step.verdict is not None and step.verdict.outcome is Outcome.REPLAY
+    assert m.wait is not None and m.wait.waited and m.wait.asked
+
+
+def test_a_waiter_whose_lease_went_stale_is_refused_not_replayed() -> None:
+    m = machine(wait=DuplicateWait(5))
+    to_admission(m)
     m.admitted(
-        admission(record=record(RecordState.COMPLETED)),
+        admission(record=record(RecordState.IN_FLIGHT)),
         asked=0,
         answered=0,
         behind=False,
         gone=False,
     )
-    step = m.next()
-    assert step.verdict is not None and step.verdict.outcome is Outcome.REPLAY
-    assert m.wait is not None and m.wait.waited and m.wait.asked
+    m.first_waited(True, record(RecordState.COMPLETED))
+    assert m.next().act is Act.CHECK_LEASE
+    m.lease_seen(admission(lease=Reason.STALE_GENERATION))
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.STALE_GENERATION
+
+
+@pytest.mark.parametrize(
+    "found",
+    [None, record(RecordState.IN_FLIGHT), record(RecordState.UNKNOWN)],
+    ids=["released", "in-flight-again", "unknown-retry"],
+)
+def test_a_waiter_whose_key_is_free_again_is_told_to_send_again(found: Record | None) -> None:
+    """The first attempt ended without an answer to replay (released, "not processed",
+    or to be forwarded again): the waiter holds no body, so it is not forwarded; it is
+    told that nothing of it was sent (request-in-progress, Retry-After)."""
+    m = machine(wait=DuplicateWait(5), policy="retry")
+    to_admission(m)
+    m.admitted(
+        admission(record=record(RecordState.IN_FLIGHT)),
+        asked=0,
+        answered=0,
+        behind=False,
+        gone=False,
+    )
+    m.first_waited(True, found)
+    verdict = m.next().verdict
+    assert verdict is not None and verdict.reason is Reason.REQUEST_IN_PROGRESS
+    assert verdict.detail is not None and "Nothing of this request was sent" in verdict.detail
+    assert REASONS[Reason.REQUEST_IN_PROGRESS].sent is Sent.NEVER
+
+
+def test_a_failure_before_the_forward_is_never_sent_after_it_maybe() -> None:
+    m = machine()
+    to_admission(m)
+    m.admitted(claimed(), asked=0, answered=0, behind=False, gone=False)
+    assert m.unsent_claim
+    assert m.failed().reason is Reason.STORE_UNAVAILABLE
+    m.forwarding()
+    assert not m.unsent_claim
+    assert m.failed().reason is Reason.INTERNAL_ERROR
+    assert REASONS[Reason.INTERNAL_ERROR].sent is Sent.MAYBE
 
 
 def test_a_duplicate_of_an_answer_settling_here_waits_without_asking() -> None:
@@ -227,7 +278,7 @@ def test_a_duplicate_of_an_answer_settling_here_waits_without_asking() -> None:
     m.admitted(in_flight, asked=0, answered=0, behind=True, gone=False)
     assert m.next().act is Act.WAIT_FIRST
     assert m.wait is not None and not m.wait.asked
-    m.first_waited(False)
+    m.first_waited(False, None)
     verdict = m.next().verdict
     assert verdict is not None and verdict.reason is Reason.REQUEST_IN_PROGRESS
 
