@@ -151,13 +151,20 @@ class Chain:
         return self._columns if self._answered else None
 
 
-# SQLSTATE classes and codes that mean "the server is not there right now": 08 connection
-# exceptions, 57P01-57P03 admin/crash shutdown and "cannot connect now", 53 resources.
-# Connection exceptions, admin and crash shutdown, cannot connect now, insufficient
-# resources, and 25006 (read-only transaction): a server that a failover demoted, reached
-# by a URL without target_session_attrs=read-write, takes no write until it is a primary
-# again or the pool finds the one that is.
-_UNAVAILABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53", "25006")
+# The SQLSTATE classes and codes of a server that answered "I cannot serve now"; none of
+# them says that our SQL or a value is wrong:
+# - 08: connection exceptions;
+# - 53: insufficient resources (a full disk, out of memory, too many clients);
+# - 55: object not in prerequisite state: 55000 "database ... is not currently accepting
+#   connections" (ALLOW_CONNECTIONS false, as before maintenance), 55006 object in use,
+#   55P03 lock not available;
+# - 57P0x: operator intervention that ends sessions (57P01 admin shutdown, 57P02 crash
+#   shutdown, 57P03 cannot connect now, 57P04 database dropped, 57P05 idle session
+#   timeout); not 57014, a statement cancelled;
+# - 25006, read-only transaction: a server that a failover demoted, reached by a URL
+#   without target_session_attrs=read-write, takes no write until it is a primary again
+#   or the pool finds the one that is.
+_UNAVAILABLE_SQLSTATES = ("08", "53", "55", "57P0", "25006")
 _UNAVAILABLE_WORDS = (
     "connect",
     "closed",
