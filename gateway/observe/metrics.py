@@ -96,6 +96,15 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
+        # Requests in a bounded wait, holding no slot and no body: for their key's first
+        # attempt (``Prefer: wait``) or for older generations' writes to their job.
+        self.waiting = Gauge(
+            "fencegate_gateway_waiting_requests",
+            "Requests waiting right now: for their key's first attempt (first) or for "
+            "older generations' writes (older).",
+            ["wait"],
+            registry=r,
+        )
 
 
 class StepTimer:

@@ -116,6 +116,10 @@ def _resolving(upstreams: Mapping[str, UpstreamSettings]) -> bool:
     return any(u.unknown_outcome == "resolve" for u in upstreams.values())
 
 
+# The proxy app's gateway (its state: slots, waits, claims owed a release).
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
 def create_proxy_app(gateway: Gateway) -> web.Application:
     """The proxy listener's app; it owns the gateway's client session."""
 
@@ -128,6 +132,7 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
         return await handler(request)
 
     app = web.Application(middlewares=[request_id_middleware, unrouted])
+    app[GATEWAY] = gateway
 
     async def preference_applied(request: web.Request, response: web.StreamResponse) -> None:
         # RFC 7240: say that the request waited as ``Prefer: wait`` asked, whatever the

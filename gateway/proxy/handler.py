@@ -212,24 +212,21 @@ class Driver:
         for a moment). Ends early when the client goes away."""
         assert machine.wait is not None and incoming.key is not None
         self._free_slot(machine)
-        settled, record = await until_settled(
-            self.store,
-            self.settles,
-            incoming.request,
-            machine.job_id,
-            incoming.key,
-            machine.wait,
-            stop=self.draining,
-        )
+        with self.metrics.waiting.labels("first").track_inprogress():
+            job_id, key, wait = machine.job_id, incoming.key, machine.wait
+            settled, record = await until_settled(
+                self.store, self.settles, incoming.request, job_id, key, wait, self.draining
+            )
         machine.first_waited(settled, record)
         return machine.next()
 
     async def _wait_in_order(self, incoming: Incoming, machine: RequestMachine) -> Next:
         """Wait (bounded) for older generations' writes to the job."""
         seconds = self.settings.gateway.ordering_wait_seconds
-        settled = await until_older_settled(
-            self.store, machine.job_id, machine.generation, seconds, stop=self.draining
-        )
+        with self.metrics.waiting.labels("older").track_inprogress():
+            settled = await until_older_settled(
+                self.store, machine.job_id, machine.generation, seconds, stop=self.draining
+            )
         return machine.older_waited(settled)
 
     async def _read_claim(self, incoming: Incoming, machine: RequestMachine) -> Next:

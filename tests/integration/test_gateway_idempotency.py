@@ -612,7 +612,8 @@ async def test_a_connection_lost_after_sending_is_an_unknown_outcome(
         assert mode == "cut"
     else:
         assert mode == "close", body
-        await problem_from(resp.status, resp.headers, body, 502, "upstream-unavailable")
+        doc = await problem_from(resp.status, resp.headers, body, 502, "upstream-connection-lost")
+        assert doc["sent"] == "maybe"
     assert flaky.calls == ["pay-1"]
     [held] = await unknown_outcomes(stack)
     assert (held["key"], held["upstream"]) == ("pay-1", "pay")

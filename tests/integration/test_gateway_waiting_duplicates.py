@@ -154,18 +154,25 @@ async def test_without_the_preference_nothing_changes(make_stack: Any, upstream:
     assert "Preference-Applied" not in replay.headers  # answered at once: no wait
 
 
-async def test_a_first_attempt_that_frees_the_key_lets_the_waiter_be_forwarded(
+async def test_a_first_attempt_that_frees_the_key_tells_the_waiter_to_send_again(
     make_stack: Any, upstream: Upstream
 ) -> None:
     """The first attempt's answer means "not processed" (503): its key is freed rather
-    than stored, so the admission after the wait claims it and forwards the waiter."""
+    than stored. The waiter gave its body up when it began to wait (a waiter holds its
+    fingerprint, not its body: issue 52), so it is not forwarded: it is told that nothing
+    of it was sent (``request-in-progress``, sent never, Retry-After), and sent again it
+    is forwarded."""
     stack = await make_stack(upstreams=[upstream_config(upstream)])
     upstream.delay, upstream.status = 0.5, 503
     lease = await stack.lease("job-1")
     first = await first_in_flight(stack, upstream, lease)
     again = await stack.write("/pay/charges", lease, key="k", headers=WAIT)
-    assert await ok(again, 503) and again.headers["Preference-Applied"] == "wait=5"
+    doc = await problem(again, 409, "request-in-progress")
+    assert doc["sent"] == "never" and again.headers["Retry-After"] == "1"
+    assert again.headers["Preference-Applied"] == "wait=5"
     await ok(await first, 503)
+    upstream.delay = 0
+    await ok(await stack.write("/pay/charges", lease, key="k", headers=WAIT), 503)
     assert len(upstream.received) == 2
 
 
