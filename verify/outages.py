@@ -11,7 +11,7 @@ with writes waiting behind an older generation's. Their entries are in
   false`` and ``pg_terminate_backend`` of every connection to the run's database (the
   replicas'), for 1-5 s, then ``ALLOW_CONNECTIONS true``, asked again until the server
   takes it (a ``db-restart`` may be under way).
-- ``shutdown``: the upstream answers every write 0.4-0.9 s late for a moment (so older
+- ``shutdown``: the upstream answers every write 0.2-0.9 s late for a moment (so older
   generations' writes stay in flight and newer ones wait behind them), then SIGTERM to a
   replica, which has ``SHUTDOWN_GRACE_UNDER_NEMESIS`` (0.2 s, under the ordering wait) to
   finish; it is started again 0.5-3 s after it exited. A replica still running 5 s after
