@@ -28,8 +28,8 @@ expired or completed (11). The violation is named by the latest such write.
 
 8. ``applied-after-newer-grant``: a write invoked after a claim ``ok`` of a newer
    generation of its job is never applied.
-9. ``refused-but-applied``: a write refused with a reason of ``NOT_FORWARDED`` is never
-   applied.
+9. ``refused-but-applied``: a write answered with a reason of ``NOT_FORWARDED`` (the
+   gateway's reasons whose ``sent`` is ``never`` in the reasons table) is never applied.
 10. ``body-not-sent``: an applied write's body is one sent under its job, key and
     generation before it was applied.
 11. ``applied-after-lease-over``: a write invoked more than ``expiry_margin`` seconds after
@@ -46,9 +46,15 @@ expired or completed (11). The violation is named by the latest such write.
     generation made before a write's own lease was asked for is of the counter's earlier
     life, and does not exclude the write (8).
 
+13. ``never-sent-held-unknown``: a key the gateway held as an unknown outcome
+    (``unknowns.jsonl``) under generation g had a write of its job, key and g reach the
+    upstream (the ledger has it), unless a fault that can lose a write unseen (``excused``:
+    kill -9, SIGSTOP, a partition to the upstream, the upstream's 503) overlapped its
+    attempts. ``Causes.held_unknown`` says why this is sound.
+
 ``python -m verify check HISTORY LEDGER [--min-completed X] [--expiry-margin S]
-[--clock-skew FROM,TO ...] [--json]``: 0 no violation, 1 violation, 2 a file cannot be
-read.
+[--clock-skew FROM,TO ...] [--unknowns FILE] [--excused FROM,TO ...] [--json]``: 0 no
+violation, 1 violation, 2 a file cannot be read.
 """
 
 from __future__ import annotations
@@ -62,8 +68,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, get_args
 
+from fencegate_client.reasons import GATEWAY_REASONS, REASONS, Reason, Sent
 from verify.events import (
     F,
+    HeldUnknown,
     HistoryEvent,
     LedgerEntry,
     Record,
@@ -71,6 +79,7 @@ from verify.events import (
     UnreadableFile,
     read_history,
     read_ledger,
+    read_unknowns,
 )
 
 NAMES = {
@@ -86,41 +95,41 @@ NAMES = {
     10: "body-not-sent",
     11: "applied-after-lease-over",
     12: "two-holders-one-generation",
+    13: "never-sent-held-unknown",
 }
 
-REISSUED: Final = "generation-reissued"
+REISSUED: Final = Reason.GENERATION_REISSUED.value
 """The refusal of a lease source's generation presented by a holder other than the one it
 was first admitted for (the source lost its counter and handed the generation out again)."""
 
 NOT_FORWARDED: Final = frozenset(
-    {
-        "unknown-upstream",
-        "invalid-request",
-        "missing-fencing-token",
-        "invalid-fencing-token",
-        "missing-idempotency-key",
-        "stale-generation",
-        "lease-ended",
-        "lease-expired",
-        "body-too-large",
-        "body-timeout",
-        "idempotency-key-reused",
-        "request-in-progress",
-        "ordering-timeout",
-        "gateway-overloaded",
-        REISSUED,
-    }
+    reason.value
+    for reason in GATEWAY_REASONS
+    if reason in REASONS and REASONS[reason].sent is Sent.NEVER
 )
-"""The gateway's refusals that say the write was not forwarded (docs/protocol.md): a write
-answered one of these must not reach the upstream. ``upstream-*``, ``outcome-unknown``
-and ``store-unavailable`` are not among them: the write may have been sent."""
+"""The gateway's answers that say the write was never sent: the reasons of the gateway
+whose ``sent`` is ``never`` in the reasons table (``fencegate_client.reasons``), the one
+place that says so; a write answered one of these must not reach the upstream (9), nor be
+left held as unknown (13). Those whose ``sent`` is ``maybe`` (``upstream-timeout``,
+``upstream-connection-lost``, ``outcome-unknown``, ``internal-error``) or ``yes`` are not
+among them: such a write may have been sent. ``store-unavailable`` is: the gateway answers
+it only for a write it did not send."""
 
 GAVE_UP: Final = frozenset({"upstream-timeout"})
 """The gateway's answers that say it stopped waiting for a write it had sent: the outcome
 is unknown, and the upstream may still apply it later (a request delayed in the network,
 or slow at the upstream), after the next generation's writes, which the gateway admits
 once it stopped waiting. Invariants 1, 2 and 6 leave such a write out of the order; 3-5
-and 8-11 still count it."""
+and 8-11 still count it. Not from the reasons table: ``sent`` says whether a write left,
+not whether the gateway stopped waiting while the upstream may still apply it. Not
+``upstream-connection-lost`` (sent ``maybe`` too): the connection failed, so the gateway
+did not leave a request standing that the upstream reads later; in ``verify run`` only
+the upstream cuts a connection, after applying."""
+
+RECORD_LIFE: Final = 15.0
+"""Seconds after a write's invoke, or its completion when that came later, in which the
+gateway may still be handling it (waiting on a locked SQLite file, 10 s at most, then its
+settle): a fault that excuses a held key (13) excuses the writes it overlaps so widened."""
 
 EXPIRY_MARGIN: Final = 0.5
 """Seconds a write must be invoked after its lease was over to count as invoked after it:
@@ -166,7 +175,13 @@ class Violation:
 
 
 def _where(record: Record) -> str:
-    kind = "history" if isinstance(record, HistoryEvent) else "ledger"
+    kind = (
+        "history"
+        if isinstance(record, HistoryEvent)
+        else "unknowns"
+        if isinstance(record, HeldUnknown)
+        else "ledger"
+    )
     return kind if record.line is None else f"{kind}:{record.line}"
 
 
@@ -230,12 +245,17 @@ def check(
     min_completed: float = 0.0,
     expiry_margin: float = EXPIRY_MARGIN,
     skewed: Sequence[tuple[float, float]] = (),
+    held: Sequence[HeldUnknown] | None = None,
+    excused: Sequence[tuple[float, float]] = (),
 ) -> Report:
-    """Check invariants 1-12 of a run; the violations in invariant order, then ledger order.
+    """Check invariants 1-13 of a run; the violations in invariant order, then ledger order.
 
     ``skewed``: the spans of time (``time.time()``, from, to) in which a replica that
     judges leases by its own clock (SQLite) ran with a skewed clock; invariant 11 does
-    not judge the leases granted or renewed, nor the writes invoked, in them."""
+    not judge the leases granted or renewed, nor the writes invoked, in them.
+    ``held``: the keys the gateway was seen holding as unknown outcomes (``unknowns.jsonl``;
+    None: invariant 13 is not judged); ``excused``: the spans in which a replica or the
+    network could lose a write without the gateway knowing whether it left (13)."""
     report = Report(min_completed=min_completed)
     report.history_events = len(history)
     report.writes_applied = len(ledger)
@@ -283,6 +303,8 @@ def check(
         v.extend(stale_writes(entries, grants))
     v.extend(causes.violations(ledger))
     v.extend(causes.two_holders(ledger))
+    if held is not None:
+        v.extend(causes.held_unknown(held, ledger, excused))
     v.extend(liveness(history, report))
     v.sort(key=lambda violation: violation.invariant)
     return report
@@ -627,6 +649,90 @@ class Causes:
                 tuple(records),
             )
 
+    def held_unknown(
+        self,
+        held: Iterable[HeldUnknown],
+        ledger: Iterable[LedgerEntry],
+        excused: Sequence[tuple[float, float]],
+    ) -> Iterable[Violation]:
+        """13: no write that never reached the upstream is left held as unknown.
+
+        A key the gateway listed as an unknown outcome under generation g is judged by
+        the writes of its job, key and generation: the ledger's (did any reach the
+        upstream?) and the history's invokes before the listing (its attempts). It is a
+        violation when the ledger has none, the history has at least one attempt, and no
+        attempt overlaps an ``excused`` span (widened by ``RECORD_LIFE`` after the attempt
+        was answered). Reported once per key and generation: the first listing, the
+        attempts and their completions.
+
+        Why the join is sound. The gateway stamps every write it forwards with the
+        record's job and generation (``Fencing-Job``, ``Fencing-Generation``) and its key,
+        and the ledger has one line per write the upstream received and applied, so a
+        record whose write reached the upstream has a ledger entry of that job, key and
+        generation, whichever attempt sent it (a held key is not forwarded again, so the
+        record's generation is that of the write that left). An unknown record with an
+        entry is therefore never blamed, even if the entry came late (the ledger is read
+        after the run). The other ways a write can leave and still have no entry are what
+        ``excused`` must cover, and ``verify run`` passes them from its faults: the
+        network dropping the request on its way (a partition to the upstream), the
+        upstream receiving it without applying it (its ``5xx`` fault), and a replica that
+        lost the write with its memory (kill -9, a SIGTERM that had to be followed by a
+        SIGKILL, a replica stopped by SIGSTOP past the record's deadline: its in-flight
+        record is listed as unknown by the others, as a crashed replica's must be). The
+        upstream of ``verify run`` never crashes during the run and is stopped only once
+        it has no write in hand, so no write it received is missing from the ledger. What
+        is left, a write never sent held unknown, is the gateway's own doing: it knew it
+        had not sent it (a waiter cancelled by a shutdown, a claim it could not give back
+        while the database was down) and left the claim to turn into an unknown outcome,
+        which an operator would then resolve for nothing. A key without attempts (a write
+        this history does not know) is not judged: invariant 10 speaks for writes nobody
+        sent."""
+        reached = {(entry.job, entry.key, entry.generation) for entry in ledger}
+        first: dict[tuple[str, str, int], HeldUnknown] = {}
+        for record in held:
+            known = first.get((record.job, record.key, record.generation))
+            if known is None or record.time < known.time:
+                first[record.job, record.key, record.generation] = record
+        for write, record in first.items():
+            if write in reached:
+                continue
+            attempts = [e for e in self.sent.get(write, []) if e.time <= record.time]
+            if not attempts or any(self._excused(a, excused) for a in attempts):
+                continue
+            completions = [self.completion.get(id(a)) for a in attempts]
+            answered = ", ".join(
+                "no answer"
+                if c is None
+                else f"{c.type} {c.status or ''} {c.reason or ''}".replace("  ", " ").strip()
+                for c in completions
+            )
+            note = record.extra.get("note")
+            yield Violation(
+                13,
+                record.job,
+                f"key {record.key!r} held as an unknown outcome under generation "
+                f"{record.generation}"
+                + (f" (note {note!r})" if note else "")
+                + f", but no write of it reached the upstream; its {len(attempts)} "
+                f"attempt(s): {answered}",
+                (
+                    record,
+                    *(
+                        event
+                        for a, c in zip(attempts, completions, strict=True)
+                        for event in (a, c)
+                        if event is not None
+                    ),
+                ),
+            )
+
+    def _excused(self, attempt: HistoryEvent, excused: Sequence[tuple[float, float]]) -> bool:
+        """Whether an excused span overlaps the time the gateway may have had the write."""
+        completion = self.completion.get(id(attempt))
+        end = max(attempt.time, completion.time if completion is not None else attempt.time)
+        end += RECORD_LIFE
+        return any(start <= end and attempt.time <= stop for start, stop in excused)
+
 
 def liveness(history: Iterable[HistoryEvent], report: Report) -> Iterable[Violation]:
     """7: the share of claimed jobs completed, set on ``report``; none is a violation."""
@@ -654,14 +760,19 @@ def check_files(
     min_completed: float = 0.0,
     expiry_margin: float = EXPIRY_MARGIN,
     skewed: Sequence[tuple[float, float]] = (),
+    unknowns: str | Path | None = None,
+    excused: Sequence[tuple[float, float]] = (),
 ) -> Report:
-    """Read both files (``UnreadableFile``) and check them."""
+    """Read the files (``UnreadableFile``) and check them; ``unknowns``: an
+    ``unknowns.jsonl`` for invariant 13 (None: not judged)."""
     return check(
         read_history(history),
         read_ledger(ledger),
         min_completed=min_completed,
         expiry_margin=expiry_margin,
         skewed=skewed,
+        held=None if unknowns is None else read_unknowns(unknowns),
+        excused=excused,
     )
 
 
@@ -721,6 +832,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a span (time.time() seconds) in which a replica judging leases by its own "
         "clock ran skewed: invariant 11 leaves its leases and writes alone (repeatable)",
     )
+    parser.add_argument(
+        "--unknowns",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="unknowns.jsonl: the keys the gateway held as unknown outcomes (invariant 13; "
+        "without it 13 is not judged)",
+    )
+    parser.add_argument(
+        "--excused",
+        type=_span,
+        action="append",
+        default=[],
+        metavar="FROM,TO",
+        help="a span (time.time() seconds) in which a replica or the network could lose a "
+        "write without the gateway knowing whether it left (kill -9, SIGSTOP, a partition "
+        "to the upstream, the upstream's 5xx): invariant 13 leaves the writes it overlaps "
+        "alone (repeatable)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
@@ -730,6 +860,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_completed=args.min_completed,
             expiry_margin=args.expiry_margin,
             skewed=args.clock_skew,
+            unknowns=args.unknowns,
+            excused=args.excused,
         )
     except UnreadableFile as exc:
         print(f"verify check: unreadable: {exc}", file=sys.stderr)

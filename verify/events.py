@@ -272,8 +272,51 @@ class LedgerEntry:
         )
 
 
-Record = HistoryEvent | LedgerEntry
-_R = TypeVar("_R", HistoryEvent, LedgerEntry)
+HELD_FIELDS: Final = ("time", "job", "key", "generation")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeldUnknown:
+    """One line of ``unknowns.jsonl`` (optional, invariant 13): a key the gateway held as
+    an unknown outcome when it was listed at ``time`` (``GET /admin/unknown-outcomes``, an
+    item whose ``state`` is ``unknown``), under ``generation``: the generation whose write
+    the record is. Other fields (``note``, ``updated_at``, ...) are kept in ``extra``."""
+
+    time: float
+    job: str
+    key: str
+    generation: int
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    line: int | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "time", _time(self.time))
+        _str("job", self.job)
+        if not self.job:
+            raise ValueError("job: empty")
+        _str("key", self.key)
+        _int("generation", self.generation)
+        clash = set(self.extra) & set(HELD_FIELDS)
+        if clash:
+            raise ValueError(f"extra: repeats field(s) {sorted(clash)}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{name: getattr(self, name) for name in HELD_FIELDS}, **self.extra}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], line: int | None = None) -> HeldUnknown:
+        missing = [name for name in HELD_FIELDS if name not in obj]
+        if missing:
+            raise ValueError(f"missing field(s): {', '.join(missing)}")
+        return cls(
+            **{name: obj[name] for name in HELD_FIELDS},
+            extra={k: v for k, v in obj.items() if k not in HELD_FIELDS},
+            line=line,
+        )
+
+
+Record = HistoryEvent | LedgerEntry | HeldUnknown
+_R = TypeVar("_R", HistoryEvent, LedgerEntry, HeldUnknown)
 
 
 def _read(path: str | Path, parse: Callable[[Mapping[str, Any], int], _R]) -> list[_R]:
@@ -316,6 +359,11 @@ def read_history(path: str | Path) -> list[HistoryEvent]:
 def read_ledger(path: str | Path) -> list[LedgerEntry]:
     """All entries of a ``ledger.jsonl``, in the order applied."""
     return _read(path, LedgerEntry.from_json)
+
+
+def read_unknowns(path: str | Path) -> list[HeldUnknown]:
+    """All lines of an ``unknowns.jsonl``: the keys the gateway was seen holding unknown."""
+    return _read(path, HeldUnknown.from_json)
 
 
 class PairingError(ValueError):

@@ -31,6 +31,17 @@ the table, so a new nemesis is a new entry:
   every fence counter, by ``FLUSHALL`` or by a kill -9 of the ``redis-server`` (no
   persistence), started again after 0.3-2 s; at any moment, so before, while (a share of
   the lock workers' writes is held at the upstream) and after writes of the holders.
+- ``store`` (SQLite and PostgreSQL; ``verify.outages``): the database breaks in the middle
+  of requests: another process holds SQLite's write lock past the gateway's busy timeout
+  by 1-5 s; on PostgreSQL the replicas' connections are terminated and new ones refused
+  for 1-5 s.
+- ``shutdown`` (``verify.outages``): the upstream answers late for a moment, so that
+  writes wait behind older generations', then SIGTERM to a replica (its grace shorter
+  than the ordering wait), started again 0.5-3 s after it exited.
+
+A replica stopped by SIGTERM (``clock``, ``shutdown``) that is still running 5 s later is
+killed, and ``faults.jsonl`` has a ``killed`` line for that fault (invariant 13 excuses
+what a killed replica lost; ``verify.run.excused_windows``).
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from verify import netns
+from verify import netns, outages
 from verify.events import JsonlWriter
 from verify.locks import redis_binary
 from verify.procs import Child, StartError
@@ -132,6 +143,8 @@ class Nemesis:
         self.aborting = False
         # each: from, to, how, healthy_before, began, primary_at
         self.failovers: list[dict[str, Any]] = []
+        self.store_lock: Child | None = None  # the store nemesis's SQLite lock holder
+        self.slowing = 0  # shutdown faults that have the upstream answer late
         for fault in faults:
             self.log.write({"phase": "plan", **fault.to_json()})
 
@@ -186,6 +199,10 @@ class Nemesis:
                     self._note("error", fault, error=f"healing: {type(error).__name__}: {error}")
                 self.active.discard(fault.index)
                 self._note("end", fault)
+
+    def note_killed(self, fault: Fault, seconds: float) -> None:
+        """A replica that a SIGTERM did not end: it was killed (it lost what it held)."""
+        self._note("killed", fault, after_seconds=round(seconds, 3))
 
     def _note(self, phase: str, fault: Fault, **extra: Any) -> None:
         self.log.write({"phase": phase, "time": time.time(), **fault.to_json(), **extra})
@@ -366,14 +383,20 @@ async def _continue_replica(n: Nemesis, fault: Fault) -> None:
 
 async def _skew_clock(n: Nemesis, fault: Fault) -> None:
     replica = n.replica(fault.target)
-    await asyncio.to_thread(replica.stop)
+    await _stop(n, fault, replica)
     await n._start(replica, fault.params["skew"])
 
 
 async def _real_clock(n: Nemesis, fault: Fault) -> None:
     replica = n.replica(fault.target)
-    await asyncio.to_thread(replica.stop)
+    await _stop(n, fault, replica)
     await n._start(replica, None)
+
+
+async def _stop(n: Nemesis, fault: Fault, replica: Replica) -> None:
+    started = time.monotonic()
+    if not await asyncio.to_thread(replica.stop):
+        n.note_killed(fault, time.monotonic() - started)
 
 
 async def _cut_network(n: Nemesis, fault: Fault) -> None:
@@ -505,12 +528,23 @@ KINDS: dict[str, NemesisKind] = {
             "redis", "lock-loss", _draw_lock_loss, _lose_locks, _locks_back,
             needs=("redis-server",),
         ),
+        NemesisKind(
+            "store", "the database breaks mid-request: SQLite's write lock held past the "
+            "busy timeout, or PostgreSQL's connections cut and refused, for 1-5 s", "db",
+            "store", outages.draw_store, outages.break_store, outages.heal_store,
+            databases=frozenset({"sqlite", "pg"}), rest=5.0, heal_when_aborting=True,
+        ),
+        NemesisKind(
+            "shutdown", "SIGTERM to a replica with writes waiting behind older generations', "
+            "start it again after 0.5-3 s", "replicas", "process", outages.draw_shutdown,
+            outages.shut_down, outages.restart, rest=3.0,
+        ),
     )
 }  # fmt: skip
 
 NEMESES = tuple(KINDS)
 # The nemeses of one database only: db-restart restarts the one PostgreSQL of --db pg,
-# failover moves the primary of --db patroni's cluster.
+# failover moves the primary of --db patroni's cluster. (store is of two.)
 DATABASE_NEMESES = {
     k.name: next(iter(k.databases)) for k in KINDS.values() if len(k.databases) == 1
 }

@@ -60,16 +60,17 @@ class Child:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``."""
+    def stop(self, timeout: float = 5.0) -> bool:
+        """SIGTERM, then SIGKILL after ``timeout``; whether it ended before the SIGKILL."""
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGTERM)
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-        else:
-            self.signal(signal.SIGKILL)  # whatever is left of its group
+            return False
+        self.signal(signal.SIGKILL)  # whatever is left of its group
+        return True
 
     def output(self) -> str:
         try:

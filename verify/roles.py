@@ -9,6 +9,8 @@ applied" only once the key has been unknown for a while *and* no partition has h
 recently: a request whose packets were dropped can still arrive at the upstream after the
 gateway gave up on it (TCP retransmits it once the path is back), so "not in the ledger"
 is only true once the network has been whole for longer than a retransmission takes.
+Every key it sees held unknown goes to ``unknowns.jsonl`` (once per generation, with the
+time of the listing) before it settles any: invariant 13 judges them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from verify.events import JsonlWriter
 from verify.stack import Replica
 
 QUEUE = "verify"
@@ -163,19 +166,29 @@ class Operator:
     """Settles unknown outcomes from the ledger, every second."""
 
     def __init__(
-        self, control: Control, ledger: Path, network_quiet_for: Callable[[], float]
+        self,
+        control: Control,
+        ledger: Path,
+        network_quiet_for: Callable[[], float],
+        unknowns: Path | None = None,
     ) -> None:
         self.control = control
         self.ledger = Tail(ledger)
+        # Each key seen held unknown, once per generation, with when it was listed
+        # (``unknowns.jsonl``, invariant 13): before the operator settles it.
+        self.held = JsonlWriter(unknowns) if unknowns is not None else None
+        self.seen_held: set[tuple[str, str, int]] = set()
         self.applied: dict[tuple[str, str], dict[str, Any]] = {}
         self.network_quiet_for = network_quiet_for
         self.first_seen: dict[tuple[str, str], float] = {}
         self.resolved: Counter[str] = Counter()
 
     async def sweep(self, session: aiohttp.ClientSession) -> None:
+        listed_at = time.time()  # held then: no attempt invoked after it caused it
         status, doc = await self.control.call(session, "GET", "/admin/unknown-outcomes?limit=500")
         if status != 200:
             return
+        self.note_held(listed_at, doc["items"])
         # The ledger is read after the listing: whatever the upstream applied before the
         # keys were listed is in it.
         for line in self.ledger.read():
@@ -198,7 +211,35 @@ class Operator:
             if status == 200:
                 self.resolved["applied" if entry is not None else "not-applied"] += 1
 
+    def note_held(self, listed_at: float, items: list[dict[str, Any]]) -> None:
+        if self.held is None:
+            return
+        for item in items:
+            if item["state"] != "unknown":
+                continue
+            write = (item["job_id"], item["key"], int(item["generation"]))
+            if write in self.seen_held:
+                continue
+            self.seen_held.add(write)
+            self.held.write(
+                {
+                    "time": listed_at,
+                    "job": write[0],
+                    "key": write[1],
+                    "generation": write[2],
+                    "note": item.get("note"),
+                    "updated_at": item.get("updated_at"),
+                }
+            )
+
     async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self._run(stop)
+        finally:
+            if self.held is not None:
+                self.held.close()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:
             while not stop.is_set():
                 try:

@@ -28,7 +28,7 @@ from verify.nemesis import KINDS, NEEDS, Nemesis, plan
 from verify.patroni import PATRONI
 from verify.procs import Child, StartError
 from verify.roles import Control, Feeder, Observer, Operator, Tail
-from verify.stack import Stack
+from verify.stack import SHUTDOWN_GRACE, SHUTDOWN_GRACE_UNDER_NEMESIS, Stack
 
 TAIL_SECONDS = 15.0
 PROGRESS_EVERY = 5.0
@@ -106,6 +106,9 @@ async def run(options: Options) -> int:
         seed=options.seed,
         use_netns=await asyncio.to_thread(netns.unavailable) is None,
         locks=options.lock_workers > 0,
+        shutdown_grace=(
+            SHUTDOWN_GRACE_UNDER_NEMESIS if "shutdown" in options.nemesis else SHUTDOWN_GRACE
+        ),
     )
     nemesis: Nemesis | None = None
     helpers: list[asyncio.Task[None]] = []
@@ -148,7 +151,12 @@ async def run(options: Options) -> int:
             db=options.db,
         )
         nemesis = Nemesis(stack, workers, faults)
-        operator = Operator(control, options.out / "ledger.jsonl", nemesis.network_quiet_for)
+        operator = Operator(
+            control,
+            options.out / "ledger.jsonl",
+            nemesis.network_quiet_for,
+            options.out / "unknowns.jsonl",
+        )
         stop_feeding, stop_operating = asyncio.Event(), asyncio.Event()
         helpers += [
             asyncio.create_task(feeder.run(stop_feeding), name="feeder"),
@@ -176,6 +184,10 @@ async def run(options: Options) -> int:
         helpers[2].cancel()
         await asyncio.to_thread(_stop_workers, list(workers.values()))
         observer.update()
+        # Every write the upstream received is in the ledger before it is stopped
+        # (invariant 13 takes a key missing from the ledger as never received).
+        if stack.upstream is not None and not await stack.upstream.wait_idle():
+            print("verify: the upstream still had writes in hand at the end", flush=True)
     finally:
         for helper in helpers:
             helper.cancel()
@@ -353,6 +365,57 @@ def skew_windows(out: Path, db: str) -> list[tuple[float, float]]:
     return spans
 
 
+EXCUSING = frozenset({"kill", "freeze"})
+STOPPING = frozenset({"shutdown", "clock"})  # faults that stop a replica with SIGTERM
+STORE_DOWN = frozenset({"store", "db-restart", "failover"})
+
+
+def excused_windows(out: Path) -> list[tuple[float, float]]:
+    """The spans in which a write could be lost without the gateway knowing whether it
+    left, or knowing it and unable to say so (``faults.jsonl``, start to end; invariant 13
+    does not judge the keys whose writes they overlap): a replica killed (``kill``, or a
+    SIGTERM that had to be followed by a SIGKILL: a ``killed`` line), stopped
+    (``freeze``), or ended by a SIGTERM while its database was out of reach (``store``,
+    ``db-restart``, ``failover``, a partition to the database: it could not give back
+    its claims, and exiting loses them as a crash does); a partition between a replica
+    and the upstream (a request sent can be lost on the way); and the upstream answering
+    503 without applying (``upstream`` in ``5xx`` mode: received, not in the ledger).
+    Every fault of those kinds, on any replica: the history does not say which replica
+    a write went through."""
+    faults: dict[int, dict[str, Any]] = {}
+    for line in Tail(out / "faults.jsonl").read():
+        if "time" not in line:
+            continue
+        fault = faults.setdefault(int(line["index"]), {"end": float("inf"), "killed": False})
+        if line.get("phase") == "start":
+            fault |= {"kind": line.get("kind"), "params": line.get("params") or {}}
+            fault["start"] = float(line["time"])
+        elif line.get("phase") == "killed":
+            fault["killed"] = True
+        elif line.get("phase") == "end":
+            fault["end"] = float(line["time"])
+    faults = {i: f for i, f in faults.items() if "start" in f}
+
+    def store_down(fault: dict[str, Any]) -> bool:
+        kind, params = fault["kind"], fault["params"]
+        return kind in STORE_DOWN or (kind == "partition" and params.get("to") == "database")
+
+    outages = [(f["start"], f["end"]) for f in faults.values() if store_down(f)]
+    spans: list[tuple[float, float]] = []
+    for fault in faults.values():
+        kind, params, start, end = fault["kind"], fault["params"], fault["start"], fault["end"]
+        excusing = (
+            kind in EXCUSING
+            or fault["killed"]
+            or (kind == "partition" and params.get("to") == "upstream")
+            or (kind == "upstream" and params.get("mode") == "5xx")
+            or (kind in STOPPING and any(a <= end and start <= b for a, b in outages))
+        )
+        if excusing:
+            spans.append((start, end))
+    return spans
+
+
 def finish(
     options: Options,
     nemesis: Nemesis | None,
@@ -367,6 +430,8 @@ def finish(
             out / "ledger.jsonl",
             min_completed=options.min_completed,
             skewed=skew_windows(out, options.db),
+            unknowns=out / "unknowns.jsonl" if (out / "unknowns.jsonl").exists() else None,
+            excused=excused_windows(out),
         )
     except UnreadableFile as error:
         print(f"verify check: unreadable: {error}")

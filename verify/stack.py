@@ -36,6 +36,10 @@ PROXY_PORT, CONTROL_PORT = 8080, 8081
 ORDERING_WAIT = 0.3
 UPSTREAM_TIMEOUT = 1.0
 UPSTREAM_CONNECT_TIMEOUT = 0.3
+SHUTDOWN_GRACE = 2.0
+# With the shutdown nemesis: a grace shorter than the ordering wait, so that a SIGTERM
+# finds writes waiting behind an older generation's and the grace ends before their wait.
+SHUTDOWN_GRACE_UNDER_NEMESIS = 0.2
 
 
 def python_env(**extra: str) -> dict[str, str]:
@@ -105,9 +109,9 @@ class Replica:
         if self.child is not None:
             self.child.signal(sig)
 
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop(timeout=5.0)
+    def stop(self, timeout: float = 5.0) -> bool:
+        """SIGTERM, SIGKILL after ``timeout``: whether it ended before the SIGKILL."""
+        return self.child.stop(timeout=timeout) if self.child is not None else True
 
 
 @dataclass
@@ -131,6 +135,21 @@ class Upstream:
             if resp.status != 200:
                 raise RuntimeError(f"upstream /__faults: {resp.status} {await resp.text()}")
         self.faults = {**self.faults, **doc}
+
+    async def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until the upstream has no write in hand (``/__state``'s ``handling``):
+        every write it received is in the ledger then. False: not within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                try:
+                    async with session.get(self.url + "/__state") as resp:
+                        if (await resp.json()).get("handling", 0) == 0:
+                            return True
+                except (aiohttp.ClientError, ValueError):
+                    return False
+                await asyncio.sleep(0.1)
+        return False
 
     def events(self) -> list[dict[str, Any]]:
         """Every write received so far, in the order received, with its ``event``
@@ -211,8 +230,10 @@ class Stack:
         seed: int,
         use_netns: bool,
         locks: bool = False,
+        shutdown_grace: float = SHUTDOWN_GRACE,
     ) -> None:
         self.out = out
+        self.shutdown_grace = shutdown_grace
         self.locks = locks
         self.lock_store: LockStore | None = None
         self.db = db
@@ -311,7 +332,7 @@ class Stack:
             "default_max_attempts = 1000\n"
             "[gateway]\n"
             f"ordering_wait_seconds = {ORDERING_WAIT}\n"
-            "shutdown_timeout_seconds = 2\n"
+            f"shutdown_timeout_seconds = {self.shutdown_grace}\n"
             "[[upstreams]]\n"
             'name = "pay"\n'
             f'url = "http://{upstream_host}:{upstream_port}"\n'

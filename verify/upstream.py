@@ -43,7 +43,9 @@ A write with ``Verify-Apply-Delay: S`` (the workers' ``overlap``) waits S second
 most 5) before it is applied: a write in flight at the upstream while the job's next
 generation is granted and writes.
 
-``GET /__state``: counts. It prints ``upstream listening on PORT`` when ready.
+``GET /__state``: counts, and ``handling``: the requests received and not yet answered
+(0: every write received so far is in the ledger). It prints ``upstream listening on
+PORT`` when ready.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class Upstream:
         self.seq = 0
         self.first: dict[tuple[str, str], str] = {}  # /dedupe/: (job, key) -> first answer
         self.counts: dict[str, int] = {"applied": 0, "cut": 0, "slow": 0, "5xx": 0}
+        self.handling = 0  # writes received and not yet answered (or cut)
 
     def draw(self) -> tuple[str, float]:
         """(fault, seconds before the answer) of one write."""
@@ -156,6 +159,13 @@ class Upstream:
             self.received.write({**entry.to_json(), "event": event})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.handling += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self.handling -= 1
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if request.method not in WRITES:
             return web.json_response({"seq": self.seq})
@@ -251,7 +261,12 @@ class Upstream:
         return web.json_response(self.state())
 
     def state(self) -> dict[str, Any]:
-        return {"seq": self.seq, "counts": self.counts, "faults": self.faults.to_json()}
+        return {
+            "seq": self.seq,
+            "counts": self.counts,
+            "handling": self.handling,
+            "faults": self.faults.to_json(),
+        }
 
     async def get_state(self, request: web.Request) -> web.Response:
         return web.json_response(self.state())

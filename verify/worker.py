@@ -70,7 +70,10 @@ UPSTREAM = "pay"  # the upstream's name at the gateway
 WRITE_TIMEOUT = 5.0
 CONTROL_TIMEOUT = 3.0
 PARK_RETRY_SECONDS = 2.0
-# Answers after which the same request is simply sent again.
+# Answers after which the same request is simply sent again, with the same key (a
+# worker never makes a new key: each step's key is fixed, so after a ``maybe`` answer,
+# upstream-timeout or upstream-connection-lost, the retry is the same request, and the
+# gateway answers it from the key's record: a replay, or outcome-unknown, which parks it).
 RETRYABLE = frozenset(
     {
         "request-in-progress",
@@ -78,6 +81,7 @@ RETRYABLE = frozenset(
         "store-unavailable",
         "upstream-unavailable",
         "upstream-timeout",
+        "upstream-connection-lost",
         "gateway-overloaded",
     }
 )

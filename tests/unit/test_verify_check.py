@@ -581,7 +581,8 @@ def test_9_a_write_refused_as_not_forwarded_that_the_ledger_holds() -> None:
 
 
 def test_9_an_upstream_failure_may_have_been_sent() -> None:
-    for reason in ("upstream-timeout", "upstream-unavailable", "outcome-unknown", None):
+    maybe = ("upstream-timeout", "upstream-connection-lost", "outcome-unknown", "internal-error")
+    for reason in (*maybe, None):
         run = Run()
         run.claim("w1", "j1", 1)
         run.write("w1", "j1", 1, "k1", outcome="fail", status=502, reason=reason)

@@ -1,0 +1,80 @@
+"""The store and shutdown nemeses of ``python -m verify run`` (``verify.outages``): where
+``all`` takes them, what the plan draws, and the spans that excuse a held key from
+invariant 13 (``verify.run.excused_windows``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from verify.nemesis import KINDS, plan
+from verify.outages import BUSY_TIMEOUT
+from verify.run import SetupError, choose_nemeses, excused_windows
+
+
+def test_all_takes_store_where_the_database_allows_and_shutdown_everywhere() -> None:
+    for db in ("sqlite", "pg"):
+        chosen, _ = choose_nemeses("all", db)
+        assert {"store", "shutdown"} <= set(chosen)
+    patroni, _ = choose_nemeses("all", "patroni")
+    assert "shutdown" in patroni and "store" not in patroni
+    with pytest.raises(SetupError, match="store needs --db"):
+        choose_nemeses("store", "patroni")
+    assert KINDS["store"].heal_when_aborting
+
+
+def test_the_plan_draws_outages_past_the_busy_timeout_on_sqlite() -> None:
+    for db, low, high in (("sqlite", BUSY_TIMEOUT + 1, BUSY_TIMEOUT + 5), ("pg", 1.0, 5.0)):
+        faults = plan(5, ["store"], seconds=300, replicas=["a"], workers=[], db=db)
+        assert len(faults) >= 10
+        assert all(low <= f.duration <= high for f in faults)
+        assert {f.target for f in faults} == {"db"}
+    stops = plan(5, ["shutdown"], seconds=120, replicas=["a", "b"], workers=[], db="pg")
+    assert {f.target for f in stops} == {"a", "b"}
+    assert all(0.4 <= f.params["slow"] <= 0.9 and 0.5 <= f.duration <= 3 for f in stops)
+
+
+def _faults(path: Path, lines: list[tuple[str, int, str, float, dict[str, Any]]]) -> None:
+    with (path / "faults.jsonl").open("w") as out:
+        for phase, index, kind, at, params in lines:
+            doc = {"phase": phase, "time": at, "index": index, "kind": kind, "params": params}
+            out.write(json.dumps(doc) + "\n")
+
+
+def test_the_excused_spans(tmp_path: Path) -> None:
+    _faults(
+        tmp_path,
+        [
+            ("start", 0, "kill", 10, {}),
+            ("end", 0, "kill", 12, {}),
+            ("start", 1, "partition", 20, {"to": "database", "loss": None}),
+            ("end", 1, "partition", 25, {"to": "database", "loss": None}),
+            ("start", 2, "partition", 30, {"to": "upstream", "loss": 0.3}),
+            ("end", 2, "partition", 31, {"to": "upstream", "loss": 0.3}),
+            ("start", 3, "shutdown", 40, {"slow": 0.5}),  # the store fine: judged
+            ("end", 3, "shutdown", 42, {"slow": 0.5}),
+            ("start", 4, "shutdown", 50, {"slow": 0.5}),
+            ("killed", 4, "shutdown", 56, {"slow": 0.5}),
+            ("end", 4, "shutdown", 57, {"slow": 0.5}),
+            ("start", 5, "store", 60, {"how": "exclusive-lock"}),
+            ("start", 6, "shutdown", 62, {"slow": 0.5}),  # while the store is down
+            ("end", 6, "shutdown", 64, {"slow": 0.5}),
+            ("end", 5, "store", 70, {"how": "exclusive-lock"}),
+            ("start", 7, "upstream", 80, {"mode": "5xx", "probability": 0.3}),
+            ("end", 7, "upstream", 81, {"mode": "5xx", "probability": 0.3}),
+            ("start", 8, "upstream", 90, {"mode": "cut", "probability": 0.3}),
+            ("end", 8, "upstream", 91, {"mode": "cut", "probability": 0.3}),
+            ("start", 9, "freeze", 100, {}),  # never ended: to the end
+        ],
+    )
+    assert excused_windows(tmp_path) == [
+        (10, 12),
+        (30, 31),
+        (50, 57),
+        (62, 64),
+        (80, 81),
+        (100, float("inf")),
+    ]

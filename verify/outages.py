@@ -1,0 +1,131 @@
+"""The nemeses of issue 52, whose faults fall in the middle of a fenced write's exchange:
+``store`` breaks the database while requests are in hand, ``shutdown`` stops a replica
+with writes waiting behind an older generation's. Their entries are in
+``verify.nemesis.KINDS``; this module holds their draws, faults and healings.
+
+- ``store``, SQLite: a process of its own holds ``BEGIN EXCLUSIVE`` on the run's database
+  file past the gateway's busy timeout (``lease_core.direct_sqlite.BUSY_TIMEOUT_MS``, 10 s:
+  the gateway's database thread waits that long for the lock, then gives up) by 1-5 s;
+  healed by killing that process (the lock goes with it, also when the run is torn down:
+  it is one of the run's children). PostgreSQL: ``ALTER DATABASE ... ALLOW_CONNECTIONS
+  false`` and ``pg_terminate_backend`` of every connection to the run's database (the
+  replicas'), for 1-5 s, then ``ALLOW_CONNECTIONS true``, asked again until the server
+  takes it (a ``db-restart`` may be under way).
+- ``shutdown``: the upstream answers every write 0.2-0.9 s late for a moment (so older
+  generations' writes stay in flight and newer ones wait behind them), then SIGTERM to a
+  replica, which has ``SHUTDOWN_GRACE_UNDER_NEMESIS`` (0.2 s, under the ordering wait) to
+  finish; it is started again 0.5-3 s after it exited. A replica still running 5 s after
+  the SIGTERM is killed (SIGKILL), and the fault log says so (``phase: killed``):
+  invariant 13 excuses what such a replica lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from lease_core.direct_sqlite import BUSY_TIMEOUT_MS
+from verify.procs import wait_for_line
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from random import Random
+
+    from verify.nemesis import Fault, Nemesis
+
+DATABASE = "verify"  # the run's database on PostgreSQL (verify.stack)
+BUSY_TIMEOUT = BUSY_TIMEOUT_MS / 1000
+LOCKED = re.compile(r"^locked$", re.MULTILINE)
+# A process that takes the write lock of a SQLite file and keeps it until it is killed.
+LOCKER = (
+    "import sqlite3, sys, time\n"
+    "conn = sqlite3.connect(sys.argv[1], timeout=60, isolation_level=None)\n"
+    "conn.execute('BEGIN EXCLUSIVE')\n"
+    "print('locked', flush=True)\n"
+    "time.sleep(3600)\n"
+)
+STOP_WAIT = 5.0  # seconds after the SIGTERM before a replica is killed
+HEAL_TRIES = 40  # ALLOW_CONNECTIONS true, every 0.5 s, until the server takes it
+
+
+def draw_store(rng: Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    outage = round(rng.uniform(1.0, 5.0), 2)
+    if db == "sqlite":  # the lock is held past the busy timeout by the outage
+        return pick(), round(BUSY_TIMEOUT + outage, 2), {"how": "exclusive-lock"}
+    return pick(), outage, {"how": "connections-refused"}
+
+
+def draw_shutdown(rng: Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    target = pick()
+    slow = round(rng.uniform(0.4, 0.9), 2)
+    return target, round(rng.uniform(0.5, 3.0), 2), {"slow": slow}
+
+
+async def break_store(n: Nemesis, fault: Fault) -> None:
+    stack = n.stack
+    if stack.db == "sqlite":
+        argv = [sys.executable, "-c", LOCKER, str(stack.out / "fencegate.db")]
+        since = len(_read(stack.out / "store-lock.log"))
+        n.store_lock = stack.children.spawn("store-lock", argv)
+        await wait_for_line(n.store_lock, LOCKED, 30, since)
+        return
+    assert stack.cluster is not None
+    await stack.cluster.execute(f'ALTER DATABASE "{DATABASE}" ALLOW_CONNECTIONS false')
+    await stack.cluster.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        f"WHERE datname = '{DATABASE}' AND pid <> pg_backend_pid()"
+    )
+
+
+async def heal_store(n: Nemesis, fault: Fault) -> None:
+    stack = n.stack
+    if stack.db == "sqlite":
+        locker, n.store_lock = n.store_lock, None
+        if locker is not None:
+            await asyncio.to_thread(locker.kill)
+        return
+    assert stack.cluster is not None
+    for attempt in range(HEAL_TRIES):
+        try:
+            await stack.cluster.execute(f'ALTER DATABASE "{DATABASE}" ALLOW_CONNECTIONS true')
+            return
+        except Exception:
+            if attempt == HEAL_TRIES - 1:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def shut_down(n: Nemesis, fault: Fault) -> None:
+    """Slow answers for a moment, then SIGTERM to the replica; wait for it to end."""
+    replica = n.replica(fault.target)
+    upstream = n.stack.upstream
+    assert upstream is not None
+    slow = float(fault.params["slow"])
+    n.slowing += 1
+    try:
+        await upstream.set_knobs(delay=[slow / 2, slow])
+        await asyncio.sleep(slow)  # older generations' writes in flight, newer ones waiting
+        started = time.monotonic()
+        ended = await asyncio.to_thread(replica.stop, STOP_WAIT)
+        if not ended:
+            n.note_killed(fault, time.monotonic() - started)
+    finally:
+        n.slowing -= 1
+        if not n.slowing:
+            await upstream.set_knobs(delay=[0.0, 0.0])
+
+
+async def restart(n: Nemesis, fault: Fault) -> None:
+    replica = n.replica(fault.target)
+    if not replica.alive():
+        await n._start(replica, None)
+
+
+def _read(path: Any) -> str:
+    try:
+        return str(path.read_text(errors="replace"))
+    except OSError:
+        return ""
