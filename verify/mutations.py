@@ -304,6 +304,68 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         fast=True,
         killed_by=("tests/integration/test_gateway_idempotency.py::test_unknown_outcome_is_held"),
     ),
+    # Issue 52: what a worker is told when the store fails. The settle of a sent write's
+    # unknown outcome left unguarded: the database failing then answers the worker
+    # store-unavailable ("never sent, send it again") for a write the upstream got.
+    Mutant(
+        name="unknown-settle-unguarded",
+        rule="unknown-outcomes",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "gateway/upstream/forwarding.py",
+                """                await settle_quietly(
+                    key.settle(
+                        RecordState.UNKNOWN,
+                        status=None,
+                        headers=None,
+                        body=None,
+                        note=f"no answer: {why_no_answer(error)}",
+                    )
+                )""",
+                """                await key.settle(
+                    RecordState.UNKNOWN,
+                    status=None,
+                    headers=None,
+                    body=None,
+                    note=f"no answer: {why_no_answer(error)}",
+                )""",
+            ),
+        ),
+        why=(
+            "The settle of a sent write whose answer never came is not guarded: when the "
+            "database fails at that moment the worker is told store-unavailable (sent "
+            "never, Retry-After), and a worker that believes it sends the write again under "
+            "a new key."
+        ),
+        killed_by=(
+            "tests/integration/test_truthful_answers.py"
+            "::test_a_sent_write_is_never_told_the_store_failed"
+        ),
+    ),
+    # Issue 52: a claim given back only when the database failed, not on a cancellation
+    # (a shutdown past its grace) or any other end before the send: the write that never
+    # left stays in flight and turns unknown at its deadline.
+    Mutant(
+        name="release-only-on-store-unavailable",
+        rule="unknown-outcomes",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _HANDLER,
+                "                except BaseException:  # the database, a cancellation, a bug",
+                "                except lease_exc.StoreUnavailable:  # the database",
+            ),
+        ),
+        why=(
+            "The claim of a write that was never sent is given back only when the database "
+            "failed: a request cancelled before its send (its client gone, a shutdown past "
+            "its grace) leaves its key in flight, listed as an unknown outcome to resolve."
+        ),
+        killed_by=(
+            "tests/integration/test_truthful_answers.py::test_a_cancelled_wait_gives_its_claim_back"
+        ),
+    ),
     Mutant(
         name="resolver-window-sign",
         rule="resolver",

@@ -24,9 +24,13 @@ from gateway.proxy.resolve import Resolver
 from gateway.records.audit import Audit
 from gateway.records.store import GatewayStore
 from gateway.upstream.forwarding import Forwarder
+from lease_core import exceptions as lease_exc
 from lease_core.store import LeaseStore
 
 log = logging.getLogger("fencegate.proxy")
+
+# At shutdown, how long the claims still owed a release get for a last try.
+OWED_LAST_TRY_SECONDS = 2.0
 
 
 class Gateway(Driver):
@@ -106,6 +110,11 @@ class Gateway(Driver):
     async def close(self) -> None:
         await self.forwarder.close()
         await self.behind.flush()
+        if self.releases.owed:  # a last try: lost with the process, they turn unknown
+            try:
+                await asyncio.wait_for(self.releases.pay(), OWED_LAST_TRY_SECONDS)
+            except (TimeoutError, lease_exc.StoreUnavailable):
+                log.warning("%d unsent claim(s) could not be given back", self.releases.owed)
         await self.audit.close()
         for source in self.sources.values():
             await source.close()

@@ -106,7 +106,7 @@ async def lose_a_charge(stack: Any, up: StripeLike, lease: dict[str, Any], how: 
     await problem(
         resp,
         504 if how == "timeout" else 502,
-        f"upstream-{'timeout' if how == 'timeout' else 'unavailable'}",
+        f"upstream-{'timeout' if how == 'timeout' else 'connection-lost'}",
     )
     assert up.charges == 1
     [held] = await outcomes(stack)

@@ -309,3 +309,39 @@ async def test_an_expect_refusal_is_audited_with_its_upstream(
     [entry] = (await resp.json())["items"]
     assert entry["upstream"] == "pay"
     assert upstream.received == []
+
+
+async def test_a_cancelled_wait_gives_its_claim_back(
+    make_stack: Callable[..., Awaitable[Stack]], upstream: Upstream
+) -> None:
+    """Any end of a request before its send gives its claim back, a cancellation too (the
+    test server cancels a handler whose client left, as a shutdown past its grace does):
+    a newer generation's write waiting behind an older one, its client gone, leaves its
+    key free, never in flight until it turns unknown."""
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)], gateway={"ordering_wait_seconds": 30}
+    )
+    gateway = stack.proxy.server.app[GATEWAY]
+    upstream.delay = 5.0
+    old = await stack.lease("job-1")
+    first = asyncio.ensure_future(stack.write("/pay/charges", old, key="old-step"))
+    await until_in_flight(upstream)
+    new = await stack.lease("job-1")  # the same owner again: a newer generation
+    url = str(stack.proxy.make_url("/pay/charges"))
+    headers = {"Fencing-Token": new["lease_token"], "Idempotency-Key": "new-step"}
+    async with aiohttp.ClientSession() as session:
+        waiting = asyncio.ensure_future(session.post(url, json={}, headers=headers))
+        deadline = time.monotonic() + 10
+        while gateway.metrics.waiting.labels("older")._value.get() < 1:
+            assert time.monotonic() < deadline, "the newer write never waited"
+            await asyncio.sleep(0.02)
+        assert await gateway.store.record(new["job_id"], "new-step") is not None
+        waiting.cancel()  # the client leaves: its connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    deadline = time.monotonic() + 5
+    while await gateway.store.record(new["job_id"], "new-step") is not None:
+        assert time.monotonic() < deadline, "the cancelled write's claim was never given back"
+        await asyncio.sleep(0.05)
+    await ok(await first)
+    assert "new-step" not in [r["key"] for r in upstream.received]

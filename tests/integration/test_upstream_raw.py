@@ -5,7 +5,7 @@ client itself and end to end through a gateway.
 - A head (the status line and headers, with those of any 1xx answer before it) larger
   than the limit is ``HeadTooLarge``: the request was sent, so, like any other answer
   that cannot be read, it is no answer and its outcome is unknown (502
-  ``upstream-unavailable``; a retry with the same key is not replayed as a success).
+  ``upstream-connection-lost``; a retry with the same key is not replayed as a success).
 - Trailers of a chunked answer are never the answer's headers: not when it is first
   forwarded, not in the stored answer a replay gives back.
 - How the gateway frames an answer for the worker: a body that arrives in one piece
@@ -240,9 +240,9 @@ async def test_a_head_over_the_limit_is_an_unknown_outcome_never_replayed(
     stack = await make_stack(upstreams=[{"name": "pay", "url": up.url}], gateway=gateway)
     lease = await stack.lease("job-1")
     doc = await problem(
-        await stack.write("/pay/charges", lease, key="pay-1"), 502, "upstream-unavailable"
+        await stack.write("/pay/charges", lease, key="pay-1"), 502, "upstream-connection-lost"
     )
-    assert doc["job_id"] == "job-1"
+    assert doc["job_id"] == "job-1" and doc["sent"] == "maybe"
     [held] = await unknown_outcomes(stack)
     assert (held["key"], held["state"], held["status"]) == ("pay-1", "unknown", None)
     assert held["note"].startswith("no answer: ") and "head" in held["note"]
