@@ -13,7 +13,7 @@ server dependency. ``aio`` is the asyncio client (aiohttp), ``sync`` the synchro
 ``httpx``, ``requests`` and ``boto3`` fence the HTTP clients a worker already uses;
 ``celery`` fences Celery tasks (``FencedTask``).
 ``protocol`` (header names, step keys, the lease API's calls, a lease's state, the
-gateway's answer), ``reasons`` (every problem reason, with its status and title) and
+gateway's answer), ``reasons`` (every problem reason, with its status, title and ``Sent``) and
 ``errors`` (one class per lease-API reason) do no I/O and are shared by every client.
 
 Names are loaded on first use (module ``__getattr__``): importing this package loads no
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         error_from_problem,
     )
     from .protocol import FencedResponse, current_lease, step_key
+    from .reasons import Sent, sent_of
 
 _HOME = {
     "FencedSession": "aio",
@@ -57,6 +58,8 @@ _HOME = {
     "FencedResponse": "protocol",
     "current_lease": "protocol",
     "step_key": "protocol",
+    "Sent": "reasons",
+    "sent_of": "reasons",
     **dict.fromkeys(
         (
             "Forbidden",
@@ -99,11 +102,13 @@ __all__ = [
     "LeaseHeld",
     "LeaseLost",
     "RemoteError",
+    "Sent",
     "StaleGeneration",
     "StoreUnavailable",
     "Unauthorized",
     "current_lease",
     "error_from_problem",
+    "sent_of",
     "step_key",
 ]
 

@@ -8,8 +8,11 @@ message. The worker client raises them from the problems it receives
 in the client package, because a worker needs them and must not need the service: this
 module imports nothing of Fencegate but ``reasons``.
 
-A class names its ``Reason``; its ``status`` and ``title`` are that reason's row in
-``reasons.REASONS`` (set when the class is defined), so a reason's facts are written once.
+A class names its ``Reason``; its ``status``, ``title`` and ``sent`` are that reason's
+row in ``reasons.REASONS`` (set when the class is defined), so a reason's facts are
+written once. An error raised from a gateway's answer takes ``sent`` from the problem
+document's own ``sent`` member when it has one (``reasons.sent_of``): what the worker may
+do next (send again under a new key, or only under the same one) is read from it alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .reasons import REASONS, Reason
+from .reasons import REASONS, Reason, Sent, sent_of
 
 
 class LeaseError(Exception):
@@ -27,6 +30,9 @@ class LeaseError(Exception):
     status: ClassVar[int] = REASONS[Reason.INTERNAL_ERROR].status
     title: ClassVar[str] = REASONS[Reason.INTERNAL_ERROR].title
     headers: ClassVar[dict[str, str]] = {}
+    sent: Sent | None = REASONS[Reason.INTERNAL_ERROR].sent
+    """Of a gateway's answer: whether the write reached the upstream (``Sent``); None
+    for an error that answers no write (the lease API's own)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -34,11 +40,19 @@ class LeaseError(Exception):
             info = REASONS[cls.reason]
             cls.status = info.status
             cls.title = info.title
+            cls.sent = info.sent
 
     def __init__(self, detail: str | None = None, **extra: Any) -> None:
         self.detail = detail or (self.__doc__ or "").strip()
         self.extra = {k: v for k, v in extra.items() if v is not None}
         super().__init__(self.detail)
+
+    @property
+    def new_key_safe(self) -> bool:
+        """Whether the write this error answers may be sent again under a new key: only
+        when it was never sent (``sent`` is ``never``). Otherwise retry it only under the
+        same key, or have its outcome resolved."""
+        return self.sent is Sent.NEVER
 
 
 class InvalidRequest(LeaseError):
@@ -107,6 +121,7 @@ class LeaseLost(LeaseError):
 
     status = 409
     title = "Lease lost"
+    sent: Sent | None = Sent.NEVER  # a lost lease's write is refused before it is sent
 
 
 class LeaseExpired(LeaseLost):
@@ -153,6 +168,7 @@ class RemoteError(LeaseError):
         self.remote_status = status
         self.remote_reason = reason
         self.problem = dict(doc)
+        self.sent = sent_of(doc)
 
 
 def _by_reason(cls: type[LeaseError], out: dict[str, type[LeaseError]]) -> None:
@@ -168,13 +184,18 @@ _by_reason(LeaseError, _PROBLEMS)
 
 def error_from_problem(status: int, doc: Mapping[str, Any]) -> LeaseError:
     """The exception that a problem document stands for: the class of its ``reason``,
-    else ``RemoteError``."""
+    else ``RemoteError``; its ``sent`` is the document's (``reasons.sent_of``)."""
     reason = str(doc.get("reason", ""))
     detail = str(doc.get("detail") or doc.get("title") or f"HTTP {status}")
     cls = _PROBLEMS.get(reason)
-    if cls is not None:
-        extra = {
-            k: v for k, v in doc.items() if k not in ("type", "title", "status", "detail", "reason")
-        }
-        return cls(detail, **extra)
-    return RemoteError(status, reason, detail, doc)
+    if cls is None:
+        return RemoteError(status, reason, detail, doc)
+    extra = {k: v for k, v in doc.items() if k not in _MEMBERS}
+    error = cls(detail, **extra)
+    if "sent" in doc:
+        error.sent = sent_of(doc)
+    return error
+
+
+_MEMBERS = frozenset({"type", "title", "status", "detail", "reason", "sent"})
+"""The members a problem document's error keeps as attributes, not in ``extra``."""

@@ -20,7 +20,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from . import errors as exc
 from .errors import LOST_BY_REASON, LeaseLost, RemoteError, error_from_problem
-from .reasons import Reason
+from .reasons import Reason, Sent, sent_of
 
 log = logging.getLogger("fencegate.client")
 
@@ -59,7 +59,9 @@ def lease_lost(status: int, content_type: str, body: bytes) -> LeaseLost | None:
     problem = problem_of(content_type, body)
     if problem is None or problem["reason"] not in LOST_BY_REASON:
         return None
-    return LOST_BY_REASON[problem["reason"]](str(problem.get("detail", "")))
+    error = LOST_BY_REASON[problem["reason"]](str(problem.get("detail", "")))
+    error.sent = sent_of(problem)
+    return error
 
 
 def may_report_loss(status: int, content_type: str) -> bool:
@@ -95,6 +97,28 @@ class FencedResponse:
     def problem(self) -> dict[str, Any] | None:
         """The gateway's own problem document, when the gateway answered itself."""
         return problem_of(self.headers.get("Content-Type", ""), self.body)
+
+    @property
+    def sent(self) -> Sent | None:
+        """When the gateway answered itself: whether the write reached the upstream
+        (its problem's ``sent``, ``reasons.sent_of``). None when the answer is the
+        upstream's (relayed, or replayed to a duplicate)."""
+        problem = self.problem
+        return sent_of(problem) if problem is not None else None
+
+    @property
+    def new_key_safe(self) -> bool:
+        """Whether the write may be sent again under a new key: only when the gateway
+        answered that it was never sent."""
+        return self.sent is Sent.NEVER
+
+    def raise_for_problem(self) -> None:
+        """Raise the gateway's own answer as its error (``error_from_problem``: the
+        class of its reason, else ``RemoteError``; ``.sent`` says what became of the
+        write); nothing when the answer is the upstream's."""
+        problem = self.problem
+        if problem is not None:
+            raise error_from_problem(self.status, problem)
 
     def lease_lost(self) -> LeaseLost | None:
         """The ``LeaseLost`` error this answer reports (the gateway refused the write as

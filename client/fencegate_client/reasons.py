@@ -88,6 +88,12 @@ class Sent(StrEnum):
     MAYBE = "maybe"
     YES = "yes"
 
+    @property
+    def new_key_safe(self) -> bool:
+        """Whether the write may be sent again under a new key: only when it was never
+        sent. (The same key is always safe: the gateway answers a duplicate itself.)"""
+        return self is Sent.NEVER
+
 
 class Layer(Flag):
     """Who answers with a reason."""
@@ -293,7 +299,6 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             sent=Sent.MAYBE,
         ),
         # -- the control listener's only ---------------------------------------------------
-        # -- the control listener's only ---------------------------------------------------
         Reason.UNAUTHORIZED: ReasonInfo(401, "Unauthorized", _API),
         Reason.FORBIDDEN: ReasonInfo(403, "Forbidden", _API),
         Reason.INVALID_LEASE_TOKEN: ReasonInfo(403, "Invalid lease token", _API),
@@ -319,3 +324,21 @@ GATEWAY_REASONS: tuple[Reason, ...] = tuple(
 )
 """Every reason the gateway answers or audits, in ``Reason``'s order: what the audit can
 be filtered by and the dashboard shows."""
+
+
+def sent_of(problem: Mapping[str, object]) -> Sent | None:
+    """What a gateway's problem document says of its write: its ``sent`` member, else
+    (a gateway from before the member, or an answer built outside the gateway's reason
+    table) its reason's row in ``REASONS``; None for an answer that says nothing of a
+    write (the control listener's, or a reason this client does not know)."""
+    member, reason = problem.get("sent"), problem.get("reason")
+    if isinstance(member, str) and member in _SENT_VALUES:
+        return Sent(member)
+    if isinstance(reason, str) and reason in _REASON_VALUES:
+        info = REASONS.get(Reason(reason))
+        return info.sent if info is not None else None
+    return None
+
+
+_SENT_VALUES = frozenset(s.value for s in Sent)
+_REASON_VALUES = frozenset(r.value for r in Reason)

@@ -8,6 +8,12 @@ settles and answers with its stored answer (``Idempotent-Replayed: true``), or a
 ``MAX_RETRIES``, within ``retry_wait`` seconds in all, and none once the gateway did not
 wait (a gateway that does not know the preference, or whose
 ``gateway.max_prefer_wait_seconds`` is 0).
+
+Whether the write may be sent again at all is read from the answer's ``sent`` alone
+(``FencedResponse.sent``): only a write the gateway says was never sent is, and always
+under its own key. The reason only picks the wait (``Prefer: wait`` serves
+``request-in-progress``); no detail text and no header decides that a write is safe to
+send again. Every other answer is the write's answer, returned to the worker.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import time
 from collections.abc import Mapping
 
 from .protocol import FencedResponse
-from .reasons import Reason
+from .reasons import Reason, Sent
 
 PREFER = "Prefer"
 PREFERENCE_APPLIED = "Preference-Applied"
@@ -26,13 +32,13 @@ DEFAULT_RETRY_WAIT = 5.0
 
 
 def in_progress(answer: FencedResponse) -> bool:
-    """The gateway answered ``request-in-progress``: the key's first attempt is in
-    flight."""
+    """The gateway answered ``request-in-progress`` and this attempt was never sent: the
+    key's first attempt is in flight."""
     problem = answer.problem
     return (
-        answer.status == 409
-        and problem is not None
-        and (problem["reason"] == Reason.REQUEST_IN_PROGRESS.value)
+        problem is not None
+        and answer.sent is Sent.NEVER
+        and problem["reason"] == Reason.REQUEST_IN_PROGRESS.value
     )
 
 

@@ -3,8 +3,9 @@
 
 The decision table (``decision``) ends with the verdict to forward; what happens then is
 no longer a choice among rows in the spec's order but one small table: an exchange that
-did not reach the upstream, or got no answer, is ``upstream-timeout`` or
-``upstream-unavailable``; an answer whose meaning for the key (``profiles.answer_of``) is
+did not reach the upstream is ``upstream-unavailable`` (sent never), one that was sent
+and got no answer ``upstream-timeout`` or ``upstream-connection-lost`` (sent maybe); an
+answer whose meaning for the key (``profiles.answer_of``) is
 "the request's own precondition failed" is ``precondition-failed``. Every other answer
 is the upstream's own, streamed back (and kept, freed or held unknown for the key by
 ``forwarding``). Pure: no I/O.

@@ -63,6 +63,9 @@ def problem_schemas() -> dict[str, Any]:
             schema["description"] = info.detail
         if info.retry_after:
             schema["x-retry-after"] = True
+        if info.sent is not None:  # the gateway's: what became of the write
+            schema["properties"]["sent"] = {"const": info.sent.value}
+            schema["x-sent"] = info.sent.value
         out[problem_name(reason)] = schema
     return out
 
@@ -213,7 +216,11 @@ INFO = {
     "health calls, and (tag proxy, its own server) the proxy listener's fenced writes. "
     "Every error is an RFC 9457 problem document (application/problem+json) with a "
     "stable `reason`; `components.schemas.Problem-<reason>` gives each reason's status "
-    "and title. docs/protocol.md is the prose; docs/openapi.md says how this document "
+    "and title. Every problem the gateway answers a write with says what became of the "
+    "write in its member `sent` (never, maybe, yes; the schema's `x-sent` gives each "
+    "reason's): a client decides from it alone whether to send the write again under a "
+    "new key (never), only under the same key (maybe), or not at all (yes: the answer is "
+    "the outcome). docs/protocol.md is the prose; docs/openapi.md says how this document "
     "is generated and checked.",
     "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
 }

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from fencegate_client.reasons import GATEWAY_REASONS, REASONS
+from fencegate_client.reasons import GATEWAY_REASONS, REASONS, Sent
 from gateway.fencing.decision import http_error
 from lease_core.rules import State
 
@@ -221,6 +221,17 @@ class Problem(BaseModel):
     job_id: str | None = None
     generation: int | None = None
     highest_generation: int | None = None
+    sent: Annotated[str, one_of(s.value for s in Sent)] | None = Field(
+        default=None,
+        description="The gateway's answers to a write: whether any byte of it reached "
+        "the upstream. never: nothing was sent; send it again, under the same key or a "
+        "new one (after Retry-After when given). maybe: it may have been sent and "
+        "whether it was applied is unknown; never send it under a new key: retry the "
+        "same key or have the outcome resolved (POST /admin/unknown-outcomes/resolve). "
+        "yes: sent and answered; this answer is the outcome. Decide from this member "
+        "alone, not from the detail or the headers. Absent on the control listener's "
+        "problems, which answer no write.",
+    )
 
 
 ANSWERS: tuple[type[BaseModel], ...] = (

@@ -40,18 +40,22 @@ def problems_by_status() -> dict[str, Any]:
     for status, group in sorted(by_status.items()):
         refs = [{"$ref": REF.format(reason=r.value)} for r in group]
         response: dict[str, Any] = {
-            "description": "The gateway's own answer: "
-            + "; ".join(
-                f"{r.value} ({' | '.join(after_forward.documented(r) or [REASONS[r].detail])})"
-                for r in group
-            ),
+            "description": "The gateway's own answer: " + "; ".join(_told(r) for r in group),
             "content": {CONTENT_TYPE: {"schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}},
         }
-        retry = any(REASONS[r].retry_after or after_forward.documented(r) for r in group)
-        if retry:
+        if any(REASONS[r].retry_after for r in group):
             response["headers"] = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
         out[str(status)] = response
     return out
+
+
+def _told(reason: Reason) -> str:
+    """A reason as a response's description tells it: its name, what became of the write
+    (its ``sent``) and its details."""
+    info = REASONS[reason]
+    details = " | ".join(after_forward.documented(reason) or [info.detail])
+    sent = f"sent {info.sent.value}: " if info.sent is not None else ""
+    return f"{reason.value} ({sent}{details})"
 
 
 def fenced_write(method: str) -> dict[str, Any]:

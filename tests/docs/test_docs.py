@@ -2,8 +2,8 @@
 
 - every gateway reason (``gateway.fencing.fence.GATEWAY_REASONS`` / ``REASONS``) and
   every lease-service reason (``lease_core.exceptions``) is in docs/protocol.md's
-  reason tables with the code's status and title, and those tables name no reason the
-  code does not give;
+  reason tables with the code's status and title (and a gateway reason with its
+  ``sent``), and those tables name no reason the code does not give;
 - every complete TOML configuration in docs/*.md (a ```toml block preceded by
   ``<!-- check-config -->``) and every examples/*.toml passes ``fencegate check-config``;
   every other ```toml block must be marked ``<!-- fragment -->`` and still parse;
@@ -42,6 +42,7 @@ import pytest
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
+from fencegate_client.reasons import Sent
 from gateway.config import Settings
 from gateway.fencing import fence
 from lease_core import exceptions as lease_exc
@@ -224,17 +225,21 @@ class ReasonRow:
     reason: str
     status: str
     title: str
+    sent: str | None  # the ``sent`` column's cell, in a table that has one
 
 
 def reason_rows() -> list[ReasonRow]:
     rows = []
     for table in tables(PROTOCOL.read_text(encoding="utf-8")):
-        if [c.lower() for c in table.header[:3]] != ["reason", "status", "title"]:
+        header = [c.lower() for c in table.header]
+        if header[:3] != ["reason", "status", "title"]:
             continue
+        sent_at = header.index("sent") if "sent" in header else None
         for cells in table.rows:
             reason = backticked(cells[0])
             assert reason is not None, f"protocol.md:{table.line}: reason not in backticks"
-            rows.append(ReasonRow(table.heading, reason, cells[1], cells[2]))
+            sent = cells[sent_at] if sent_at is not None else None
+            rows.append(ReasonRow(table.heading, reason, cells[1], cells[2], sent))
     return rows
 
 
@@ -285,6 +290,22 @@ def test_every_gateway_reason_is_documented_with_its_status_and_title() -> None:
         assert row.title == info.title, (reason.value, row.title, info.title)
 
 
+def test_every_gateway_reason_is_documented_with_its_sent() -> None:
+    """The proxy listener's table says of every reason what ``REASONS`` says: whether the
+    write was sent (``never``, ``maybe``, ``yes``); the audit's own reasons, which are no
+    problem document, say nothing ("—")."""
+    documented = rows_under("proxy listener")
+    for reason in fence.GATEWAY_REASONS:
+        row = documented[reason.value]
+        info = fence.REASONS.get(reason)
+        sent = info.sent if info is not None else None
+        expected = f"`{sent.value}`" if sent is not None else "—"
+        assert row.sent == expected, (reason.value, row.sent, expected)
+    # The page's table of what each value asks of a worker names each value once.
+    [table] = [t for t in tables(PROTOCOL.read_text(encoding="utf-8")) if t.header[0] == "`sent`"]
+    assert [backticked(cells[0]) for cells in table.rows] == [s.value for s in Sent]
+
+
 def test_every_lease_service_reason_is_documented_with_its_status_and_title() -> None:
     documented = rows_under("control listener")
     for reason, cls in exception_reasons().items():
@@ -323,6 +344,7 @@ def test_the_title_of_a_problem_document_matches_the_table() -> None:
             info.title,
             info.detail,
         )
+        assert doc.get("sent") == (info.sent.value if info.sent is not None else None)
 
 
 # -- (b) configurations -----------------------------------------------------------------------

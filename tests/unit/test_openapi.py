@@ -11,7 +11,7 @@ import pytest
 from openapi_spec_validator import validate
 
 from fencegate_client import protocol
-from fencegate_client.reasons import REASONS, Layer
+from fencegate_client.reasons import REASONS, Layer, Sent
 from gateway.service import openapi
 from gateway.service.openapi_proxy import PROXY_PATH
 
@@ -88,6 +88,27 @@ def test_every_reason_with_a_fixed_status_is_a_problem_type(doc: dict[str, Any])
             "const": f"https://fencegate.dev/problems/{reason.value}"
         }
         assert schema.get("x-retry-after", False) == info.retry_after
+
+
+def test_each_gateway_problem_type_says_whether_the_write_was_sent(doc: dict[str, Any]) -> None:
+    """A generated client reads ``sent`` from the document: each gateway reason's schema
+    fixes it (``x-sent`` and the property's ``const``), the ``Problem`` schema names its
+    values; a reason only the control listener answers has none."""
+    schemas = doc["components"]["schemas"]
+    member = schemas["Problem"]["properties"]["sent"]
+    [values] = [branch for branch in member["anyOf"] if branch.get("type") == "string"]
+    assert values["enum"] == [s.value for s in Sent]
+    assert "never" in member["description"] and "new key" in member["description"]
+    for reason, info in REASONS.items():
+        schema = schemas[f"Problem-{reason.value}"]
+        if info.sent is None:
+            assert "x-sent" not in schema and "sent" not in schema["properties"], reason
+            continue
+        assert schema["x-sent"] == info.sent.value, reason
+        assert schema["properties"]["sent"] == {"const": info.sent.value}, reason
+    # The proxy's 504 is upstream-timeout alone: sent maybe, and never with Retry-After.
+    timeout = doc["paths"][PROXY_PATH]["post"]["responses"]["504"]
+    assert "headers" not in timeout and "sent maybe" in timeout["description"]
 
 
 def test_the_proxy_answers_each_of_its_reasons_at_its_status(doc: dict[str, Any]) -> None:
