@@ -96,15 +96,19 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
-        # Requests in a bounded wait, holding no slot and no body: for their key's first
-        # attempt (``Prefer: wait``) or for older generations' writes to their job.
-        self.waiting = Gauge(
-            "fencegate_gateway_waiting_requests",
-            "Requests waiting right now: for their key's first attempt (first) or for "
-            "older generations' writes (older).",
-            ["wait"],
-            registry=r,
-        )
+        self.waiting = waiting_gauge(r)
+
+
+def waiting_gauge(registry: CollectorRegistry) -> Gauge:
+    """Requests in a bounded wait, holding no slot and no body: for their key's first
+    attempt (``Prefer: wait``) or for older generations' writes to their job."""
+    return Gauge(
+        "fencegate_gateway_waiting_requests",
+        "Requests waiting right now: for their key's first attempt (first) or for older "
+        "generations' writes (older).",
+        ["wait"],
+        registry=registry,
+    )
 
 
 class StepTimer:

@@ -65,8 +65,8 @@ async def test_sent_but_unanswered_is_an_unknown_outcome_and_says_so(
     lease = await stack.lease("job-hangs", owner="a", ttl=60)
     with caplog.at_level(logging.WARNING, logger="fencegate.proxy"):
         resp = await stack.write("/pay/charges", lease, key="step-1")
-    doc = await problem(resp, 502, "upstream-unavailable")
-    assert "Retry-After" not in resp.headers
+    doc = await problem(resp, 502, "upstream-connection-lost")
+    assert "Retry-After" not in resp.headers and doc["sent"] == "maybe"
     assert "whether the upstream applied it is unknown" in doc["detail"]
     assert "held as unknown" in doc["detail"]
     assert len(heads) == 1  # it was sent
