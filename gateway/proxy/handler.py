@@ -214,7 +214,9 @@ class Driver:
     async def _wait_in_order(self, incoming: Incoming, machine: RequestMachine) -> Next:
         """Wait (bounded) for older generations' writes to the job."""
         seconds = self.settings.gateway.ordering_wait_seconds
-        settled = await until_older_settled(self.store, machine.job_id, machine.generation, seconds)
+        settled = await until_older_settled(
+            self.store, self.settles, machine.job_id, machine.generation, seconds
+        )
         return machine.older_waited(settled)
 
     async def _read_claim(self, incoming: Incoming, machine: RequestMachine) -> Next:
