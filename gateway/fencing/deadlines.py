@@ -34,11 +34,11 @@ and added twice to a claimed record's deadline."""
 
 POLL_FIRST: Final = 0.02
 POLL_MAX: Final = 0.25
-"""A waiting duplicate looks at its key's record again after ``POLL_FIRST``, doubling up
-to ``POLL_MAX``, unless this replica settles the key first."""
-
-ORDERING_POLL: Final = 0.02
-"""Seconds between two looks for older writes still in flight."""
+"""A wait looks at the database again after ``POLL_FIRST`` seconds, twice as long each
+time up to ``POLL_MAX``, and sooner when this replica settles what it waits for: a
+waiting duplicate at its key's record (its own looks), and the writes of a job waiting
+for older generations' writes at the job's writes in flight (one look for all of them,
+``gateway.proxy.duplicates.Order``; back to ``POLL_FIRST`` after a settle here)."""
 
 BEHIND_WAIT_SECONDS: Final = 1
 """How long a duplicate waits for a settle of its key that this replica is writing behind

@@ -225,7 +225,7 @@ class Driver:
         seconds = self.settings.gateway.ordering_wait_seconds
         with self.metrics.waiting.labels("older").track_inprogress():
             settled = await until_older_settled(
-                self.store, machine.job_id, machine.generation, seconds, stop=self.draining
+                self.store, self.settles, machine.job_id, machine.generation, seconds, self.draining
             )
         return machine.older_waited(settled)
 

@@ -218,9 +218,12 @@ class GatewayStore:
         row = await self.backend.run("record", job_id=job_id, key=key)
         return None if row is None else _record(row)
 
-    async def older_in_flight(self, job_id: str, generation: int) -> bool:
-        row = await self.backend.run("older_in_flight", job_id=job_id, generation=generation)
-        return row is not None and bool(row["older_in_flight"])
+    async def lowest_in_flight(self, job_id: str) -> int | None:
+        """Read-only: the lowest generation of the job's writes in flight (None: none).
+        A write waiting for older generations' may go once it is not below its own: one
+        read answers every generation waiting (``gateway.proxy.waits``)."""
+        row = await self.backend.run("lowest_in_flight", job_id=job_id)
+        return None if row is None or row["lowest"] is None else int(row["lowest"])
 
     # -- settling ---------------------------------------------------------------------
 

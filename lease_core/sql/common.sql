@@ -291,12 +291,14 @@ SELECT r.fingerprint, r.state, r.generation, r.attempt, r.deadline,
        {past_deadline(r)} AS overdue, r.status, r.headers, r.body
 FROM idempotency_records AS r WHERE r.job_id = :job_id AND r.key = :key;
 
--- name: older_in_flight
--- Read only: whether a write of an older generation of the job is still in flight.
-SELECT EXISTS (
-    SELECT 1 FROM writes_in_flight AS o
-    WHERE o.job_id = :job_id AND o.generation < :generation AND {in_flight(o)}
-) AS older_in_flight;
+-- name: lowest_in_flight
+-- Read only: the lowest generation of the job's writes in flight (NULL: none; always one
+-- row), through the primary key's job_id. A write of generation g waiting for older
+-- generations' writes may go once it is not below g: one read answers every generation
+-- of the job waiting on a replica (gateway.proxy.duplicates.Order).
+SELECT MIN(o.generation) AS lowest
+FROM writes_in_flight AS o
+WHERE o.job_id = :job_id AND {in_flight(o)};
 
 -- name: claim_state
 -- Read only, right before a claimed write is sent: the job's fence; while the record is

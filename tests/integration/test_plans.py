@@ -180,11 +180,7 @@ def cases(token_hash: str) -> dict[str, tuple[Statement | None, dict[str, Any], 
             1,
         ),
         "lease of a token": (SQL["lease_of_token"].statements[0], {"token_hash": token_hash}, 1),
-        "older in flight": (
-            SQL["older_in_flight"].statements[0],
-            {"job_id": "hot", "generation": 5},
-            1,
-        ),
+        "lowest in flight": (SQL["lowest_in_flight"].statements[0], {"job_id": "hot"}, 1),
         "renew": (SQL["renew"].statements[0], {"token_hash": token_hash, "ttl": 600.0}, 1),
         "claim": (
             SQL["claim"].many,
@@ -342,3 +338,76 @@ async def test_the_operators_reads_go_through_their_indexes(seeded: dict[str, An
         for label, (statement, args) in {"unknown": listed, "forwarded": forwarded}.items():
             read[f"{label} ({mode})"] = await explained_pages(seeded["url"], statement, args, mode)
     assert all(pages <= PAGES_PER_WRITE for pages in read.values()), read
+
+
+WRITING_JOBS = 5_000  # other jobs with a write in flight: about 50 pages of the table
+IN_FLIGHT_SCENARIOS = ("none", "stale", "job_id-unique")
+
+
+@pytest.fixture(params=IN_FLIGHT_SCENARIOS)
+async def writing(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """A database whose writes_in_flight holds one write of each of ``WRITING_JOBS``
+    other jobs and five of the job "hot" (generations 3 to 7; the one of 3 past its
+    deadline), with no statistics, statistics of the empty table, or ``job_id`` declared
+    unique."""
+    scenario = request.param
+    name = f"fencegate_writing_{uuid.uuid4().hex[:8]}"
+    try:
+        await asyncio.wait_for(pg_admin(f'CREATE DATABASE "{name}"'), 10)
+    except Exception as error:
+        postgres_unavailable(f"{type(error).__name__}: {error}")
+    url = pg_url_of(name)
+    try:
+        await asyncio.to_thread(migrate.upgrade, url)
+        conn = await asyncpg.connect(driver_url(url))
+        try:
+            if scenario == "stale":
+                await conn.execute("ANALYZE writes_in_flight")
+            await conn.execute(
+                """
+INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
+SELECT 'other' || g, 'k', 1, 'a' || g, extract(epoch FROM now()) + 600
+FROM generate_series(1, $1) AS g
+UNION ALL
+SELECT 'hot', 'k' || g, g, 'h' || g,
+       extract(epoch FROM now()) + CASE WHEN g = 3 THEN -1 ELSE 600 END
+FROM generate_series(3, 7) AS g""",
+                WRITING_JOBS,
+            )
+            if scenario == "job_id-unique":
+                await conn.execute(
+                    "ALTER TABLE writes_in_flight ALTER COLUMN job_id SET (n_distinct = -1)"
+                )
+                await conn.execute("ANALYZE writes_in_flight")
+        finally:
+            await conn.close()
+        yield driver_url(url)
+    finally:
+        await pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def test_the_ordering_look_reads_its_jobs_writes_only(writing: str) -> None:
+    """The waiters' look (the job's lowest generation in flight, every ``POLL_MAX`` at
+    most per waiting job and replica) finds the job's writes by the primary key's
+    ``job_id``, not by a scan of every write in flight, and skips the one past its
+    deadline."""
+    text, names = SQL["lowest_in_flight"].statements[0].postgres(False)
+    args = [{"job_id": "hot", "now": None}[n] for n in names]
+    read = {}
+    for mode in PLAN_MODES:
+        conn = await asyncpg.connect(writing)
+        try:
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                await conn.execute(f"SET LOCAL plan_cache_mode = {mode}")
+                [row] = await conn.fetch("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + text, *args)
+                assert await conn.fetchval(text, *args) == 4
+            finally:
+                await transaction.rollback()
+        finally:
+            await conn.close()
+        plan = json.loads(row[0])[0]["Plan"]
+        assert "Seq Scan" not in json.dumps(plan), (mode, plan)
+        read[mode] = int(plan.get("Shared Hit Blocks", 0)) + int(plan.get("Shared Read Blocks", 0))
+    assert max(read.values()) <= 8, f"pages read: {read}"

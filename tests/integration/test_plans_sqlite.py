@@ -43,3 +43,17 @@ def test_sqlite_statements_reach_their_tables_through_an_index(sqlite_template: 
     # The upkeep once scanned every job (fail_exhausted), every grant (purge_grants) and
     # the whole audit (purge_audit), once a minute, under the write lock.
     assert full_scans(sqlite_template) == set()
+
+
+def test_the_ordering_look_searches_its_jobs_writes(sqlite_template: Path) -> None:
+    """writes_in_flight is left out above for the resolver's scan; the waiters' look (the
+    job's lowest generation in flight) must not scan it: it searches the primary key by
+    ``job_id``."""
+    statement = catalogue.load("sqlite")["lowest_in_flight"].statements[0].sqlite
+    with sqlite3.connect(sqlite_template) as conn:
+        params = dict.fromkeys(parameter_names(statement))
+        details = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + statement, params)]
+    assert any(
+        re.fullmatch(r"SEARCH o USING (COVERING )?INDEX \w+ \(job_id=\?\)", d) for d in details
+    ), details
+    assert not any(_FULL_SCAN.fullmatch(d) for d in details), details
