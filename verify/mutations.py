@@ -313,30 +313,22 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         databases=BOTH,
         edits=(
             Edit(
-                "gateway/upstream/forwarding.py",
-                """                await settle_quietly(
-                    key.settle(
-                        RecordState.UNKNOWN,
-                        status=None,
-                        headers=None,
-                        body=None,
-                        note=f"no answer: {why_no_answer(error)}",
-                    )
-                )""",
-                """                await key.settle(
-                    RecordState.UNKNOWN,
-                    status=None,
-                    headers=None,
-                    body=None,
-                    note=f"no answer: {why_no_answer(error)}",
-                )""",
+                "gateway/proxy/held.py",
+                "        kept = await settle_quietly(self._perform(fate, answer or KeptAnswer()))",
+                "        await self._perform(fate, answer or KeptAnswer())\n        kept = True",
+            ),
+            Edit(
+                _MACHINE,
+                "        return INTERNAL_ERROR if self.sending else STORE_UNAVAILABLE",
+                "        return STORE_UNAVAILABLE",
             ),
         ),
         why=(
-            "The settle of a sent write whose answer never came is not guarded: when the "
-            "database fails at that moment the worker is told store-unavailable (sent "
-            "never, Retry-After), and a worker that believes it sends the write again under "
-            "a new key."
+            "The key's fate after a sent write's exchange is not guarded, and a failure "
+            "outside the exchange is answered store-unavailable whether or not the forward "
+            "began: when the database fails as a sent write's unknown outcome is settled, "
+            "the worker is told store-unavailable (sent never, Retry-After), and a worker "
+            "that believes it sends the write again under a new key."
         ),
         killed_by=(
             "tests/integration/test_truthful_answers.py"

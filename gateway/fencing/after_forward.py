@@ -7,8 +7,9 @@ did not reach the upstream is ``upstream-unavailable`` (sent never), one that wa
 and got no answer ``upstream-timeout`` or ``upstream-connection-lost`` (sent maybe); an
 answer whose meaning for the key (``profiles.answer_of``) is
 "the request's own precondition failed" is ``precondition-failed``. Every other answer
-is the upstream's own, streamed back (and kept, freed or held unknown for the key by
-``forwarding``). Pure: no I/O.
+is the upstream's own, streamed back. What every end does to the write's key (``FATES``:
+released, kept, held unknown) is this module's too; the request's machine asks it, the
+proxy performs it. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -32,6 +33,28 @@ class Exchange(StrEnum):
 
 
 Ended = Exchange | Answer  # an exchange's end, or the meaning of the answer's head
+
+
+class Fate(StrEnum):
+    """What the exchange's end does to the key the write claimed."""
+
+    RELEASE = "release"  # nothing sent, or nothing done: free again (or back as it was)
+    KEEP = "keep"  # the upstream's final answer: the key's, replayed to every retry
+    HOLD_UNKNOWN = "hold-unknown"  # sent, no final answer: whether it was applied is unknown
+
+
+# fmt: off
+FATES: Final[Mapping[Ended, Fate]] = {
+    Exchange.CONNECT_TIMEOUT:   Fate.RELEASE,
+    Exchange.NOT_SENT:          Fate.RELEASE,
+    Exchange.NO_ANSWER_IN_TIME: Fate.HOLD_UNKNOWN,
+    Exchange.NO_ANSWER:         Fate.HOLD_UNKNOWN,
+    Answer.PRECONDITION_FAILED: Fate.RELEASE,  # not applied (RFC 9110 13.1)
+    Answer.NOT_PROCESSED:       Fate.RELEASE,  # "not processed, try later"
+    Answer.FINAL:               Fate.KEEP,
+    Answer.UNKNOWN:             Fate.HOLD_UNKNOWN,  # cut short, a proxy's 502/504, ...
+}
+# fmt: on
 
 # fmt: off
 AFTER_FORWARD: Final[Mapping[Ended, Reason]] = {
@@ -68,9 +91,18 @@ _DETAILS: Final[Mapping[Exchange, str]] = {
 # fmt: on
 
 
-def answer_after(ended: Ended, *, keyed: bool = False) -> Verdict:
+_NOT_KEPT = (
+    " The database was unavailable, so its key could not be recorded as unknown yet: a "
+    "retry with the same key is answered request-in-progress until the claim's deadline, "
+    "then as the upstream's unknown_outcome says."
+)
+
+
+def answer_after(ended: Ended, *, keyed: bool = False, kept: bool = True) -> Verdict:
     """The gateway's answer to an exchange that ended without an answer to stream back;
-    ``keyed``: the write had a key (released when nothing was sent, else held unknown).
+    ``keyed``: the write had a key (released when nothing was sent, else held unknown);
+    ``kept``: what its end does to the key was written (the database may have failed,
+    which changes nothing of what happened to the write, only what a retry meets).
     Nothing sent: ``Retry-After``, the worker may send it again at once."""
     reason = AFTER_FORWARD[ended]
     if not isinstance(ended, Exchange):
@@ -83,7 +115,8 @@ def answer_after(ended: Ended, *, keyed: bool = False) -> Verdict:
             else ""
         )
         return Verdict(Outcome.REFUSE, reason, _DETAILS[ended].format(key=key), retry_after=True)
-    return Verdict(Outcome.REFUSE, reason, _DETAILS[ended].format(key=_HELD if keyed else ""))
+    held = (_HELD if kept else _NOT_KEPT) if keyed else ""
+    return Verdict(Outcome.REFUSE, reason, _DETAILS[ended].format(key=held))
 
 
 def documented(reason: Reason) -> list[str]:

@@ -32,6 +32,7 @@ from typing import Final
 from multidict import CIMultiDict
 
 from gateway.fencing import fence
+from gateway.fencing.after_forward import FATES, Ended, Fate, answer_after
 from gateway.fencing.deadlines import (
     BEHIND_WAIT_SECONDS,
     FRESH_ADMISSION,
@@ -50,6 +51,11 @@ from gateway.fencing.decision import (
     decide,
 )
 from gateway.fencing.fence import Admission, ClaimState, Record
+
+
+class MachineError(RuntimeError):
+    """The machine was fed an event it did not ask for (h11's ``LocalProtocolError``): a
+    bug in the driver, never a request's fault."""
 
 
 class Act(StrEnum):
@@ -115,6 +121,9 @@ class RequestMachine:
     send_left: float | None = None  # seconds the claim still allows, judged at the send
     forwarded: CIMultiDict[str] | None = None  # the headers a fenced write went with
     sending: bool = False  # the forward has begun: from here on, the write may be sent
+    ended: Ended | None = None  # how the forward's exchange ended
+    kept: bool | None = None  # what its end does to the key was written (None: no key)
+    _keyed: bool = False  # a claim on the key was held when the exchange ended
     _after_wait: bool = False  # the lease is being judged again after WAIT_OLDER
     # After WAIT_FIRST: answered from the store alone (the stored answer, or a refusal),
     # never forwarded: a waiter holds no body.
@@ -307,6 +316,30 @@ class RequestMachine:
         may reach the upstream, and no answer may say it was never sent unless the
         exchange itself says so."""
         self.sending = True
+
+    def exchange_ended(self, ended: Ended) -> Fate | None:
+        """The forward's exchange ended: not sent, no answer, or an answer whose meaning
+        for the key is ``ended``. What becomes of the key (None: the request holds none,
+        as a pass-through). Fed once, and only once the forward began."""
+        if not self.sending or self.ended is not None:
+            raise MachineError(f"the exchange ended ({ended}) when it could not: {self!r}")
+        self.ended, self._keyed = ended, self.claim is not None
+        return FATES[ended] if self._keyed else None
+
+    def fate_performed(self, kept: bool) -> None:
+        """The key's fate performed; ``kept``: the database took it (else, for a sent
+        write, its claim stays in flight and turns unknown at its deadline: the worker is
+        told so, never that nothing was sent)."""
+        if self.ended is None or not self._keyed or self.kept is not None:
+            raise MachineError(f"a key's fate performed when none was asked: {self!r}")
+        self.kept = kept
+
+    def answer_after(self) -> Verdict:
+        """The gateway's own answer to an exchange that brought no answer to stream back
+        (the upstream not reached, no answer, a precondition not met)."""
+        if self.ended is None:
+            raise MachineError(f"an answer after an exchange that has not ended: {self!r}")
+        return answer_after(self.ended, keyed=self._keyed, kept=self.kept is not False)
 
     def failed(self) -> Verdict:
         """The answer to a request that failed (the database, or a bug) outside the

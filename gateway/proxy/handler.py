@@ -21,7 +21,6 @@ from aiohttp import web
 
 from gateway.config import Settings, UpstreamSettings
 from gateway.fencing import fence
-from gateway.fencing.after_forward import answer_after
 from gateway.fencing.decision import EXPECT_UNSUPPORTED, STORE_UNAVAILABLE, Outcome, Verdict
 from gateway.fencing.request import Act, Next, RequestMachine
 from gateway.observe.metrics import GatewayMetrics, StepTimer
@@ -268,17 +267,16 @@ class Driver:
             s3.sign(
                 headers, incoming.request.method, url, machine.body.getvalue(), upstream.signing
             )
-        key = None
-        if machine.claim is not None:
-            key = HeldKey(
-                self.store,
-                incoming,
-                machine,
-                release=lambda: self.releases.release(machine, incoming.key or ""),
-                settled=self.settles.notify,
-                behind=self.behind,
-                max_replay_body_bytes=self.settings.gateway.max_replay_body_bytes,
-            )
+        end = HeldKey(
+            self.store,
+            incoming,
+            machine,
+            releases=self.releases,
+            refuse=lambda verdict: self.answers.refuse(incoming, machine, verdict),
+            settled=self.settles.notify,
+            behind=self.behind,
+            max_replay_body_bytes=self.settings.gateway.max_replay_body_bytes,
+        )
         if fenced and incoming.source_name is not None:
             self.metrics.source_decisions.labels(incoming.source_name, "forwarded").inc()
         return await self.forwarder.forward(
@@ -287,10 +285,7 @@ class Driver:
             url,
             headers,
             machine.body,
-            key=key,
+            end=end,
             send_left=machine.send_left,
-            refuse=lambda end: self.answers.refuse(
-                incoming, machine, answer_after(end, keyed=key is not None)
-            ),
             decided_since=machine.started if machine.decided else None,
         )

@@ -1,4 +1,4 @@
-"""The idempotency key a forwarded write holds (``forwarding.ClaimedKey``): how the
+"""The idempotency key a forwarded write holds (``forwarding.EndOfExchange``): how the
 exchange ended becomes the key's record in the store (settled, released, or held as an
 unknown outcome with the request kept for the resolver's re-send), and duplicates that
 wait on this replica are woken. ``Behind``: the settles of answers already given."""
@@ -12,8 +12,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from aiohttp import web
+
 from gateway.config import GatewaySettings
 from gateway.fencing import fence
+from gateway.fencing.after_forward import Ended, Fate
+from gateway.fencing.decision import Verdict
 from gateway.fencing.fence import Record, RecordState
 from gateway.fencing.request import RequestMachine
 from gateway.observe.metrics import SETTLE, GatewayMetrics
@@ -21,7 +25,7 @@ from gateway.proxy.request import Incoming
 from gateway.proxy.resolve import kept_request
 from gateway.records.store import GatewayStore, KeptRequest
 from gateway.upstream import s3
-from gateway.upstream.forwarding import settle_quietly
+from gateway.upstream.forwarding import KeptAnswer, settle_quietly
 from lease_core import exceptions as lease_exc
 
 log = logging.getLogger("fencegate.proxy")
@@ -150,8 +154,12 @@ class Releases:
 
 
 class HeldKey:
-    """The key a forwarded write holds (``forwarding.ClaimedKey``), bound to the store:
-    ids taken when the forward begins."""
+    """A forward's end of the exchange (``forwarding.EndOfExchange``): the request's
+    machine decides what the way the exchange ended does to the key it claimed
+    (``after_forward.FATES``); this performs it (release, keep the answer behind it, hold
+    it unknown), guarded so that a database failure changes nothing of what the worker
+    is told, and feeds back whether the database took it. Also for a pass-through (no
+    key: nothing to perform). Ids taken when the forward begins."""
 
     __slots__ = (
         "_attempt",
@@ -161,7 +169,8 @@ class HeldKey:
         "_key",
         "_machine",
         "_max_replay_body_bytes",
-        "_release",
+        "_refuse",
+        "_releases",
         "_settled",
         "_store",
     )
@@ -172,33 +181,46 @@ class HeldKey:
         incoming: Incoming,
         machine: RequestMachine,
         *,
-        release: Callable[[], Awaitable[None]],
+        releases: Releases,
+        refuse: Callable[[Verdict], Awaitable[web.StreamResponse]],
         settled: Callable[[str, str], None],
         behind: Behind,
         max_replay_body_bytes: int,
     ) -> None:
         presented = machine.admission.presented if machine.admission else None
-        assert machine.claim is not None
         self._store, self._incoming, self._machine = store, incoming, machine
-        self._release, self._settled, self._behind = release, settled, behind
+        self._releases, self._refuse = releases, refuse
+        self._settled, self._behind = settled, behind
         self._max_replay_body_bytes = max_replay_body_bytes
         self._job_id = presented.job_id if presented else ""
         self._key = incoming.key or ""
-        self._attempt = machine.claim.attempt
+        self._attempt = machine.claim.attempt if machine.claim is not None else ""
 
-    async def release(self) -> None:
-        await self._release()
+    async def ended(self, ended: Ended, answer: KeptAnswer | None = None) -> None:
+        fate = self._machine.exchange_ended(ended)
+        if fate is None:
+            return
+        kept = await settle_quietly(self._perform(fate, answer or KeptAnswer()))
+        self._machine.fate_performed(kept)
 
-    async def settle(
-        self,
-        state: RecordState,
-        *,
-        status: int | None,
-        headers: list[tuple[str, str]] | None,
-        body: bytes | None,
-        note: str | None,
-    ) -> None:
+    async def refusal(self) -> web.StreamResponse:
+        return await self._refuse(self._machine.answer_after())
+
+    async def _perform(self, fate: Fate, answer: KeptAnswer) -> None:
+        if fate is Fate.RELEASE:
+            await self._releases.release(self._machine, self._key)
+        elif fate is Fate.HOLD_UNKNOWN:
+            await self._settle(RecordState.UNKNOWN, answer)
+        else:
+            settling = self._settle(RecordState.COMPLETED, answer._replace(note=None))
+            if self._behind.full():
+                await settling  # before the answer: as configured, or the database is behind
+            else:
+                self._behind.start(self._key, settling)
+
+    async def _settle(self, state: RecordState, answer: KeptAnswer) -> None:
         began = time.perf_counter()
+        status, headers, body, note = answer
         kept = self._kept() if state is RecordState.UNKNOWN else None
         if kept is not None:
             await self._store.hold_for_resolution(
@@ -225,17 +247,6 @@ class HeldKey:
         metrics = GatewayMetrics.of(self._store.backend.metrics.registry)
         metrics.phase[SETTLE].observe(time.perf_counter() - began)
         self._settled(self._job_id, self._key)
-
-    async def settle_behind(
-        self, *, status: int, headers: list[tuple[str, str]], body: bytes | None
-    ) -> None:
-        settling = self.settle(
-            RecordState.COMPLETED, status=status, headers=headers, body=body, note=None
-        )
-        if self._behind.full():
-            await settling  # before the answer: as configured, or the database is behind
-        else:
-            self._behind.start(self._key, settling)
 
     def _kept(self) -> KeptRequest | None:
         """The request to keep for a re-send by the gateway: only for an upstream that

@@ -16,7 +16,7 @@ import contextlib
 import io
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, NamedTuple, Protocol
 
 from aiohttp import web
@@ -25,7 +25,6 @@ from yarl import URL
 
 from gateway.config import GatewaySettings, UpstreamSettings
 from gateway.fencing.after_forward import Ended, Exchange
-from gateway.fencing.fence import RecordState
 from gateway.fencing.profiles import Answer
 from gateway.observe.metrics import FORWARD, STEPS, GatewayMetrics
 from gateway.upstream import (
@@ -54,36 +53,31 @@ class ForwardingMetrics(NamedTuple):
     forwarded: Any
 
 
-class ClaimedKey(Protocol):
-    """The idempotency key a fenced write holds while it is forwarded: what the way the
-    exchange ended does to its record."""
+class KeptAnswer(NamedTuple):
+    """What an exchange's end leaves to keep for the key: the answer (or None) and a note
+    for the operator where its outcome is unknown."""
 
-    async def release(self) -> None:
-        """Not sent, or "not processed": the key is free again (or back to its earlier
-        unknown outcome)."""
-
-    async def settle(
-        self,
-        state: RecordState,
-        *,
-        status: int | None,
-        headers: list[tuple[str, str]] | None,
-        body: bytes | None,
-        note: str | None,
-    ) -> None:
-        """The upstream's answer (or that the outcome is unknown) kept for the key."""
-
-    async def settle_behind(
-        self, *, status: int, headers: list[tuple[str, str]], body: bytes | None
-    ) -> None:
-        """The upstream's final answer, kept for the key: behind the answer, which then
-        does not wait for the database, or before its last byte (with
-        ``settle_before_answer``, or while too many records are still being written).
-        Called before the answer's last byte goes out, so a duplicate that comes after it
-        knows to wait for the record."""
+    status: int | None = None
+    headers: list[tuple[str, str]] | None = None
+    body: bytes | None = None
+    note: str | None = None
 
 
-Refuse = Callable[[Ended], Awaitable[web.StreamResponse]]
+class EndOfExchange(Protocol):
+    """The request's side of a forward (``gateway.proxy.held.HeldKey``): told how the
+    exchange ended, it does what that means for the write's key (the request's machine
+    decides it, the key performs it, a database failure changing nothing of what the
+    worker is told), and gives the gateway's own answer where no upstream answer is
+    streamed back."""
+
+    async def ended(self, ended: Ended, answer: KeptAnswer | None = None) -> None:
+        """How the exchange ended: an ``Exchange`` (not sent, no answer), or the meaning
+        of the upstream's answer for the key (``UpstreamSettings.answer_of``). Called
+        once, before the answer's last byte goes out, so a duplicate that comes after
+        it knows to wait for the record."""
+
+    async def refusal(self) -> web.StreamResponse:
+        """The gateway's answer to an exchange that brought no answer to stream back."""
 
 
 class Forwarder:
@@ -124,34 +118,34 @@ class Forwarder:
         headers: CIMultiDict[str],
         body: io.BytesIO,
         *,
-        key: ClaimedKey | None,
+        end: EndOfExchange,
         send_left: float | None,
-        refuse: Refuse,
         decided_since: float | None,
     ) -> web.StreamResponse:
-        """Send, stream the answer back and settle ``key`` (a fenced write's; None for a
-        pass-through). ``send_left``: seconds the key's claim still allows;
-        ``decided_since``: when deciding a fenced write began (``time.perf_counter``)."""
+        """Send, stream the answer back, and tell ``end`` how the exchange ended (what
+        that does to a fenced write's key is the request's to decide). ``send_left``:
+        seconds the key's claim still allows; ``decided_since``: when deciding a fenced
+        write began (``time.perf_counter``)."""
         metrics = self._forwarding_metrics(upstream.name)
         started = time.perf_counter()
         if decided_since is not None:
             metrics.decision_seconds.observe(started - decided_since)
         metrics.in_flight.inc()
         try:
-            answer = await self._request(request, upstream, url, headers, body, key, send_left)
-            if isinstance(answer, Exchange):
-                return await refuse(answer)
-            if key is not None and _precondition_failed(upstream, headers, answer.status):
+            answer = await self._request(request, upstream, url, headers, body, end, send_left)
+            if answer is None:
+                return await end.refusal()
+            if _precondition_failed(upstream, headers, answer.status):
                 # Not applied (RFC 9110 13.1): not the key's answer, and the worker is
                 # told so in the gateway's words rather than in S3's XML.
                 answer.close()
-                await settle_quietly(key.release())
-                return await refuse(Answer.PRECONDITION_FAILED)
+                await end.ended(Answer.PRECONDITION_FAILED)
+                return await end.refusal()
             timing = None
             if self.limits.server_timing and decided_since is not None:
                 timing = _Timing(request, decided_since, started, time.perf_counter())
             try:
-                return await self._stream(request, upstream, answer, key, timing)
+                return await self._stream(request, upstream, answer, end, timing)
             finally:
                 took = time.perf_counter() - started
                 metrics.forward_seconds.observe(took)
@@ -182,14 +176,14 @@ class Forwarder:
         url: str,
         headers: CIMultiDict[str],
         body: io.BytesIO,
-        key: ClaimedKey | None,
+        end: EndOfExchange,
         send_left: float | None,
-    ) -> UpstreamResponse | Exchange:
-        """The upstream's answer once its head has arrived; else the key settled (not
-        sent: released; no answer: unknown) and how the exchange ended."""
+    ) -> UpstreamResponse | None:
+        """The upstream's answer once its head has arrived; else None, ``end`` told how
+        the exchange ended (not sent, or sent and no answer)."""
         assert self.client is not None
         total = upstream.timeout_seconds
-        if key is not None and send_left is not None:
+        if send_left is not None:
             # Judged right before this (``Gateway._judge_at_send``), nothing awaited since.
             total = min(total, send_left)
         try:
@@ -204,46 +198,31 @@ class Forwarder:
         except NotSent as error:
             # Not sent: the key is free again (or back to its earlier unknown state).
             _log_not_sent(upstream, url, error)
-            if key is not None:
-                await settle_quietly(key.release())
-            return (
-                Exchange.CONNECT_TIMEOUT if isinstance(error, ConnectTimeout) else Exchange.NOT_SENT
-            )
+            timed_out = isinstance(error, ConnectTimeout)
+            await end.ended(Exchange.CONNECT_TIMEOUT if timed_out else Exchange.NOT_SENT)
+            return None
         except Exception as error:
             # Sent (or maybe sent), but no answer: whether it was applied is unknown.
             # Anything unexpected lands here too, so no claim is left in flight.
             _log_no_answer(upstream, url, error)
-            if key is not None:
-                # Kept as unknown if the database lets us; if not, the claim stays in
-                # flight and turns unknown at its deadline: either way the worker is told
-                # the truth, that it was sent and its outcome is unknown, never that the
-                # store failed (which would mean "never sent, send it again").
-                await settle_quietly(
-                    key.settle(
-                        RecordState.UNKNOWN,
-                        status=None,
-                        headers=None,
-                        body=None,
-                        note=f"no answer: {why_no_answer(error)}",
-                    )
-                )
-            return (
-                Exchange.NO_ANSWER_IN_TIME
-                if isinstance(error, NoAnswerInTime)
-                else Exchange.NO_ANSWER
+            in_time = isinstance(error, NoAnswerInTime)
+            await end.ended(
+                Exchange.NO_ANSWER_IN_TIME if in_time else Exchange.NO_ANSWER,
+                KeptAnswer(note=f"no answer: {why_no_answer(error)}"),
             )
+            return None
 
     async def _stream(
         self,
         request: web.Request,
         upstream: UpstreamSettings,
         upstream_response: UpstreamResponse,
-        key: ClaimedKey | None,
+        end: EndOfExchange,
         timing: _Timing | None = None,
     ) -> web.StreamResponse:
-        """Stream the answer back, keeping what a replay needs. A final answer's record
-        is settled behind it (``ClaimedKey.settle_behind``), started before its last
-        chunk goes out; any other end is kept for the key before the client learns it."""
+        """Stream the answer back, keeping what a replay needs; ``end`` is told what the
+        answer means for the key before its last chunk goes out (a final answer's record
+        is settled behind it; any other end is kept before the client learns it)."""
         async with upstream_response:
             response_headers = answer_headers(upstream_response.headers)
             status, reason = upstream_response.status, upstream_response.reason
@@ -267,10 +246,10 @@ class Forwarder:
             except UpstreamError as error:
                 log.warning("upstream %s cut its answer short: %s", upstream.name, error)
             finally:
-                if key is not None:
-                    await settle_quietly(
-                        _kept_for_key(key, upstream, status, response_headers, stored, complete)
-                    )
+                await end.ended(
+                    upstream.answer_of(status, whole=complete),
+                    _kept(status, response_headers, stored, complete),
+                )
             if complete and relay.out is None and held:
                 # The whole body came in one piece: it goes with its head in one write,
                 # framed by its length (a streamed answer takes three).
@@ -355,32 +334,13 @@ class _Timing:
         return ", ".join(parts)
 
 
-def _kept_for_key(
-    key: ClaimedKey,
-    upstream: UpstreamSettings,
-    status: int,
-    headers: list[tuple[str, str]],
-    stored: bytearray | None,
-    complete: bool,
-) -> Coroutine[Any, Any, None]:
-    """What the answer's end does to the key, to be awaited (not yet started)."""
-    answer = upstream.answer_of(status, whole=complete)
-    if answer is Answer.NOT_PROCESSED:
-        # "Not processed, try later": not the key's answer. The key is free again (or
-        # back to its earlier unknown outcome), as if not sent.
-        return key.release()
-    body = bytes(stored) if stored is not None else None
-    if answer is Answer.FINAL:
-        return key.settle_behind(status=status, headers=headers, body=body)
-    # Not the key's answer yet (the resolver and the operator work from it): kept before
-    # the client learns of it.
-    return key.settle(
-        RecordState.UNKNOWN,
-        status=status,
-        headers=headers,
-        body=body,
-        note=f"upstream answered {status}" if complete else "the upstream's answer was cut short",
-    )
+def _kept(
+    status: int, headers: list[tuple[str, str]], stored: bytearray | None, complete: bool
+) -> KeptAnswer:
+    """The upstream's answer as the key keeps it (its body None: over
+    ``max_replay_body_bytes``), with the note an unknown outcome shows the operator."""
+    note = f"upstream answered {status}" if complete else "the upstream's answer was cut short"
+    return KeptAnswer(status, headers, bytes(stored) if stored is not None else None, note)
 
 
 def answer_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
