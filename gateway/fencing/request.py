@@ -15,10 +15,21 @@ Which step follows which:
     LEASE ─ body still coming (or over the limit) ─> CHECK_LEASE
           └ body arrived ─> TAKE_SLOT ─> READ_BODY ─> ADMIT   (the admission tells)
     SLOT ─> TAKE_SLOT        BODY ─> READ_BODY        ADMISSION ─> ADMIT
-    WAIT ─> WAIT_FIRST ─ settled ─> TAKE_SLOT ─> ADMIT again
+    WAIT ─> WAIT_FIRST (slot and body given back) ─ settled ─> CHECK_LEASE ─> the record's
+          answer (a replay, a refusal); the key free again ─> request-in-progress
     ORDER ─> WAIT_OLDER ─ settled ─> CHECK_LEASE (judged after the wait)
     SEND ─> READ_CLAIM (unless the admission, fresh, was itself that judgement)
     refused with a claim held ─> RELEASE ─> ANSWER
+
+Once the verdict to forward is carried out (``forwarding``: from here on the write may
+be sent), the exchange's end is an event too: ``exchange_ended`` (not sent, no answer, or
+what the upstream's answer means for the key) returns the key's fate
+(``after_forward.FATES``), ``fate_performed`` says whether the database took it, and
+``answer_after`` is the gateway's own answer where no upstream answer is streamed back.
+Any failure outside the exchange (the database, a bug) ends in ``failed()``: nothing was
+sent before the forward began (``store-unavailable``), after it whether anything was is
+unknown (``internal-error``). An event the machine did not ask for raises
+``MachineError``.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 
 from fencegate_client.reasons import REASONS, Sent
 from gateway.fencing import resolution
+from gateway.fencing.after_forward import Exchange, Fate
 from gateway.fencing.deadlines import (
     MARGIN,
     RESOLVE_MARGIN,
@@ -22,7 +23,7 @@ from gateway.fencing.deadlines import (
 from gateway.fencing.decision import Facts, Outcome
 from gateway.fencing.fence import Admission, ClaimState, Presented, Reason, Record, RecordState
 from gateway.fencing.profiles import Answer
-from gateway.fencing.request import Act, RequestMachine
+from gateway.fencing.request import Act, MachineError, RequestMachine
 
 TIMING = Timing(ordering_wait=30.0, timeout=10.0, connect_timeout=5.0)
 PRESENTED = Presented(job_id="job-1", generation=3, owner="w", job=None)
@@ -344,3 +345,73 @@ def test_the_answer_to_a_re_send(
     settled = resolution.after_resend(200, answered, mismatch=mismatch)
     assert (settled.outcome, settled.keep) == (outcome, keep)
     assert (settled.reason is Reason.AUTO_RESOLVED) is (outcome == "resolved")
+
+
+# -- the exchange's end: an event of the machine (issue 52) ---------------------------------
+
+
+def forwarding_machine(*, keyed: bool = True) -> RequestMachine:
+    m = machine()
+    to_admission(m)
+    if keyed:
+        m.admitted(claimed(), asked=0, answered=0, behind=False, gone=False)
+    m.forwarding()
+    return m
+
+
+@pytest.mark.parametrize(
+    "ended, fate",
+    [
+        (Exchange.NOT_SENT, Fate.RELEASE),
+        (Exchange.CONNECT_TIMEOUT, Fate.RELEASE),
+        (Exchange.NO_ANSWER, Fate.HOLD_UNKNOWN),
+        (Exchange.NO_ANSWER_IN_TIME, Fate.HOLD_UNKNOWN),
+        (Answer.FINAL, Fate.KEEP),
+        (Answer.NOT_PROCESSED, Fate.RELEASE),
+        (Answer.UNKNOWN, Fate.HOLD_UNKNOWN),
+        (Answer.PRECONDITION_FAILED, Fate.RELEASE),
+    ],
+)
+def test_the_exchange_end_decides_the_keys_fate(ended: Exchange | Answer, fate: Fate) -> None:
+    m = forwarding_machine()
+    assert m.exchange_ended(ended) is fate
+
+
+def test_a_pass_through_has_no_key_to_settle() -> None:
+    m = forwarding_machine(keyed=False)
+    assert m.exchange_ended(Exchange.NO_ANSWER) is None
+    verdict = m.answer_after()
+    assert verdict.reason is Reason.UPSTREAM_CONNECTION_LOST
+    assert verdict.detail is not None and "held as unknown" not in verdict.detail
+
+
+def test_a_sent_write_whose_fate_the_store_refused_is_still_told_it_was_sent() -> None:
+    """The database failing as the unknown outcome is held changes nothing of what the
+    worker is told: sent, outcome unknown (never store-unavailable)."""
+    m = forwarding_machine()
+    assert m.exchange_ended(Exchange.NO_ANSWER_IN_TIME) is Fate.HOLD_UNKNOWN
+    m.fate_performed(False)
+    verdict = m.answer_after()
+    assert verdict.reason is Reason.UPSTREAM_TIMEOUT and not verdict.retry_after
+    assert verdict.detail is not None and "could not be recorded" in verdict.detail
+    assert REASONS[Reason.UPSTREAM_TIMEOUT].sent is Sent.MAYBE
+    assert m.failed().reason is Reason.INTERNAL_ERROR  # anything after: maybe, too
+
+
+def test_an_end_the_machine_did_not_ask_for_raises() -> None:
+    """h11's rule: feeding the machine an event it did not ask for is a bug, and raises."""
+    m = machine()
+    to_admission(m)
+    with pytest.raises(MachineError):
+        m.exchange_ended(Exchange.NOT_SENT)  # the forward has not begun
+    with pytest.raises(MachineError):
+        m.answer_after()
+    m = forwarding_machine()
+    with pytest.raises(MachineError):
+        m.fate_performed(True)  # no end yet
+    m.exchange_ended(Exchange.NOT_SENT)
+    with pytest.raises(MachineError):
+        m.exchange_ended(Exchange.NO_ANSWER)  # twice
+    m.fate_performed(True)
+    with pytest.raises(MachineError):
+        m.fate_performed(True)
