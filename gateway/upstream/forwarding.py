@@ -186,6 +186,7 @@ class Forwarder:
         if send_left is not None:
             # Judged right before this (``Gateway._judge_at_send``), nothing awaited since.
             total = min(total, send_left)
+        began: list[bool] = []  # the first byte is about to leave (``sending``)
         try:
             return await self.client.request(
                 request.method,
@@ -194,7 +195,16 @@ class Forwarder:
                 body,
                 timeout=total,
                 connect_timeout=upstream.connect_timeout_seconds,
+                sending=lambda: began.append(True),
             )
+        except asyncio.CancelledError:
+            # Cancelled (a shutdown past its grace, a client gone where handlers are
+            # cancelled): before a connection was in hand nothing left, so the key is
+            # given back as for any write not sent; after, the outcome is unknown and
+            # the claim turns unknown at its deadline.
+            if not began:
+                await asyncio.shield(end.ended(Exchange.NOT_SENT))
+            raise
         except NotSent as error:
             # Not sent: the key is free again (or back to its earlier unknown state).
             _log_not_sent(upstream, url, error)

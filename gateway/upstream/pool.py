@@ -7,7 +7,7 @@ import asyncio
 import io
 import ssl
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from gateway.upstream.connection import Connection
@@ -219,10 +219,14 @@ class UpstreamClient:
         *,
         timeout: float,
         connect_timeout: float,
+        sending: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
         """Send one request; its answer once the head has arrived. ``body``: bytes, or a
         buffer whose first ``tell()`` bytes are the body. ``timeout`` covers the whole
-        exchange, reading the body included; close the answer when done with it."""
+        exchange, reading the body included; close the answer when done with it.
+        ``sending`` is called once a connection is in hand, right before the first byte
+        is written: until then, whatever ends the request (a cancellation too), nothing
+        of it has left."""
         if self.closed:
             raise NotSent("the upstream client is closed")
         loop = asyncio.get_running_loop()
@@ -235,6 +239,8 @@ class UpstreamClient:
         if pool is None:
             pool = self._pools[key] = HostPool(self, origin)
         conn = await pool.acquire(deadline, connect_timeout)
+        if sending is not None:
+            sending()
         try:
             conn.begin(deadline, head_only=method == "HEAD")
             await conn.send(head, body, size)

@@ -345,3 +345,38 @@ async def test_a_cancelled_wait_gives_its_claim_back(
         await asyncio.sleep(0.05)
     await ok(await first)
     assert "new-step" not in [r["key"] for r in upstream.received]
+
+
+async def test_a_write_cancelled_while_waiting_for_a_connection_was_never_sent(
+    make_stack: Callable[..., Awaitable[Stack]], upstream: Upstream
+) -> None:
+    """A write whose forward has begun but which waits for a connection to the upstream
+    (all of them busy) has sent nothing yet: cancelled there (its client gone), its key
+    is given back, not left in flight to turn unknown."""
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)], gateway={"upstream_connections_per_host": 1}
+    )
+    gateway = stack.proxy.server.app[GATEWAY]
+    upstream.delay = 3.0
+    busy = await stack.lease("job-busy")
+    first = asyncio.ensure_future(stack.write("/pay/charges", busy, key="busy"))
+    await until_in_flight(upstream)
+    lease = await stack.lease("job-1")
+    url = str(stack.proxy.make_url("/pay/charges"))
+    headers = {"Fencing-Token": lease["lease_token"], "Idempotency-Key": "queued"}
+    async with aiohttp.ClientSession() as session:
+        queued = asyncio.ensure_future(session.post(url, json={}, headers=headers))
+        deadline = time.monotonic() + 10
+        while await gateway.store.record(lease["job_id"], "queued") is None:
+            assert time.monotonic() < deadline, "the queued write was never admitted"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # past the admission: waiting for the one connection
+        queued.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await queued
+    deadline = time.monotonic() + 5
+    while await gateway.store.record(lease["job_id"], "queued") is not None:
+        assert time.monotonic() < deadline, "the never-sent write's claim was kept"
+        await asyncio.sleep(0.05)
+    await ok(await first)
+    assert [r["key"] for r in upstream.received] == ["busy"]
