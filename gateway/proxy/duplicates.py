@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from urllib.request import parse_http_list
 
 from gateway.fencing.deadlines import POLL_FIRST, POLL_MAX
-from gateway.fencing.deadlines import DuplicateWait as DuplicateWait  # the wait's policy
 
 # ``token [ BWS "=" BWS word ]`` of RFC 7240, where ``word`` is a token or a quoted string.
 _PREFERENCE = re.compile(

@@ -39,7 +39,7 @@ class Behind:
     answer is stored behind it, so the client does not wait for the database. A
     duplicate of such a key that this replica admits meanwhile finds it in flight, and
     waits for its settle instead of being told ``request-in-progress``
-    (``Gateway._may_wait``). Shutdown waits for every one (``flush``). At most ``limit``
+    (``RequestMachine._may_wait``). Shutdown waits for every one (``flush``). At most ``limit``
     at once: past it the database is not keeping up, and an answer waits for its own
     record again, so the settles waiting cannot grow without bound. A limit of 0 is
     ``gateway.settle_before_answer``: every answer waits for its record."""

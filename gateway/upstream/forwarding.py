@@ -184,7 +184,7 @@ class Forwarder:
         assert self.client is not None
         total = upstream.timeout_seconds
         if send_left is not None:
-            # Judged right before this (``Gateway._judge_at_send``), nothing awaited since.
+            # Judged right before this (``RequestMachine.claim_seen``), nothing awaited since.
             total = min(total, send_left)
         began: list[bool] = []  # the first byte is about to leave (``sending``)
         try:
