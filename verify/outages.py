@@ -3,7 +3,10 @@
 with writes waiting behind an older generation's. Their entries are in
 ``verify.nemesis.KINDS``; this module holds their draws, faults and healings.
 
-- ``store``, SQLite: a process of its own holds ``BEGIN EXCLUSIVE`` on the run's database
+- ``store``, with the upstream answering late and cutting half of its answers (after
+  applying) from just before the database breaks until it is healed, so sent writes
+  end without an answer while their unknown outcome cannot be recorded. SQLite: a
+  process of its own holds ``BEGIN EXCLUSIVE`` on the run's database
   file past the gateway's busy timeout (``lease_core.direct_sqlite.BUSY_TIMEOUT_MS``, 10 s:
   the gateway's database thread waits that long for the lock, then gives up) by 1-5 s;
   healed by killing that process (the lock goes with it, also when the run is torn down:
@@ -48,6 +51,10 @@ LOCKER = (
     "time.sleep(3600)\n"
 )
 STOP_WAIT = 5.0  # seconds after the SIGTERM before a replica is killed
+# While the store is broken, the upstream answers after this many seconds and cuts this
+# share of its answers after applying the write.
+CUT_DELAY = (0.2, 0.5)
+CUT_SHARE = 0.5
 HEAL_TRIES = 40  # ALLOW_CONNECTIONS true, every 0.5 s, until the server takes it
 
 
@@ -65,7 +72,15 @@ def draw_shutdown(rng: Random, pick: Callable[[], str], span: float, db: str) ->
 
 
 async def break_store(n: Nemesis, fault: Fault) -> None:
+    """The database broken in the middle of exchanges: the upstream first answers late
+    (so writes admitted just before are in its hands) and cuts a share of its answers
+    after applying them, until the healing, so some sent writes end without an answer
+    while the database cannot record their unknown outcome (issue 52, item 1)."""
     stack = n.stack
+    if stack.upstream is not None:
+        n.slowing += 1
+        await stack.upstream.set_knobs(delay=list(CUT_DELAY), cut=CUT_SHARE, apply_before_cut=1.0)
+        await asyncio.sleep(CUT_DELAY[0])
     if stack.db == "sqlite":
         argv = [sys.executable, "-c", LOCKER, str(stack.out / "fencegate.db")]
         since = len(_read(stack.out / "store-lock.log"))
@@ -82,20 +97,27 @@ async def break_store(n: Nemesis, fault: Fault) -> None:
 
 async def heal_store(n: Nemesis, fault: Fault) -> None:
     stack = n.stack
-    if stack.db == "sqlite":
-        locker, n.store_lock = n.store_lock, None
-        if locker is not None:
-            await asyncio.to_thread(locker.kill)
-        return
-    assert stack.cluster is not None
-    for attempt in range(HEAL_TRIES):
-        try:
-            await stack.cluster.execute(f'ALTER DATABASE "{DATABASE}" ALLOW_CONNECTIONS true')
+    try:
+        if stack.db == "sqlite":
+            locker, n.store_lock = n.store_lock, None
+            if locker is not None:
+                await asyncio.to_thread(locker.kill)
             return
-        except Exception:
-            if attempt == HEAL_TRIES - 1:
-                raise
-            await asyncio.sleep(0.5)
+        assert stack.cluster is not None
+        for attempt in range(HEAL_TRIES):
+            try:
+                await stack.cluster.execute(f'ALTER DATABASE "{DATABASE}" ALLOW_CONNECTIONS true')
+                return
+            except Exception:
+                if attempt == HEAL_TRIES - 1:
+                    raise
+                await asyncio.sleep(0.5)
+    finally:
+        if stack.upstream is not None:
+            await stack.upstream.set_knobs(cut=0.0, apply_before_cut=0.5)
+            n.slowing -= 1
+            if not n.slowing:
+                await stack.upstream.set_knobs(delay=[0.0, 0.0])
 
 
 async def shut_down(n: Nemesis, fault: Fault) -> None:
