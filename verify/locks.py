@@ -274,6 +274,7 @@ class LockWorker:
                 ) as resp:
                     raw, status = await resp.read(), resp.status
                     content_type = resp.headers.get("Content-Type", "")
+                    replayed = resp.headers.get(p.IDEMPOTENT_REPLAYED) == "true"
             except aiohttp.ClientConnectorError:
                 history.complete(process, "info", reason="connection-refused")
                 return "down"
@@ -287,8 +288,9 @@ class LockWorker:
             reason = str(problem["reason"]) if problem else None
             type_: Type = "ok" if 200 <= status <= 299 else "fail"
             history.complete(
-                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw)
-            )
+                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw),
+                replayed=replayed if type_ == "ok" else None,
+            )  # fmt: skip
             if type_ == "ok":
                 return "ok"
             if status == 409:

@@ -171,14 +171,16 @@ class History:
         body_sha256: str | None = None,
         ttl: float | None = None,
         holder: str | None = None,
+        replayed: bool | None = None,
     ) -> None:
         f, invoked_job, invoked_generation, key, invoked_holder = self.open.pop(process)
         job = invoked_job if job is None else job
         generation = invoked_generation if generation is None else generation
         holder = invoked_holder if holder is None else holder
         self._write(
-            process, type_, f, job, generation, key, status, reason, body_sha256, ttl, holder
-        )
+            process, type_, f, job, generation, key, status, reason, body_sha256, ttl, holder,
+            replayed,
+        )  # fmt: skip
 
     def outstanding(self, process: str) -> bool:
         return process in self.open
@@ -196,6 +198,7 @@ class History:
         body_sha256: str | None,
         ttl: float | None,
         holder: str | None,
+        replayed: bool | None = None,
     ) -> None:
         event = HistoryEvent(
             time=time.time(),
@@ -210,6 +213,7 @@ class History:
             body_sha256=body_sha256,
             ttl=ttl,
             holder=holder,
+            replayed=replayed,
         )
         self.writer.write(event)
 
@@ -618,8 +622,14 @@ class Worker:
             problem = p.problem_of(answer_headers.get("Content-Type", ""), raw)
             reason = str(problem["reason"]) if problem else None
             type_: Type = "ok" if 200 <= status <= 299 else "fail"
+            replayed = answer_headers.get(p.IDEMPOTENT_REPLAYED) == "true"
             history.complete(
-                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw)
+                process,
+                type_,
+                status=status,
+                reason=reason,
+                body_sha256=sha256_hex(raw),
+                replayed=replayed if type_ == "ok" else None,
             )
             if type_ == "ok":
                 return "ok"
