@@ -53,6 +53,11 @@ expired or completed (11). The violation is named by the latest such write.
     kill -9, SIGSTOP, a partition to the upstream, the upstream's 503) overlapped its
     attempts. ``Causes.held_unknown`` says why this is sound.
 
+14. ``acked-body-not-applied``: a write acknowledged (2xx) was sent with the body applied
+    under its ``(job, key)``. A retry whose body differs from the first (a worker that
+    rebuilds its payload) must be refused ``idempotency-key-reused``, not answered with
+    the other body's outcome.
+
 ``python -m verify check HISTORY LEDGER [--min-completed X] [--expiry-margin S]
 [--clock-skew FROM,TO ...] [--unknowns FILE] [--excused FROM,TO ...] [--json]``: 0 no
 violation, 1 violation, 2 a file cannot be read.
@@ -97,6 +102,7 @@ NAMES = {
     11: "applied-after-lease-over",
     12: "two-holders-one-generation",
     13: "never-sent-held-unknown",
+    14: "acked-body-not-applied",
 }
 
 REISSUED: Final = Reason.GENERATION_REISSUED.value
@@ -249,7 +255,7 @@ def check(
     held: Sequence[HeldUnknown] | None = None,
     excused: Sequence[tuple[float, float]] = (),
 ) -> Report:
-    """Check invariants 1-13 of a run; the violations in invariant order, then ledger order.
+    """Check invariants 1-14 of a run; the violations in invariant order, then ledger order.
 
     ``skewed``: the spans of time (``time.time()``, from, to) in which a replica that
     judges leases by its own clock (SQLite) ran with a skewed clock; invariant 11 does
@@ -300,6 +306,7 @@ def check(
         v.extend(generations_interleave(entries))
     v.extend(applied_once(writes, applied))
     v.extend(same_answer(writes, applied))
+    v.extend(acked_body(history, applied))
     for entries in ordered.values():
         v.extend(stale_writes(entries, grants))
     v.extend(causes.violations(ledger))
@@ -393,6 +400,32 @@ def same_answer(
                 f"{len(differ)} of {len(acks)} 2xx answers to key {key!r} differ from the first "
                 f"answer ({_where(first)})",
                 (first, *differ),
+            )
+
+
+def acked_body(
+    history: Iterable[HistoryEvent], applied: dict[Step, list[LedgerEntry]]
+) -> Iterable[Violation]:
+    """14: every 2xx to a write is for a body applied under its ``(job, key)``. Keys
+    never applied are 3's to name. Reported per acknowledgement: its invoke, the answer
+    and the key's applications."""
+    outstanding: dict[str, HistoryEvent] = {}
+    for event in history:
+        if event.type == "invoke":
+            outstanding[event.process] = event
+            continue
+        invoke = outstanding.pop(event.process, None)
+        if invoke is None or not event.acknowledged or invoke.key is None:
+            continue
+        entries = applied.get((invoke.job, invoke.key), [])
+        if entries and all(entry.body_sha256 != invoke.body_sha256 for entry in entries):
+            yield Violation(
+                14,
+                invoke.job,
+                f"key {invoke.key!r} answered {event.status} to a body other than the one "
+                f"applied under it ({len(entries)} application(s)): a changed request "
+                "under a used key must be refused idempotency-key-reused",
+                (invoke, event, *entries),
             )
 
 

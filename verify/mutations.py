@@ -267,6 +267,33 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         ),
     ),
     Mutant(
+        name="duplicates-reused-key-replayed",
+        rule="duplicates",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _FENCE,
+                "    if record.fingerprint != fingerprint:\n"
+                "        return Reason.IDEMPOTENCY_KEY_REUSED\n"
+                "    state = effective_state(record)\n",
+                "    state = effective_state(record)\n"
+                "    if record.fingerprint != fingerprint and state is not RecordState.COMPLETED:\n"
+                "        return Reason.IDEMPOTENCY_KEY_REUSED\n",
+            ),
+        ),
+        why=(
+            "The fingerprint is compared only while the key's record is not completed, so "
+            "a request with another body under a used key (a retry that rebuilt its "
+            "payload) is answered the first request's stored answer, as if its own effect "
+            "had happened."
+        ),
+        fast=True,
+        killed_by=(
+            "tests/integration/test_gateway_idempotency.py"
+            "::test_same_key_different_request_is_refused"
+        ),
+    ),
+    Mutant(
         name="unknown-timeout-not-sent",
         rule="unknown-outcomes",
         databases=BOTH,

@@ -564,6 +564,34 @@ def test_1_2_6_leave_out_only_the_write_given_up_on() -> None:
         assert sorted(set(invariants(report))) == expected, report.render()
 
 
+def test_14_a_changed_body_under_a_used_key_answered_2xx_is_caught() -> None:
+    """Issue 53: a retry that rebuilt its payload sends another body under a used key;
+    the gateway must refuse it 422 idempotency-key-reused, not replay the first body's
+    answer (which says the changed request's effect happened: it did not)."""
+    for status, reason, expected in ((200, None, [14]), (422, "idempotency-key-reused", [])):
+        run = Run()
+        run.claim("w1", "j1", 1)
+        run.write("w1", "j1", 1, "k1")
+        common: dict[str, Any] = {"process": "w1", "f": "write", "job": "j1", "generation": 1}
+        changed = run.event(type="invoke", key="k1", body_sha256=sha("rebuilt k1"), **common)
+        answered = run.event(
+            type="ok" if status == 200 else "fail",
+            key="k1",
+            status=status,
+            reason=reason,
+            body_sha256=sha("answer j1 k1") if status == 200 else sha("problem"),
+            replayed=True if status == 200 else None,
+            **common,
+        )
+        run.complete("w1", "j1", 1)
+        report = run.check()
+        assert invariants(report) == expected, report.render()
+        if expected:
+            (violation,) = report.violations
+            assert violation.name == "acked-body-not-applied"
+            assert violation.events[:3] == records(changed, answered, run.ledger[0])
+
+
 # --- 8-11: what the gateway must not have forwarded ------------------------------------
 
 
@@ -675,8 +703,8 @@ def test_10_an_applied_body_that_was_never_sent() -> None:
     run.ledger.append(entry)
     run.complete("w1", "j1", 1)
     report = run.check()
-    assert invariants(report) == [10]
-    (violation,) = report.violations
+    assert invariants(report) == [10, 14]  # 14: the body acknowledged was not applied
+    (violation,) = only(report, 10)
     assert violation.name == "body-not-sent"
     assert "body differs" in violation.message
     assert violation.events[0] == entry.to_json()
