@@ -294,6 +294,34 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         ),
     ),
     Mutant(
+        name="duplicates-purge-within-retention",
+        rule="duplicates",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "lease_core/sql/sqlite.sql",
+                "AND updated_at < {now} - :older_than\n",
+                "AND updated_at < {now} + :older_than\n",
+            ),
+            Edit(
+                _POSTGRES,
+                "          AND updated_at < {now} - :older_than\n",
+                "          AND updated_at < {now} + :older_than\n",
+            ),
+        ),
+        why=(
+            "The retention's cutoff adds the retention to now instead of taking it off "
+            "(purge_records, both dialects), so the upkeep purges every completed record, "
+            "however young: a retried key, or the next generation repeating a step, is "
+            "forwarded again instead of replayed. verify's replicas run the upkeep every "
+            "second (a correct purge deletes nothing within a run: retention is a day)."
+        ),
+        killed_by=(
+            "tests/integration/test_gateway_idempotency.py"
+            "::test_records_past_retention_are_purged_but_unknown_ones_kept"
+        ),
+    ),
+    Mutant(
         name="unknown-timeout-not-sent",
         rule="unknown-outcomes",
         databases=BOTH,
