@@ -460,7 +460,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         name="source-redis-lapsed-lock",
         rule="lease-source",
-        databases=UNREACHABLE,
+        databases=BOTH,
         edits=(
             Edit(
                 "gateway/sources/redis_lock.py",
@@ -471,9 +471,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "A Redis lock whose key has lapsed is taken as still held by the token, so a "
             "token whose lock expired or was released (or was never taken) writes until "
-            "somebody takes the lock again; verify's lock workers write after their lock "
-            "lapsed only when paused past its TTL, mostly after another took it (none was "
-            "found in 60 s under lock-loss and pause), so only the sources' tests reach it."
+            "somebody takes the lock again; verify's lock workers reach it with the "
+            "holdings that let a lock of their own lapse and then write (LockWorker.lapse: "
+            "nobody else takes that lock), invariant 11."
         ),
         killed_by=("tests/integration/test_source_redis.py::test_an_expired_lock_ends_its_token"),
     ),
