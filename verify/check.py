@@ -15,7 +15,8 @@ the upstream applied writes. The invariants (docs/verification.md says why each)
 6. ``stale-write``: no write of generation g was applied after the first application of a
    generation g' > g of its job, where g' had been granted (a claim ``ok``) before it.
    (1, 2 and 6 leave out a write whose cause the gateway answered ``GAVE_UP``: it stopped
-   waiting for it, and an upstream may still apply it after the next generation's.)
+   waiting for it, and an upstream may still apply it after the next generation's; not
+   when another cause got the entry's own answer unreplayed: that one was applied.)
 7. ``liveness``: the share of claimed jobs completed; nothing completed (or a share under
    ``min_completed``) is a violation.
 
@@ -33,10 +34,10 @@ expired or completed (11). The violation is named by the latest such write.
 10. ``body-not-sent``: an applied write's body is one sent under its job, key and
     generation before it was applied.
 11. ``applied-after-lease-over``: a write invoked more than ``expiry_margin`` seconds after
-    its lease was over (the last claim or renew ``ok`` plus its ``ttl``, or a complete
-    ``ok``) is never applied, unless a renew of that lease with an unknown outcome was
-    invoked before it, or a replica's clock was skewed (``skewed``) when the lease was
-    granted or renewed or the write invoked.
+    its lease was over (the latest of the claim and renew ``ok``s invoked before it, plus
+    its ``ttl``, or a complete ``ok``) is never applied, unless a renew of that lease with
+    an unknown outcome was invoked before it, or a replica's clock was skewed
+    (``skewed``) when the lease was granted or renewed or the write invoked.
 
 12. ``two-holders-one-generation``: per job and generation, the applied writes come from
     one holder only. A lease source whose fence counter is lost (a Redis ``FLUSHALL``, a
@@ -51,6 +52,11 @@ expired or completed (11). The violation is named by the latest such write.
     upstream (the ledger has it), unless a fault that can lose a write unseen (``excused``:
     kill -9, SIGSTOP, a partition to the upstream, the upstream's 503) overlapped its
     attempts. ``Causes.held_unknown`` says why this is sound.
+
+14. ``acked-body-not-applied``: a write acknowledged (2xx) was sent with the body applied
+    under its ``(job, key)``. A retry whose body differs from the first (a worker that
+    rebuilds its payload) must be refused ``idempotency-key-reused``, not answered with
+    the other body's outcome.
 
 ``python -m verify check HISTORY LEDGER [--min-completed X] [--expiry-margin S]
 [--clock-skew FROM,TO ...] [--unknowns FILE] [--excused FROM,TO ...] [--json]``: 0 no
@@ -96,6 +102,7 @@ NAMES = {
     11: "applied-after-lease-over",
     12: "two-holders-one-generation",
     13: "never-sent-held-unknown",
+    14: "acked-body-not-applied",
 }
 
 REISSUED: Final = Reason.GENERATION_REISSUED.value
@@ -248,7 +255,7 @@ def check(
     held: Sequence[HeldUnknown] | None = None,
     excused: Sequence[tuple[float, float]] = (),
 ) -> Report:
-    """Check invariants 1-13 of a run; the violations in invariant order, then ledger order.
+    """Check invariants 1-14 of a run; the violations in invariant order, then ledger order.
 
     ``skewed``: the spans of time (``time.time()``, from, to) in which a replica that
     judges leases by its own clock (SQLite) ran with a skewed clock; invariant 11 does
@@ -299,6 +306,7 @@ def check(
         v.extend(generations_interleave(entries))
     v.extend(applied_once(writes, applied))
     v.extend(same_answer(writes, applied))
+    v.extend(acked_body(history, applied))
     for entries in ordered.values():
         v.extend(stale_writes(entries, grants))
     v.extend(causes.violations(ledger))
@@ -395,6 +403,32 @@ def same_answer(
             )
 
 
+def acked_body(
+    history: Iterable[HistoryEvent], applied: dict[Step, list[LedgerEntry]]
+) -> Iterable[Violation]:
+    """14: every 2xx to a write is for a body applied under its ``(job, key)``. Keys
+    never applied are 3's to name. Reported per acknowledgement: its invoke, the answer
+    and the key's applications."""
+    outstanding: dict[str, HistoryEvent] = {}
+    for event in history:
+        if event.type == "invoke":
+            outstanding[event.process] = event
+            continue
+        invoke = outstanding.pop(event.process, None)
+        if invoke is None or not event.acknowledged or invoke.key is None:
+            continue
+        entries = applied.get((invoke.job, invoke.key), [])
+        if entries and all(entry.body_sha256 != invoke.body_sha256 for entry in entries):
+            yield Violation(
+                14,
+                invoke.job,
+                f"key {invoke.key!r} answered {event.status} to a body other than the one "
+                f"applied under it ({len(entries)} application(s)): a changed request "
+                "under a used key must be refused idempotency-key-reused",
+                (invoke, event, *entries),
+            )
+
+
 def stale_writes(
     entries: Iterable[LedgerEntry], grants: dict[tuple[str, int], HistoryEvent]
 ) -> Iterable[Violation]:
@@ -453,9 +487,10 @@ class Causes:
         self.sent: dict[tuple[str, str, int], list[HistoryEvent]] = defaultdict(list)
         self.completion: dict[int, HistoryEvent] = {}  # id(invoke) -> its completion
         self.granted: dict[str, list[HistoryEvent]] = defaultdict(list)
-        self.held_until: dict[Lease, float] = {}  # the last claim or renew ok plus its ttl
-        self.untimed: set[Lease] = set()  # a claim or renew ok without a ttl: not judged
+        # Each lease's claim and renew oks, and when each was invoked (id(ok) -> time): a
+        # grant counts for a write only if it was asked for before the write (11).
         self.grants_of: dict[Lease, list[HistoryEvent]] = defaultdict(list)
+        self.asked_at: dict[int, float] = {}
         self.ended: dict[Lease, HistoryEvent] = {}
         self.unknown_renew: dict[Lease, HistoryEvent] = {}
         self.asked: dict[Lease, float] = {}  # a holder's lease: when its claim was invoked
@@ -474,6 +509,7 @@ class Causes:
                 if invoke.f == "renew" and event.type == "info":
                     self._renew_unknown(invoke)
             if event.type == "ok" and event.generation is not None:
+                self.asked_at[id(event)] = event.time if invoke is None else invoke.time
                 self._ok(event)
         for invoke in outstanding.values():  # never answered: unknown
             if invoke.f == "renew":
@@ -493,11 +529,6 @@ class Causes:
             self.granted[event.job].append(event)
         if event.f in ("claim", "renew"):
             self.grants_of[lease].append(event)
-            if event.ttl is None:
-                self.untimed.add(lease)
-            else:
-                known = self.held_until.get(lease, event.time)
-                self.held_until[lease] = max(known, event.time + event.ttl)
         elif event.f == "complete" and lease not in self.ended:
             self.ended[lease] = event
 
@@ -539,9 +570,18 @@ class Causes:
         ended = self.ended.get(lease)
         if ended is not None and invoke.time > ended.time + self.margin:
             return 11, "invoked after its lease was completed", (ended,)
-        until = self.held_until.get(lease)
-        grants = self.grants_of.get(lease, [])
-        if until is None or lease in self.untimed or invoke.time <= until + self.margin:
+        # Only the grants asked for before the write: a renewal invoked after it cannot
+        # have kept the lease for it (a lease core that renews an expired lease would
+        # otherwise excuse the writes made before that renewal).
+        grants = [
+            g
+            for g in self.grants_of.get(lease, [])
+            if self.asked_at.get(id(g), g.time) <= invoke.time
+        ]
+        if not grants or any(g.ttl is None for g in grants):
+            return None  # nothing granted before it, or a grant of unknown length
+        until = max(g.time + (g.ttl or 0.0) for g in grants)
+        if invoke.time <= until + self.margin:
             return None
         unknown = self.unknown_renew.get(lease)
         if unknown is not None and unknown.time < invoke.time:
@@ -567,12 +607,24 @@ class Causes:
         return sent, [e for e in sent if e.body_sha256 == entry.body_sha256]
 
     def given_up(self, entry: LedgerEntry) -> bool:
-        """A cause of the entry was answered ``GAVE_UP``: the gateway stopped waiting."""
-        for cause in self.causes_of(entry)[1]:
-            completion = self.completion.get(id(cause))
-            if completion is not None and completion.reason in GAVE_UP:
-                return True
-        return False
+        """The entry may be the application of a write the gateway gave up on: a cause of
+        it was answered ``GAVE_UP``, and no cause got the entry's own answer from the
+        upstream (a 2xx not ``replayed`` whose body is the entry's ``answer_sha256``). The
+        upstream's answers differ per application, and the gateway answers from its store
+        only with ``Idempotent-Replayed``, so such a cause is the request that was applied
+        here, and the gateway waited for it: whatever another attempt of the key was
+        answered, this application is in the order (1, 2, 6)."""
+        causes = self.causes_of(entry)[1]
+        completions = [self.completion.get(id(cause)) for cause in causes]
+        if entry.answer_sha256 is not None and any(
+            c is not None
+            and c.type == "ok"
+            and c.replayed is False
+            and c.body_sha256 == entry.answer_sha256
+            for c in completions
+        ):
+            return False
+        return any(c is not None and c.reason in GAVE_UP for c in completions)
 
     def violations(self, ledger: Iterable[LedgerEntry]) -> Iterable[Violation]:
         for entry in ledger:

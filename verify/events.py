@@ -31,10 +31,13 @@ the times of the two files compare.
   ``info``.
 - ``ttl`` (optional, after the others): on a ``claim`` or ``renew`` ``ok``, the lease's
   TTL in seconds as granted, so that a checker can tell when the lease expired.
-- ``holder`` (optional, last): who holds the lease of a source whose generations can be
+- ``holder`` (optional): who holds the lease of a source whose generations can be
   handed out twice (a Redis lock whose fence counter was lost): the lock value's random
   part. On the ``claim`` ``ok`` that granted it and on the events of its ``renew``,
   ``write`` and ``complete``; a lease is then ``(job, generation, holder)``.
+- ``replayed`` (optional, after ``holder``): on a write ``ok``, whether the answer was
+  the gateway's stored one (``Idempotent-Replayed: true``) rather than the upstream's own
+  answer to this request.
 
 ``ledger.jsonl``: one line per write the upstream applied, in the order applied
 (``LedgerEntry``): ``time``, ``job`` and ``generation`` (the ``Fencing-Job`` and
@@ -150,12 +153,20 @@ class HistoryEvent:
     holder: str | None = None
     """The holder of a lease source's lease (a Redis lock value's random part): one
     generation of a lock can be handed to two holders when the source loses its counter."""
+    replayed: bool | None = None
+    """A write ``ok``: whether the answer came with ``Idempotent-Replayed: true`` (from
+    the gateway's store) or was the upstream's own answer to this request (optional:
+    older files have none)."""
     line: int | None = field(default=None, compare=False, repr=False)
     """Line number in the file it was read from (not written)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "time", _time(self.time))
         _str("process", self.process)
+        if self.replayed is not None and (
+            not isinstance(self.replayed, bool) or self.f != "write" or self.type != "ok"
+        ):
+            raise ValueError("replayed: true or false, on a write ok only")
         _str("holder", self.holder, nullable=True)
         if self.holder == "":
             raise ValueError("holder: not empty (null when there is none)")
@@ -206,6 +217,8 @@ class HistoryEvent:
             obj["ttl"] = self.ttl
         if self.holder is not None:
             obj["holder"] = self.holder
+        if self.replayed is not None:
+            obj["replayed"] = self.replayed
         return obj
 
     @classmethod
@@ -218,6 +231,7 @@ class HistoryEvent:
             **{name: obj[name] for name in HISTORY_FIELDS},
             ttl=obj.get("ttl"),
             holder=obj.get("holder"),
+            replayed=obj.get("replayed"),
             line=line,
         )
 

@@ -13,13 +13,16 @@ third of it), does 2-4 steps through a gateway replica with ``Fencing-Token:
 locks:<lock>:<value>``, then releases the lock. The gateway's job is ``locks/<lock>``,
 the generation the lock's fence. Each holding's keys and bodies are its own (its key
 ``<holder>-step<i>``, the holder being the value's random part), so the checker can tell
-which holder an applied write came from. A share of the writes is held at the upstream
-(``Verify-Apply-Delay``) so that a lost counter often falls while one is in flight. A
-write refused 409 ends the holding: a careful holder releases the lock, a reckless one
-first sends its remaining steps once each (a zombie); a holding refused
-``stale-generation`` (its fence below the job's: the counter was lost) is followed at
-once by another acquire of the same lock, so the counter climbs back to the fence, where
-the gateway must tell the new holder of a generation from the one it admitted before.
+which holder an applied write came from. A share of the holdings (``LockWorker.lapse``)
+take a lock of the worker's own, write once, stop extending and write again after the
+lock lapsed, before anyone else took it (the gateway must refuse those writes). A share
+of the writes is held at the upstream (``Verify-Apply-Delay``) so that a lost counter
+often falls while one is in flight. A write refused 409 ends the holding: a careful
+holder releases the lock, a reckless one first sends its remaining steps once each (a
+zombie); a holding refused ``stale-generation`` (its fence below the job's: the counter
+was lost) is followed at once by another acquire of the same lock, so the counter climbs
+back to the fence, where the gateway must tell the new holder of a generation from the
+one it admitted before.
 
 Recorded like the queue workers' jobs (``verify.events``): the acquire is a ``claim``
 (``ok`` with the generation, the TTL and ``holder``), the extends ``renew``, the release
@@ -52,6 +55,12 @@ SOURCE = "locks"  # the lease source's name at the gateway: tokens "locks:<lock>
 LOCKS = 4
 IN_FLIGHT_SHARE = 0.3
 RECKLESS_SHARE = 0.5
+# Of the holdings: a lock of the worker's own, which nobody else takes, held for one step
+# and then let lapse (no more extends) for its TTL and LAPSE_PAST more before the
+# remaining steps are sent once each: writes after the lock lapsed and before anyone else
+# took it, which the gateway must refuse (invariant 11).
+LAPSE_SHARE = 0.2
+LAPSE_PAST = (0.7, 1.5)
 WRITE_TIMEOUT = 5.0
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 MAX_SENDS = 20
@@ -133,6 +142,7 @@ class Holding:
         assert lock.value is not None
         self.holder = holder_of(lock.value)
         self.lost = False
+        self.lapsing = False  # extends stop at the renewer's next turn
 
 
 class LockWorker:
@@ -157,7 +167,8 @@ class LockWorker:
     async def run(self) -> None:
         again: str | None = None
         while True:
-            name = again or self.random.choice(self.locks)
+            lapse = again is None and self.random.random() < LAPSE_SHARE
+            name = again or (f"lock-{self.name}" if lapse else self.random.choice(self.locks))
             ttl = round(self.random.uniform(1.0, 3.0), 2)
             lock = AsyncRedisLock(self.redis, name, ttl_seconds=ttl, source=SOURCE)
             holding = await self.acquire(lock)
@@ -165,7 +176,11 @@ class LockWorker:
                 again = None
                 await asyncio.sleep(self.random.uniform(0.05, 0.15))
                 continue
-            outcome = await self.hold(holding, self.random.choice(self.gateways))
+            gateway = self.random.choice(self.gateways)
+            if lapse:
+                outcome = await self.lapse(holding, gateway)
+            else:
+                outcome = await self.hold(holding, gateway)
             again = name if outcome == "stale-generation" else None
 
     async def acquire(self, lock: AsyncRedisLock) -> Holding | None:
@@ -216,10 +231,46 @@ class LockWorker:
         await self.release(holding)
         return ended
 
+    async def lapse(self, holding: Holding, gateway: str) -> str:
+        """A holding of the worker's own lock that lapses: one step, then the extends stop
+        (at the renewer's next turn, so none is left of unknown outcome) and the worker
+        waits the lock's TTL and ``LAPSE_PAST`` more, so the lock has lapsed in Redis
+        before it sends its remaining steps, once each; nobody else takes this lock, so
+        the gateway sees a token whose lock is simply gone. Released only when the first
+        step was not answered 2xx (the holding ends there); else it lapsed."""
+        renewer = asyncio.get_running_loop().create_task(self.extend_forever(holding))
+        steps = 2 + self.random.randrange(3)
+        ended = "done"
+        try:
+            outcome = await self.write(holding, gateway, 0, once=False)
+            if outcome != "ok":
+                ended = "released"
+                return outcome
+            holding.lapsing = True
+            await renewer
+            await asyncio.sleep(holding.lock.ttl_ms / 1000 + self.random.uniform(*LAPSE_PAST))
+            for step in range(1, steps):
+                outcome = await self.write(holding, gateway, step, once=True)
+                if outcome == "down":
+                    break
+                if outcome not in ("ok", "gave-up") and ended == "done":
+                    ended = outcome
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            if self.history.outstanding(f"{self.name}/renew"):
+                self.history.complete(f"{self.name}/renew", "info", reason="abandoned")
+            if ended == "released":
+                await self.release(holding)
+        return ended
+
     async def extend_forever(self, holding: Holding) -> None:
         process, history, lock = f"{self.name}/renew", self.history, holding.lock
         while not holding.lost:
             await asyncio.sleep(p.renew_interval(lock.ttl_ms / 1000))
+            if holding.lapsing:
+                return
             history.invoke(process, "renew", holding.job, holding.generation, holder=holding.holder)
             try:
                 extended = await lock.extend()
@@ -274,6 +325,7 @@ class LockWorker:
                 ) as resp:
                     raw, status = await resp.read(), resp.status
                     content_type = resp.headers.get("Content-Type", "")
+                    replayed = resp.headers.get(p.IDEMPOTENT_REPLAYED) == "true"
             except aiohttp.ClientConnectorError:
                 history.complete(process, "info", reason="connection-refused")
                 return "down"
@@ -287,8 +339,9 @@ class LockWorker:
             reason = str(problem["reason"]) if problem else None
             type_: Type = "ok" if 200 <= status <= 299 else "fail"
             history.complete(
-                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw)
-            )
+                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw),
+                replayed=replayed if type_ == "ok" else None,
+            )  # fmt: skip
             if type_ == "ok":
                 return "ok"
             if status == 409:

@@ -267,6 +267,61 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         ),
     ),
     Mutant(
+        name="duplicates-reused-key-replayed",
+        rule="duplicates",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _FENCE,
+                "    if record.fingerprint != fingerprint:\n"
+                "        return Reason.IDEMPOTENCY_KEY_REUSED\n"
+                "    state = effective_state(record)\n",
+                "    state = effective_state(record)\n"
+                "    if record.fingerprint != fingerprint and state is not RecordState.COMPLETED:\n"
+                "        return Reason.IDEMPOTENCY_KEY_REUSED\n",
+            ),
+        ),
+        why=(
+            "The fingerprint is compared only while the key's record is not completed, so "
+            "a request with another body under a used key (a retry that rebuilt its "
+            "payload) is answered the first request's stored answer, as if its own effect "
+            "had happened."
+        ),
+        fast=True,
+        killed_by=(
+            "tests/integration/test_gateway_idempotency.py"
+            "::test_same_key_different_request_is_refused"
+        ),
+    ),
+    Mutant(
+        name="duplicates-purge-within-retention",
+        rule="duplicates",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "lease_core/sql/sqlite.sql",
+                "AND updated_at < {now} - :older_than\n",
+                "AND updated_at < {now} + :older_than\n",
+            ),
+            Edit(
+                _POSTGRES,
+                "          AND updated_at < {now} - :older_than\n",
+                "          AND updated_at < {now} + :older_than\n",
+            ),
+        ),
+        why=(
+            "The retention's cutoff adds the retention to now instead of taking it off "
+            "(purge_records, both dialects), so the upkeep purges every completed record, "
+            "however young: a retried key, or the next generation repeating a step, is "
+            "forwarded again instead of replayed. verify's replicas run the upkeep every "
+            "second (a correct purge deletes nothing within a run: retention is a day)."
+        ),
+        killed_by=(
+            "tests/integration/test_gateway_idempotency.py"
+            "::test_records_past_retention_are_purged_but_unknown_ones_kept"
+        ),
+    ),
+    Mutant(
         name="unknown-timeout-not-sent",
         rule="unknown-outcomes",
         databases=BOTH,
@@ -408,7 +463,7 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         name="source-redis-lapsed-lock",
         rule="lease-source",
-        databases=UNREACHABLE,
+        databases=BOTH,
         edits=(
             Edit(
                 "gateway/sources/redis_lock.py",
@@ -419,9 +474,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "A Redis lock whose key has lapsed is taken as still held by the token, so a "
             "token whose lock expired or was released (or was never taken) writes until "
-            "somebody takes the lock again; verify's lock workers write after their lock "
-            "lapsed only when paused past its TTL, mostly after another took it (none was "
-            "found in 60 s under lock-loss and pause), so only the sources' tests reach it."
+            "somebody takes the lock again; verify's lock workers reach it with the "
+            "holdings that let a lock of their own lapse and then write (LockWorker.lapse: "
+            "nobody else takes that lock), invariant 11."
         ),
         killed_by=("tests/integration/test_source_redis.py::test_an_expired_lock_ends_its_token"),
     ),

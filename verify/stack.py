@@ -34,6 +34,11 @@ LISTENING = re.compile(r"fencegate listening: .*?control=([\w.:\[\]-]+).*?proxy=
 UPSTREAM_LISTENING = re.compile(r"upstream listening on (\d+)")
 PROXY_PORT, CONTROL_PORT = 8080, 8081
 ORDERING_WAIT = 0.3
+# The upkeep (expired last attempts, retention) runs every second in verify's replicas,
+# not every minute: no replica lives a minute in a run (each is restarted several times),
+# so a purge that deletes records still within retention (a day, unchanged) would never
+# run. Run so often, a correct purge deletes nothing within a run, and a wrong one is seen.
+PURGE_INTERVAL = 1.0
 UPSTREAM_TIMEOUT = 1.0
 UPSTREAM_CONNECT_TIMEOUT = 0.3
 SHUTDOWN_GRACE = 2.0
@@ -333,6 +338,7 @@ class Stack:
             "[gateway]\n"
             f"ordering_wait_seconds = {ORDERING_WAIT}\n"
             f"shutdown_timeout_seconds = {self.shutdown_grace}\n"
+            f"purge_interval_seconds = {PURGE_INTERVAL}\n"
             "[[upstreams]]\n"
             'name = "pay"\n'
             f'url = "http://{upstream_host}:{upstream_port}"\n'

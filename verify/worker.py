@@ -11,7 +11,9 @@ is still held, as far as it can tell: the fencing headers are made then), works 
 renewals), then sends one write with the key ``{job}-step{i}`` and a body fixed per
 (job, step), so that the next worker's retry of the step is the same request; half the
 steps also send a key of the generation's own, ``{job}-g{generation}-step{i}``, which no
-other generation sends. Then it completes the job.
+other generation sends. Then it completes the job. A share of the steps answered 2xx is
+sent once more under its key with a body rebuilt differently (a worker bug the gateway
+must refuse ``idempotency-key-reused``).
 
 How a job is worked is drawn per job (``Conduct``): careful, as above; or reckless, with
 no look at the lease before a write and, after a refusal that says the lease is gone, the
@@ -94,6 +96,10 @@ RECKLESS_SHARE = 0.6
 LAPSE_SHARE = 0.25
 OVERLAP_SHARE = 0.3
 OWN_KEY_SHARE = 0.5
+# Of the steps answered 2xx: sent once more under the same key with another body (a retry
+# that rebuilt its payload, a worker bug), which the gateway must refuse 422
+# idempotency-key-reused (invariant 14).
+REBUILT_SHARE = 0.15
 # overlap: the old write leaves this long before the lease's expiry, and the upstream
 # waits APPLY_DELAY before applying it (under the gateway's upstream timeout, 1 s, so the
 # gateway still has it in flight when the successor's first write comes).
@@ -126,6 +132,12 @@ def step_body(job: str, step: int) -> bytes:
     """The same bytes every time this step is sent (a retry is the same request)."""
     amount = int(hashlib.sha256(f"{job}/{step}".encode()).hexdigest()[:6], 16) % 10_000
     return json.dumps({"amount": amount, "job": job, "step": step}, sort_keys=True).encode()
+
+
+def rebuilt_body(job: str, step: int) -> bytes:
+    """The step's body rebuilt differently: another request under the step's key."""
+    body = json.loads(step_body(job, step))
+    return json.dumps({**body, "rebuilt": True}, sort_keys=True).encode()
 
 
 def error_status(error: exc.LeaseError) -> int:
@@ -171,14 +183,16 @@ class History:
         body_sha256: str | None = None,
         ttl: float | None = None,
         holder: str | None = None,
+        replayed: bool | None = None,
     ) -> None:
         f, invoked_job, invoked_generation, key, invoked_holder = self.open.pop(process)
         job = invoked_job if job is None else job
         generation = invoked_generation if generation is None else generation
         holder = invoked_holder if holder is None else holder
         self._write(
-            process, type_, f, job, generation, key, status, reason, body_sha256, ttl, holder
-        )
+            process, type_, f, job, generation, key, status, reason, body_sha256, ttl, holder,
+            replayed,
+        )  # fmt: skip
 
     def outstanding(self, process: str) -> bool:
         return process in self.open
@@ -196,6 +210,7 @@ class History:
         body_sha256: str | None,
         ttl: float | None,
         holder: str | None,
+        replayed: bool | None = None,
     ) -> None:
         event = HistoryEvent(
             time=time.time(),
@@ -210,6 +225,7 @@ class History:
             body_sha256=body_sha256,
             ttl=ttl,
             holder=holder,
+            replayed=replayed,
         )
         self.writer.write(event)
 
@@ -433,6 +449,18 @@ class Worker:
             delay=delay,
             work=work,
         )
+        if outcome == "ok" and self.random.random() < REBUILT_SHARE:
+            # Sent once, whatever comes back: expected 422 idempotency-key-reused.
+            await self.write(
+                target,
+                lease,
+                step_key(job, step),
+                rebuilt_body(job, step),
+                process,
+                reckless=reckless,
+                once=True,
+                work=False,
+            )
         if outcome in ("ok", "lost") and self.random.random() < OWN_KEY_SHARE:
             own = await self.write(
                 target,
@@ -618,8 +646,14 @@ class Worker:
             problem = p.problem_of(answer_headers.get("Content-Type", ""), raw)
             reason = str(problem["reason"]) if problem else None
             type_: Type = "ok" if 200 <= status <= 299 else "fail"
+            replayed = answer_headers.get(p.IDEMPOTENT_REPLAYED) == "true"
             history.complete(
-                process, type_, status=status, reason=reason, body_sha256=sha256_hex(raw)
+                process,
+                type_,
+                status=status,
+                reason=reason,
+                body_sha256=sha256_hex(raw),
+                replayed=replayed if type_ == "ok" else None,
             )
             if type_ == "ok":
                 return "ok"

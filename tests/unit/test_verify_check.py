@@ -527,6 +527,71 @@ def test_1_2_6_leave_out_a_write_the_gateway_gave_up_on() -> None:
         assert sorted(set(invariants(report))) == expected, report.render()
 
 
+def test_1_2_6_leave_out_only_the_write_given_up_on() -> None:
+    """Issue 53: an attempt answered 504 upstream-timeout does not excuse every
+    application of its key. Here it was lost; a retry of the key, sent after the newer
+    generation wrote, was forwarded and applied (its 2xx is the entry's own answer,
+    unreplayed): the barrier broken, which 1, 2 and 6 must name. The same 2xx replayed
+    (from the gateway's store) does not say which attempt was applied: left out."""
+    for replayed, expected in ((False, [1, 2, 6]), (True, [])):
+        run = Run()
+        run.claim("w1", "j1", 1)
+        run.write("w1", "j1", 1, "k0")
+        invoke: dict[str, Any] = {"process": "w1", "f": "write", "job": "j1", "generation": 1}
+        run.event(type="invoke", key="k1", body_sha256=sha("body k1"), **invoke)
+        run.claim("w2", "j1", 2)
+        run.write("w2", "j1", 2, "k2")
+        run.event(
+            type="fail",
+            key="k1",
+            status=504,
+            reason="upstream-timeout",
+            body_sha256=sha("problem"),
+            **invoke,
+        )
+        run.event(type="invoke", key="k1", body_sha256=sha("body k1"), **invoke)
+        run.apply("j1", 1, "k1", answer="late")
+        run.event(
+            type="ok",
+            key="k1",
+            status=201,
+            body_sha256=sha("late"),
+            replayed=replayed,
+            **invoke,
+        )
+        run.complete("w2", "j1", 2)
+        report = run.check()
+        assert sorted(set(invariants(report))) == expected, report.render()
+
+
+def test_14_a_changed_body_under_a_used_key_answered_2xx_is_caught() -> None:
+    """Issue 53: a retry that rebuilt its payload sends another body under a used key;
+    the gateway must refuse it 422 idempotency-key-reused, not replay the first body's
+    answer (which says the changed request's effect happened: it did not)."""
+    for status, reason, expected in ((200, None, [14]), (422, "idempotency-key-reused", [])):
+        run = Run()
+        run.claim("w1", "j1", 1)
+        run.write("w1", "j1", 1, "k1")
+        common: dict[str, Any] = {"process": "w1", "f": "write", "job": "j1", "generation": 1}
+        changed = run.event(type="invoke", key="k1", body_sha256=sha("rebuilt k1"), **common)
+        answered = run.event(
+            type="ok" if status == 200 else "fail",
+            key="k1",
+            status=status,
+            reason=reason,
+            body_sha256=sha("answer j1 k1") if status == 200 else sha("problem"),
+            replayed=True if status == 200 else None,
+            **common,
+        )
+        run.complete("w1", "j1", 1)
+        report = run.check()
+        assert invariants(report) == expected, report.render()
+        if expected:
+            (violation,) = report.violations
+            assert violation.name == "acked-body-not-applied"
+            assert violation.events[:3] == records(changed, answered, run.ledger[0])
+
+
 # --- 8-11: what the gateway must not have forwarded ------------------------------------
 
 
@@ -638,8 +703,8 @@ def test_10_an_applied_body_that_was_never_sent() -> None:
     run.ledger.append(entry)
     run.complete("w1", "j1", 1)
     report = run.check()
-    assert invariants(report) == [10]
-    (violation,) = report.violations
+    assert invariants(report) == [10, 14]  # 14: the body acknowledged was not applied
+    (violation,) = only(report, 10)
     assert violation.name == "body-not-sent"
     assert "body differs" in violation.message
     assert violation.events[0] == entry.to_json()
@@ -696,6 +761,30 @@ def test_11_renewals_margin_and_unknown_renewals_keep_the_lease() -> None:
     untimed.write("w1", "j1", 1, "k1")
     untimed.complete("w1", "j1", 1)
     assert untimed.check().ok
+
+
+def test_11_a_renewal_invoked_after_the_write_does_not_keep_the_lease_for_it() -> None:
+    """Issue 53: a lease core that renews an expired lease would excuse the writes made
+    before that renewal if every renewal counted; only those invoked before the write do."""
+    run = Run()
+    claim = run.claim("w1", "j1", 1, ttl=2.0)  # ok at 2: held until 4
+    run.tick(), run.tick(), run.tick()
+    run.write("w1", "j1", 1, "k1")  # invoked at 6
+    run.renew("w1/renew", "j1", 1, ttl=2.0)  # invoked at 9, ok at 10: "held" until 12
+    run.complete("w1", "j1", 1)
+    report = run.check()
+    assert invariants(report) == [11], report.render()
+    assert claim.to_json() in report.violations[0].events
+    in_flight = Run()  # invoked before the write, answered after it: it counts
+    in_flight.claim("w1", "j1", 1, ttl=2.0)  # held until 4
+    in_flight.event(process="w1/renew", type="invoke", f="renew", job="j1", generation=1)
+    in_flight.tick(), in_flight.tick()
+    in_flight.write("w1", "j1", 1, "k1")  # invoked at 6
+    in_flight.event(
+        process="w1/renew", type="ok", f="renew", job="j1", generation=1, status=200, ttl=2.0
+    )  # ok at 9
+    in_flight.complete("w1", "j1", 1)
+    assert in_flight.check().ok, in_flight.check().render()
 
 
 def test_11_a_skewed_replica_clock_excuses_the_expiry() -> None:
@@ -867,6 +956,16 @@ def test_files_round_trip_in_the_issues_field_order(tmp_path: Path) -> None:
     assert read_ledger(ledger) == run.ledger
 
 
+def test_replayed_is_written_last_and_read_back() -> None:
+    event = HistoryEvent(
+        time=1.0, process="w1", type="ok", f="write", job="j1", generation=1, key="k",
+        status=201, body_sha256=sha("a"), replayed=True,
+    )  # fmt: skip
+    assert list(event.to_json())[-1] == "replayed"
+    assert HistoryEvent.from_json(event.to_json()) == event
+    assert "replayed" not in HistoryEvent.from_json({**event.to_json(), "replayed": None}).to_json()
+
+
 def test_unknown_fields_are_ignored_and_ledger_extras_kept(tmp_path: Path) -> None:
     history, ledger = write_run(tmp_path, clean_run())
     lines = [json.loads(line) for line in history.read_text().splitlines()]
@@ -971,6 +1070,8 @@ def test_main_exit_2_on_a_missing_file_or_a_bad_ledger(
         ({"type": "invoke", "f": "write", "key": "k", "body_sha256": "ABC"}, "64 lowercase"),
         ({"type": "ok", "f": "renew", "time": float("nan")}, "not finite"),
         ({"type": "ok", "f": "renew", "job": ""}, "job: empty"),
+        ({"type": "ok", "f": "renew", "replayed": False}, "replayed: .* on a write ok only"),
+        ({"type": "ok", "f": "write", "key": "k", "status": 201, "replayed": 1}, "true or false"),
     ],
 )
 def test_events_refuse_what_the_conventions_forbid(fields: dict[str, Any], why: str) -> None:

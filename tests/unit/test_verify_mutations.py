@@ -64,10 +64,11 @@ def test_the_catalogue_covers_every_rule() -> None:
     assert len(names) == len(set(names))
     assert len(MUTANTS) >= 8
     assert {mutant.rule for mutant in MUTANTS} == RULES
-    # CI's fast set guards the promise's rules, and stays short (seven runs in CI).
+    # CI's fast set guards the promise's rules, and stays short (eight runs in CI; the
+    # eighth, duplicates-reused-key-replayed, dies within 2 s of the window's opening).
     fast = [mutant for mutant in MUTANTS if mutant.fast]
     assert {"fence", "barrier", "expiry", "lease-source"} <= {mutant.rule for mutant in fast}
-    assert len(fast) <= 7
+    assert len(fast) <= 8
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
