@@ -9,6 +9,7 @@ the upstream and which the gateway sets itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from urllib.parse import unquote
 
@@ -46,6 +47,7 @@ DROP_FROM_CLIENT |= {"forwarded", "x-original-url", "x-rewrite-url"}
 # not fenced they would turn a pass-through into an unfenced write: refused.
 METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
 PROTECTED = frozenset({"fencing-token", "idempotency-key"})
+ENCODED_SLASH = re.compile("%2f", re.IGNORECASE)
 
 
 def intake(
@@ -142,6 +144,10 @@ def target(request: web.Request) -> tuple[str, str, str] | str:
     path, _, query = raw.partition("?")
     name, _, rest = path[1:].partition("/")
     name = unquote(name)
+    # A generated client percent-encodes the {path} parameter whole (v1%2Fcharges): an
+    # encoded slash is a slash here, as Envoy's UNESCAPE_AND_FORWARD makes it. The
+    # dot-segment check below reads the decoded path, so %2F..%2F is refused as ../ is.
+    rest = ENCODED_SLASH.sub("/", rest)
     decoded = unquote(rest)
     # Encoded or not, nothing may climb out of the upstream's base path.
     if any(segment in (".", "..") for segment in decoded.replace("\\", "/").split("/")):
