@@ -18,9 +18,10 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.config import GatewaySettings, UpstreamSettings
+from gateway.config.problems import nearest
 from gateway.fencing import fence, profiles
 from gateway.fencing.deadlines import DuplicateWait, Timing
-from gateway.fencing.decision import Facts
+from gateway.fencing.decision import Facts, NoUpstream
 from gateway.fencing.request import RequestMachine
 from gateway.observe import tracing
 from gateway.observe.logs import REQUEST_ID
@@ -55,6 +56,7 @@ def intake(
     upstreams: Mapping[str, UpstreamSettings],
     max_key_length: int,
     sources: Mapping[str, Source] | None = None,
+    lease_api_at: str | None = None,
 ) -> tuple[Incoming, Facts]:
     """What the request line and headers say, and the facts they carry (no I/O). A fact
     left at its default passes its row; the walk stops at the first refusal anyway."""
@@ -70,7 +72,9 @@ def intake(
     name, rest, query = found
     upstream = upstreams.get(name)
     if upstream is None:
-        facts.unknown_upstream = name[:100]
+        name = name[:100]
+        near = nearest(name, upstreams)
+        facts.unknown_upstream = NoUpstream(name, near, lease_api_at)
         return Incoming(request, rest=rest, query=query), facts
     limit = upstream.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
@@ -102,6 +106,7 @@ def _fencing_headers(
     if len(presented) != 1:
         return Incoming(request, upstream, rest, query, method), facts
     token = presented[0].strip()
+    facts.token_as_bearer = token[:7].lower() == "bearer "
     source, source_token, token_hash = None, None, None
     named = split_token(token, sources) if sources else None
     if named is not None:  # a lease of another source
@@ -272,9 +277,13 @@ def begin(
     limits: GatewaySettings,
     upstreams: Mapping[str, UpstreamSettings],
     sources: Mapping[str, Source],
+    lease_api_at: str | None = None,
 ) -> tuple[Incoming, RequestMachine]:
-    """The request's line and headers read (``intake``), and its state machine made."""
-    incoming, facts = intake(request, upstreams, limits.max_idempotency_key_length, sources)
+    """The request's line and headers read (``intake``), and its state machine made;
+    ``lease_api_at`` (control_listen) is named to a lease call sent here by mistake."""
+    incoming, facts = intake(
+        request, upstreams, limits.max_idempotency_key_length, sources, lease_api_at
+    )
     upstream = incoming.upstream
     timing = None
     if upstream is not None:
