@@ -99,6 +99,17 @@ function check<T>(answer: { data?: T; error?: unknown; response: Response }): T 
   return answer.data as T;
 }
 
+const TOKEN_CHARS = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
+
+/** A key as the Idempotency-Key header carries it: a bare run of token characters as it
+ * is, anything else as a structured-field string ("order:9"), which the gateway takes as
+ * the same key. */
+export function keyHeader(key: string): string {
+  if (TOKEN_CHARS.test(key)) return key;
+  if (!/^[\x20-\x7e]+$/.test(key)) throw new RangeError(`an Idempotency-Key is printable ASCII: ${key}`);
+  return `"${key.replace(/[\\"]/g, (c) => `\\${c}`)}"`;
+}
+
 export class Fencegate {
   readonly control: Client<paths>;
   readonly proxyUrl: string;
@@ -169,7 +180,7 @@ export class Fencegate {
     const headers: Record<string, string> = {
       ...options.headers,
       "Fencing-Token": token,
-      "Idempotency-Key": options.key,
+      "Idempotency-Key": keyHeader(options.key),
     };
     let body: Uint8Array | string | undefined = options.body;
     if (options.json !== undefined) {
