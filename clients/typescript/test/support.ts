@@ -114,6 +114,11 @@ default_ttl_seconds = 30
 name = "pay"
 url = "${this.upstream.url}"
 timeout_seconds = 5
+
+[[upstreams]]
+name = "payments"
+url = "${this.upstream.url}"
+timeout_seconds = 5
 `,
     );
     const child = spawn(fencegateBin(), ["serve", "--config", config, "--log-level", "WARNING"], {
