@@ -268,10 +268,14 @@ class LeaseStore:
             raise exc.JobFinished(
                 f"Job {job_id!r} is {state}; it cannot be leased again.", job_id=job_id
             )
+        ends = rfc3339(row["found_expires_at"]) if row is not None else None
         raise exc.LeaseHeld(
-            "Another current lease holds this job.",
+            f"Another current lease holds this job until {ends} (lease_expires_at), unless "
+            "it is renewed, released or ended sooner: acquire it again after that."
+            if ends is not None
+            else "Another current lease holds this job.",
             job_id=job_id,
-            lease_expires_at=rfc3339(row["found_expires_at"]) if row is not None else None,
+            lease_expires_at=ends,
         )
 
     # -- the current lease's operations ---------------------------------------------

@@ -221,7 +221,9 @@ REASONS: Mapping[Reason, ReasonInfo] = MappingProxyType(
             409,
             "Outcome unknown",
             _GW,
-            "An earlier forward with this key has an unknown outcome; an operator must resolve it.",
+            "An earlier forward with this key has an unknown outcome: retry it with the same "
+            "key once an operator has resolved it (fencegate outcomes resolve JOB KEY "
+            "--applied or --not-applied, or POST /admin/unknown-outcomes/resolve).",
             sent=Sent.MAYBE,
         ),
         Reason.REPLAY_UNAVAILABLE: ReasonInfo(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import json
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -49,9 +49,9 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         if top in known:
             continue  # nested ones are checked as settings (``_unknown_setting``)
         message = f"{variable}: not a setting, ignored"
-        near = difflib.get_close_matches(top, known, n=1, cutoff=0.75)
-        if near:
-            message += f"; did you mean {ENV_PREFIX}{near[0].upper()}?"
+        near = nearest(top, known, cutoff=0.75)
+        if near is not None:
+            message += f"; did you mean {ENV_PREFIX}{near.upper()}?"
         found.append(message)
     return found
 
@@ -116,13 +116,20 @@ def _unknown_setting(loc: tuple[int | str, ...], environ: Mapping[str, str]) -> 
     variable = ENV_PREFIX + "__".join((*parents, name)).upper()
     from_env = any(v.upper() == variable for v in environ)
     message = f"unknown setting (from {variable})" if from_env else "unknown setting"
-    near = difflib.get_close_matches(name, _known_keys(loc[:-1]), n=1)
-    if not near:
+    near = nearest(name, _known_keys(loc[:-1]))
+    if near is None:
         return message
     if from_env:
-        nearest = ENV_PREFIX + "__".join((*parents, near[0])).upper()
-        return f"{message}; did you mean `{near[0]}` ({nearest})?"
-    return f"{message}; did you mean `{near[0]}`?"
+        variable = ENV_PREFIX + "__".join((*parents, near)).upper()
+        return f"{message}; did you mean `{near}` ({variable})?"
+    return f"{message}; did you mean `{near}`?"
+
+
+def nearest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known name nearest to ``name`` (difflib's ratio, at least ``cutoff``), if one
+    is near: an unknown setting's, an unknown upstream's "did you mean"."""
+    near = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return near[0] if near else None
 
 
 def _known_keys(loc: tuple[int | str, ...]) -> list[str]:

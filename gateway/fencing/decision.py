@@ -55,16 +55,43 @@ class _Unknown:
 UNKNOWN: Final = _Unknown()
 
 
+# The first segments of the control listener's paths: a request for one of them on the
+# proxy listener was meant for the other listener.
+CONTROL_NAMES: Final = frozenset({"v1", "admin", "healthz", "readyz", "metrics", "openapi.json"})
+
+
+@dataclass(frozen=True, slots=True)
+class NoUpstream:
+    """The upstream name a request asked for that no upstream has, with what may help:
+    the nearest configured name, and where the control listener is."""
+
+    name: str
+    nearest: str | None = None  # the configured name nearest to ``name``, if one is near
+    lease_api_at: str | None = None  # control_listen
+
+    def told(self) -> str:
+        said = f"No upstream named {self.name!r}."
+        if self.name in CONTROL_NAMES and self.lease_api_at is not None:
+            said += (
+                f" This is the proxy listener (/<upstream>/<path>); /{self.name}/... is on "
+                f"the control listener, {self.lease_api_at} (control_listen)."
+            )
+        elif self.nearest is not None:
+            said += f" Did you mean {self.nearest!r}?"
+        return said
+
+
 @dataclass(slots=True)
 class Facts:
     """What is known about one request; ``UNKNOWN`` until its step has run. The proxy
     fills it in; ``decide`` only reads it."""
 
     bad_target: str | None = None  # why the target or the framing is refused
-    unknown_upstream: str | None = None  # the name asked for, when no upstream has it
+    unknown_upstream: NoUpstream | None = None  # the name asked for, when no upstream has it
     override_on_unfenced: bool = False  # a method-override header on an unfenced method
     fenced: bool = True
     token_headers: int = 1  # how many Fencing-Token headers
+    token_as_bearer: bool = False  # sent as ``Bearer <token>``, as the control listener takes it
     token_well_formed: bool = True
     protected_hop_by_hop: bool = False  # Connection names Fencing-Token or Idempotency-Key
     key_acceptable: bool = True  # a well-formed key, or none where none is required
@@ -121,7 +148,8 @@ class Row:
     fact: str  # the ``Facts`` field it tests
     holds: Callable[[Any], bool]
     step: Step | None = None  # how the fact is found out when it is UNKNOWN
-    detail: str | Mapping[Reason, str] | None = None  # ``{value}``: the fact's value
+    # ``{value}``: the fact's value; a callable: told the value, says the detail
+    detail: str | Mapping[Reason, str] | Callable[[Any], str] | None = None
     close: bool = False
     fenced_only: bool = True  # skipped for a method that is not fenced
 
@@ -135,8 +163,10 @@ class Row:
         detail = self.detail
         if isinstance(detail, Mapping):
             detail = detail.get(reason)
-        elif detail is not None:
+        elif isinstance(detail, str):
             detail = detail.format(value=value)
+        elif detail is not None:
+            detail = detail(value)
         return Verdict(Outcome.REFUSE, reason, detail, self.close)
 
 
@@ -146,7 +176,7 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(Reason.INVALID_REQUEST,       "bad_target",           _given, fenced_only=False,
         detail="{value}", close=True),
     Row(Reason.UNKNOWN_UPSTREAM,      "unknown_upstream",     _given, fenced_only=False,
-        detail="No upstream named {value!r}."),
+        detail=NoUpstream.told),
     Row(Reason.INVALID_REQUEST,       "override_on_unfenced", _true, fenced_only=False,
         detail="A method-override header is not allowed on a method that is not fenced: "
                "send the method itself."),
@@ -154,6 +184,9 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(Reason.MISSING_FENCING_TOKEN, "token_headers",        lambda n: n == 0),
     Row(Reason.INVALID_REQUEST,       "token_headers",        lambda n: n > 1,
         detail="Send exactly one Fencing-Token header."),
+    Row(Reason.INVALID_FENCING_TOKEN, "token_as_bearer",      _true,
+        detail="Send the lease token bare, without \"Bearer \": Fencing-Token: fgl_... "
+               "(Authorization: Bearer is the control listener's worker token)."),
     Row(Reason.INVALID_FENCING_TOKEN, "token_well_formed",    _false),
     Row(Reason.INVALID_REQUEST,       "protected_hop_by_hop", _true,
         detail="The Connection header must not name Fencing-Token or Idempotency-Key."),

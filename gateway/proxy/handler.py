@@ -132,7 +132,10 @@ class Driver:
         return None
 
     def _begin(self, request: web.Request) -> tuple[Incoming, RequestMachine]:
-        incoming, machine = begin(request, self.settings.gateway, self.upstreams, self.sources)
+        settings = self.settings
+        incoming, machine = begin(
+            request, settings.gateway, self.upstreams, self.sources, settings.control_listen
+        )
         machine.resolving = self.resolving
         request[MACHINE] = machine
         return incoming, machine

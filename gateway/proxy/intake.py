@@ -9,6 +9,7 @@ the upstream and which the gateway sets itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from urllib.parse import unquote
 
@@ -17,9 +18,10 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.config import GatewaySettings, UpstreamSettings
+from gateway.config.problems import nearest
 from gateway.fencing import fence, profiles
 from gateway.fencing.deadlines import DuplicateWait, Timing
-from gateway.fencing.decision import Facts
+from gateway.fencing.decision import Facts, NoUpstream
 from gateway.fencing.request import RequestMachine
 from gateway.observe import tracing
 from gateway.observe.logs import REQUEST_ID
@@ -46,6 +48,7 @@ DROP_FROM_CLIENT |= {"forwarded", "x-original-url", "x-rewrite-url"}
 # not fenced they would turn a pass-through into an unfenced write: refused.
 METHOD_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
 PROTECTED = frozenset({"fencing-token", "idempotency-key"})
+ENCODED_SLASH = re.compile("%2f", re.IGNORECASE)
 
 
 def intake(
@@ -53,6 +56,7 @@ def intake(
     upstreams: Mapping[str, UpstreamSettings],
     max_key_length: int,
     sources: Mapping[str, Source] | None = None,
+    lease_api_at: str | None = None,
 ) -> tuple[Incoming, Facts]:
     """What the request line and headers say, and the facts they carry (no I/O). A fact
     left at its default passes its row; the walk stops at the first refusal anyway."""
@@ -68,7 +72,9 @@ def intake(
     name, rest, query = found
     upstream = upstreams.get(name)
     if upstream is None:
-        facts.unknown_upstream = name[:100]
+        name = name[:100]
+        near = nearest(name, upstreams)
+        facts.unknown_upstream = NoUpstream(name, near, lease_api_at)
         return Incoming(request, rest=rest, query=query), facts
     limit = upstream.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
@@ -100,6 +106,7 @@ def _fencing_headers(
     if len(presented) != 1:
         return Incoming(request, upstream, rest, query, method), facts
     token = presented[0].strip()
+    facts.token_as_bearer = token[:7].lower() == "bearer "
     source, source_token, token_hash = None, None, None
     named = split_token(token, sources) if sources else None
     if named is not None:  # a lease of another source
@@ -142,6 +149,10 @@ def target(request: web.Request) -> tuple[str, str, str] | str:
     path, _, query = raw.partition("?")
     name, _, rest = path[1:].partition("/")
     name = unquote(name)
+    # A generated client percent-encodes the {path} parameter whole (v1%2Fcharges): an
+    # encoded slash is a slash here, as Envoy's UNESCAPE_AND_FORWARD makes it. The
+    # dot-segment check below reads the decoded path, so %2F..%2F is refused as ../ is.
+    rest = ENCODED_SLASH.sub("/", rest)
     decoded = unquote(rest)
     # Encoded or not, nothing may climb out of the upstream's base path.
     if any(segment in (".", "..") for segment in decoded.replace("\\", "/").split("/")):
@@ -266,9 +277,13 @@ def begin(
     limits: GatewaySettings,
     upstreams: Mapping[str, UpstreamSettings],
     sources: Mapping[str, Source],
+    lease_api_at: str | None = None,
 ) -> tuple[Incoming, RequestMachine]:
-    """The request's line and headers read (``intake``), and its state machine made."""
-    incoming, facts = intake(request, upstreams, limits.max_idempotency_key_length, sources)
+    """The request's line and headers read (``intake``), and its state machine made;
+    ``lease_api_at`` (control_listen) is named to a lease call sent here by mistake."""
+    incoming, facts = intake(
+        request, upstreams, limits.max_idempotency_key_length, sources, lease_api_at
+    )
     upstream = incoming.upstream
     timing = None
     if upstream is not None:

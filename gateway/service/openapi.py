@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from fencegate_client.reasons import REASONS, Layer, Reason
 from gateway.service import openapi_models as models
@@ -147,14 +148,40 @@ def operation_id(method: str, path: str) -> str:
     return "_".join([method.lower(), *words]) or method.lower()
 
 
+REQUESTS: tuple[type[BaseModel], ...] = (
+    api.EnqueueBody, api.ClaimBody, api.AcquireBody, api.RenewBody,
+    api.CompleteBody, api.FailBody, api.ReleaseBody, ResolveBody,
+)  # fmt: skip
+
+
+def request_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A request body's schema, its optional fields optional to generators' defaults.
+
+    pydantic writes ``"default": null`` (or the default) on every optional field, and
+    openapi-typescript, by default (``defaultNonNullable``), types a property with a
+    ``default`` as always present: ``POST /v1/jobs`` would need every field. A request's
+    default is the server's business, so it is said in the field's description instead;
+    the field stays out of ``required``.
+    """
+    schema = model.model_json_schema(ref_template=REF, mode="validation")
+    for prop in schema.get("properties", {}).values():
+        if "default" in prop:
+            default = prop.pop("default")
+            if default is not None:
+                said = f"Default: {json.dumps(default)}."
+                prop["description"] = " ".join(filter(None, (prop.get("description"), said)))
+    return schema
+
+
 def schemas() -> dict[str, Any]:
     """Every model's JSON Schema (2020-12, as OpenAPI 3.1 takes it), under one roof."""
     out: dict[str, Any] = {}
-    requests = (api.EnqueueBody, api.ClaimBody, api.AcquireBody, api.RenewBody,
-                api.CompleteBody, api.FailBody, api.ReleaseBody, ResolveBody)  # fmt: skip
-    for model, mode in [*((m, "validation") for m in requests),
-                        *((m, "serialization") for m in models.ANSWERS)]:  # fmt: skip
-        schema = model.model_json_schema(ref_template=REF, mode=mode)  # type: ignore[arg-type]
+    for model in REQUESTS:
+        schema = request_schema(model)
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    for model in models.ANSWERS:
+        schema = model.model_json_schema(ref_template=REF, mode="serialization")
         out.update(schema.pop("$defs", {}))
         out[model.__name__] = schema
     return out | problem_schemas()

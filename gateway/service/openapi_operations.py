@@ -88,7 +88,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("GET", "/v1/jobs"): Operation(
         "lease",
-        "List jobs, newest first",
+        "List jobs, oldest first",
         "lease",
         {200: ("A page of jobs.", json_of("JobPage"))},
         (exc.InvalidRequest, *STORE),

@@ -25,6 +25,19 @@ KEY = {"type": "string", "minLength": 1, "maxLength": 257, "description": KEY_RU
 # Any bytes, passed through as they are (the worker's Content-Type goes with them): named
 # application/octet-stream, which client generators know. An answer is the upstream's.
 ANY_BODY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+# A JSON write, listed first: a generated client's defaults then serialise
+# ``body: {amount: 700}`` and set its Content-Type, with no serializer of the user's. Typed
+# as an object, not as the empty schema (any value): openapi-python-client turns ``{}``
+# into ``isinstance(body, Any)``, which raises, and a union with an array into
+# ``isinstance(body, list[Any])``, which raises too. Any other JSON value passes as well,
+# sent as bytes with its own Content-Type.
+JSON_OBJECT = {
+    "type": "object",
+    "additionalProperties": {},
+    "description": "A JSON object, forwarded as it is serialised. Any other JSON value (an "
+    "array, a scalar) is forwarded just the same: send it as bytes with its Content-Type.",
+}
+JSON_OR_ANY_BODY = {"application/json": {"schema": JSON_OBJECT}, **ANY_BODY}
 UPSTREAM_ANSWER = {"application/json": {"schema": {}}, **ANY_BODY}
 
 
@@ -73,9 +86,9 @@ def fenced_write(method: str) -> dict[str, Any]:
         "parameters": _write_parameters(),
         "requestBody": {
             "required": False,
-            "description": "Forwarded as it is (any media type), within the upstream's "
-            "max_body_bytes.",
-            "content": ANY_BODY,
+            "description": "Forwarded as it is, within the upstream's max_body_bytes: a "
+            "JSON value, or any bytes with their own Content-Type.",
+            "content": JSON_OR_ANY_BODY,
         },
         "responses": {
             "default": _upstream_answer(),
@@ -100,7 +113,9 @@ def _write_parameters() -> list[dict[str, Any]]:
             "required": True,
             "schema": HEADER,
             "description": "The rest of the path, appended to the upstream's URL; it may "
-            "hold slashes (send them unencoded).",
+            "hold slashes, sent as they are or percent-encoded (%2F, as a generated "
+            "client encodes a path parameter): the gateway forwards an encoded slash as "
+            "a slash. Dot-segments (., .., encoded or not) are refused.",
         },
         {
             "name": protocol.FENCING_TOKEN,
@@ -199,7 +214,7 @@ def proxy_webhooks() -> dict[str, Any]:
                         "fencing itself refuses a lower one than it has seen.",
                     },
                 ],
-                "requestBody": {"content": ANY_BODY},
+                "requestBody": {"content": JSON_OR_ANY_BODY},
                 "responses": {"default": {"description": "Passed back to the worker."}},
             }
             for method in FENCED_METHODS

@@ -188,6 +188,8 @@ async def test_malformed_tokens_are_invalid(make_stack: Any, upstream: Upstream)
         resp = await stack.write("/pay/charges", {"lease_token": token})
         doc = await problem(resp, 403, "invalid-fencing-token")
         assert "job_id" not in doc and "generation" not in doc
+        bearer = token.startswith("Bearer ")
+        assert ("Send the lease token bare" in doc["detail"]) is bearer, doc
     assert upstream.received == []
 
 
@@ -307,6 +309,23 @@ async def test_unknown_upstream(make_stack: Any, upstream: Upstream) -> None:
     await problem(await stack.proxy.get("/nope/charges"), 404, "unknown-upstream")
     await problem(await stack.proxy.get("/pa/charges"), 404, "unknown-upstream")
     await problem(await stack.proxy.get("/"), 404, "unknown-upstream")
+    assert upstream.received == []
+
+
+async def test_an_unknown_upstream_says_what_was_meant(make_stack: Any, upstream: Upstream) -> None:
+    """A lease call sent to the proxy listener is told where the lease API is; a misspelt
+    upstream, the nearest configured name; both audited as any unknown upstream."""
+    stack = await make_stack(upstreams=[upstream_config(upstream)], control_listen="127.0.0.1:9191")
+    lease = await stack.lease("job-1")
+    doc = await problem(await stack.proxy.post("/v1/jobs", json={}), 404, "unknown-upstream")
+    assert doc["detail"] == (
+        "No upstream named 'v1'. This is the proxy listener (/<upstream>/<path>); /v1/... is "
+        "on the control listener, 127.0.0.1:9191 (control_listen)."
+    )
+    doc = await problem(await stack.write("/pya/charges", lease), 404, "unknown-upstream")
+    assert doc["detail"] == "No upstream named 'pya'. Did you mean 'pay'?"
+    doc = await problem(await stack.proxy.get("/zzzzzz/x"), 404, "unknown-upstream")
+    assert doc["detail"] == "No upstream named 'zzzzzz'."
     assert upstream.received == []
 
 

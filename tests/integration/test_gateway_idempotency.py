@@ -340,6 +340,9 @@ async def test_unknown_outcome_is_held(make_stack: Any, upstream: Upstream, caus
             await stack.write("/pay/charges", lease, key="pay-1"), 409, "outcome-unknown"
         )
         assert doc["job_id"] == "job-1" and doc["generation"] == 1
+        # It names the way out: the command and the admin endpoint that resolve it.
+        assert "fencegate outcomes resolve" in doc["detail"]
+        assert "POST /admin/unknown-outcomes/resolve" in doc["detail"]
     await upstream_idle(upstream)
     assert len(upstream.received) == before
     # Reusing the held key for another request is still a reuse.

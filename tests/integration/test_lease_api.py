@@ -298,6 +298,9 @@ async def test_acquire_of_a_held_job_is_409(
     resp = await control.put("/v1/jobs/named/lease", json={"owner": "w2"})
     doc = await expect_problem(resp, 409, "lease-held")
     assert doc["job_id"] == "named"
+    # The answer says when the lease ends.
+    assert doc["lease_expires_at"].endswith("Z")
+    assert f"until {doc['lease_expires_at']}" in doc["detail"]
     assert await db_snapshot(store) == before
 
 

@@ -249,6 +249,12 @@ DOT_SEGMENTS = [
     "/pay/x%2F..",
     "/pay/..%5cx",
     "/pay/%5c..%5cx",
+    # A generated client's encoding of the whole {path} parameter: an encoded slash is a
+    # slash to the gateway, and so are the dot-segments it would reveal.
+    "/pay/v1%2F..%2F..%2Fadmin",
+    "/pay/v1%2F%2e%2e%2Fadmin",
+    "/pay/..%2F",
+    "/pay/%2F..",
 ]
 
 
@@ -261,6 +267,23 @@ async def test_dot_segments_refused(stack: Stack, target: str) -> None:
         )
         assert_problem(resp, 400, "invalid-request")
     assert stack.since(mark) == []
+
+
+async def test_an_encoded_slash_reaches_the_upstream_as_a_slash(stack: Stack) -> None:
+    """What a generated client sends for the nested path v1/charges (the parameter
+    percent-encoded whole) reaches the upstream's /v1/charges; a double-encoded slash is
+    data and stays encoded once more, as it came."""
+    lease = await stack.lease("job-nested-path")
+    mark = stack.mark()
+    resp = await request(
+        stack.proxy_port, "POST", "/pay/v1%2Fcharges%2fch_1?x=%2F", fenced(lease["lease_token"]),
+        b"{}",
+    )  # fmt: skip
+    assert resp.status == 201, resp
+    resp = await request(stack.proxy_port, "GET", "/pay/files/a%252Fb")
+    assert resp.status == 201, resp
+    targets = [entry["target"] for entry in stack.since(mark)]
+    assert targets == ["/v1/charges/ch_1?x=%2F", "/files/a%252Fb"]
 
 
 async def test_sql_in_upstream_name_is_just_an_unknown_name(stack: Stack) -> None:

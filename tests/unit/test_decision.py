@@ -18,6 +18,7 @@ from gateway.fencing.decision import (
     STORE_UNAVAILABLE,
     UNKNOWN,
     Facts,
+    NoUpstream,
     Outcome,
     Row,
     Step,
@@ -44,7 +45,8 @@ HOLDING: dict[int, Any] = {}
 for index, row in enumerate(ROWS):
     HOLDING[index] = {
         "bad_target": "Dot-segments are not allowed in the path.",
-        "unknown_upstream": "nope",
+        "unknown_upstream": NoUpstream("nope"),
+        "token_as_bearer": True,
         "override_on_unfenced": True,
         "token_headers": 0 if row.answer is Reason.MISSING_FENCING_TOKEN else 2,
         "token_well_formed": False,
@@ -151,7 +153,7 @@ def test_a_method_that_is_not_fenced_meets_only_its_rows() -> None:
 def test_details_and_closing() -> None:
     verdict = decide(replace(CLEAR, bad_target="Backslashes are not allowed in the path."))
     assert (verdict.detail, verdict.close) == ("Backslashes are not allowed in the path.", True)
-    verdict = decide(replace(CLEAR, unknown_upstream="pay'"))
+    verdict = decide(replace(CLEAR, unknown_upstream=NoUpstream("pay'")))
     assert verdict.detail == 'No upstream named "pay\'".'
     assert decide(replace(CLEAR, token_headers=2)).close is False
 
@@ -233,3 +235,23 @@ def test_the_answers_outside_the_walk() -> None:
     assert http_error(400) is Reason.INVALID_REQUEST
     assert http_error(408) is Reason.HTTP_ERROR
     assert http_error(431) is Reason.HTTP_ERROR
+
+
+def test_an_unknown_upstream_is_told_what_it_may_have_meant() -> None:
+    """A lease call on the proxy listener is told where the control listener is; a
+    misspelt upstream, the nearest configured name."""
+    lease_call = decide(replace(CLEAR, unknown_upstream=NoUpstream("v1", None, "10.0.0.5:8081")))
+    assert lease_call.reason is Reason.UNKNOWN_UPSTREAM
+    assert lease_call.detail == (
+        "No upstream named 'v1'. This is the proxy listener (/<upstream>/<path>); /v1/... is "
+        "on the control listener, 10.0.0.5:8081 (control_listen)."
+    )
+    misspelt = decide(replace(CLEAR, unknown_upstream=NoUpstream("paymnts", "payments", "x")))
+    assert misspelt.detail == "No upstream named 'paymnts'. Did you mean 'payments'?"
+
+
+def test_a_token_sent_as_bearer_is_told_to_go_bare() -> None:
+    verdict = decide(replace(CLEAR, token_as_bearer=True, token_well_formed=False))
+    assert verdict.reason is Reason.INVALID_FENCING_TOKEN
+    assert verdict.detail is not None and "Send the lease token bare" in verdict.detail
+    assert decide(replace(CLEAR, token_well_formed=False)).detail is None  # the reason's own

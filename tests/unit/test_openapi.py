@@ -146,9 +146,10 @@ def test_the_request_bodies_are_the_handlers_models(doc: dict[str, Any]) -> None
 
     schemas = doc["components"]["schemas"]
     for model in (api.AcquireBody, api.RenewBody, api.FailBody, ResolveBody):
-        assert schemas[model.__name__] == model.model_json_schema(
-            ref_template=openapi.REF, mode="validation"
-        )
+        assert schemas[model.__name__] == openapi.request_schema(model)
+        validated = model.model_json_schema(ref_template=openapi.REF, mode="validation")
+        assert schemas[model.__name__]["required"] == validated["required"]
+        assert schemas[model.__name__]["properties"].keys() == validated["properties"].keys()
     acquire = doc["paths"]["/v1/jobs/{job_id}/lease"]["put"]
     assert acquire["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/AcquireBody"
@@ -173,3 +174,30 @@ def test_security_follows_the_token_check(doc: dict[str, Any]) -> None:
                 assert names == set()  # the two files of OPEN_PATHS
             else:
                 assert names == {"adminToken"}, (method, path)
+
+
+def test_optional_request_fields_carry_no_default(doc: dict[str, Any]) -> None:
+    """openapi-typescript (defaultNonNullable, its default) types a property with a
+    ``default`` as always present: every optional field of a request body would be
+    required. The default is said in the description instead."""
+    schemas = doc["components"]["schemas"]
+    for model in openapi.REQUESTS:
+        schema = schemas[model.__name__]
+        for name, prop in schema["properties"].items():
+            assert "default" not in prop, (model.__name__, name)
+    enqueue = schemas["EnqueueBody"]
+    assert "required" not in enqueue  # {queue, payload} is a whole request
+    fail = schemas["FailBody"]["properties"]["retry_in_seconds"]
+    assert fail["description"] == "Default: 0.0."
+
+
+def test_a_proxy_write_takes_json_or_any_bytes(doc: dict[str, Any]) -> None:
+    for method in ("post", "put", "patch", "delete"):
+        body = doc["paths"][PROXY_PATH][method]["requestBody"]
+        assert list(body["content"]) == ["application/json", "application/octet-stream"]
+        schema = body["content"]["application/json"]["schema"]
+        assert (schema["type"], schema["additionalProperties"]) == ("object", {})
+
+
+def test_jobs_are_listed_oldest_first(doc: dict[str, Any]) -> None:
+    assert doc["paths"]["/v1/jobs"]["get"]["summary"] == "List jobs, oldest first"
