@@ -107,9 +107,7 @@ async def run(options: Options) -> int:
         use_netns=await asyncio.to_thread(netns.unavailable) is None,
         locks=options.lock_workers > 0,
         shutdown_grace=(
-            SHUTDOWN_GRACE_UNDER_NEMESIS
-            if "shutdown" in choose_nemeses(options.nemesis, options.db)[0]
-            else SHUTDOWN_GRACE
+            SHUTDOWN_GRACE_UNDER_NEMESIS if "shutdown" in options.nemesis else SHUTDOWN_GRACE
         ),
     )
     nemesis: Nemesis | None = None
