@@ -19,8 +19,12 @@ the table, so a new nemesis is a new entry:
 - ``db-restart`` (PostgreSQL): ``pg_ctl restart -m fast`` or ``-m immediate``.
 - ``partition``: drop the traffic of a replica's namespace to the upstream or (PostgreSQL)
   the database, all of it or 30 % of its packets, for 1-8 s.
-- ``clock``: restart a replica under ``faketime -f +Nm`` (or ``-Nm``, N in 2..10; the
-  monotonic clock stays real) for 1-8 s, then again with the real clock.
+- ``clock``: a replica's wall clock N minutes ahead (``+Nm``) or behind (``-Nm``, N in
+  2..10; the monotonic clock stays real) for 1-8 s. On PostgreSQL (where the database's
+  clock decides expiry) the running replica's clock moves (libfaketime reads its offset
+  from a file, ``verify.stack.live_clock``), and while it is behind the workers send
+  lapsed jobs' late writes to it (``Stack.steer``); on SQLite the replica is restarted
+  under ``faketime -f`` at both ends.
 - ``failover`` (Patroni): the primary gives way, by ``patronictl switchover`` or by a
   kill -9 of its postmaster (Patroni promotes a synchronous standby); the fault ends once
   the cluster is whole again (every standby synchronous), so each failover starts from a
@@ -61,7 +65,7 @@ from verify import netns, outages
 from verify.events import JsonlWriter
 from verify.locks import redis_binary
 from verify.procs import Child, StartError
-from verify.stack import Replica, Stack
+from verify.stack import Replica, Stack, live_clock
 
 MAX_TTL = 3.0
 REST = 0.5  # seconds a target rests after a fault, unless its kind says otherwise
@@ -327,6 +331,8 @@ def _draw_freeze(rng: random.Random, pick: Callable[[], str], span: float, db: s
 
 def _draw_clock(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
     skew = f"{rng.choice('+-')}{rng.randint(2, 10)}m"
+    if live_clock(db):  # moved in the running replica: no restart, no jobs abandoned
+        return pick(), span, {"skew": skew, "live": True}
     return pick(), span, {"skew": skew}
 
 
@@ -383,14 +389,25 @@ async def _continue_replica(n: Nemesis, fault: Fault) -> None:
 
 async def _skew_clock(n: Nemesis, fault: Fault) -> None:
     replica = n.replica(fault.target)
-    await _stop(n, fault, replica)
-    await n._start(replica, fault.params["skew"])
+    skew = fault.params["skew"]
+    if replica.clock_file is None:
+        await _stop(n, fault, replica)
+        await n._start(replica, skew)
+        return
+    replica.set_clock(skew)
+    if skew.startswith("-"):
+        n.stack.steer(replica)
 
 
 async def _real_clock(n: Nemesis, fault: Fault) -> None:
     replica = n.replica(fault.target)
-    await _stop(n, fault, replica)
-    await n._start(replica, None)
+    if replica.clock_file is None:
+        await _stop(n, fault, replica)
+        await n._start(replica, None)
+        return
+    replica.set_clock(None)
+    if fault.params["skew"].startswith("-"):
+        n.stack.steer(None)
 
 
 async def _stop(n: Nemesis, fault: Fault, replica: Replica) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,18 @@ SHUTDOWN_GRACE = 2.0
 SHUTDOWN_GRACE_UNDER_NEMESIS = 0.2
 
 
+# libfaketime as the ``faketime`` command preloads it (``$LIB``: the loader's own folder)
+FAKETIME_LIBRARY = "/usr/$LIB/faketime/libfaketime.so.1"
+
+
+def live_clock(db: str) -> bool:
+    """Whether the replicas' clocks move while they run (the clock nemesis writes each
+    one's offset to its file) rather than by a restart under ``faketime -f``. Only where
+    the database's clock decides expiry (PostgreSQL): on SQLite the replica's clock is the
+    authority, and a jump in a running replica would reorder its own claims."""
+    return db != "sqlite" and shutil.which("faketime") is not None
+
+
 def python_env(**extra: str) -> dict[str, str]:
     """The environment of our Python children: ``verify`` importable from anywhere."""
     path = os.environ.get("PYTHONPATH", "")
@@ -64,6 +77,9 @@ class Replica:
     children: Children
     child: Child | None = None
     skew: str | None = None  # faketime's offset while it runs under one ("+5m")
+    # PostgreSQL: the replica always runs under libfaketime reading its offset from this
+    # file ("+0", or the clock nemesis's "-5m"), so its clock moves while it runs
+    clock_file: Path | None = None
 
     @property
     def control(self) -> str:
@@ -77,12 +93,23 @@ class Replica:
         return self.child is not None and self.child.alive()
 
     async def start(self, skew: str | None = None, timeout: float = 60.0) -> None:
-        """Start it (under ``faketime -f SKEW`` when given) and wait until it answers."""
+        """Start it (under ``faketime -f SKEW`` when given, or under libfaketime reading
+        ``clock_file``) and wait until it answers."""
         argv = [FENCEGATE, "serve", "--config", str(self.config), "--log-format", "json"]
         env = child_env()
         if skew is not None:
             argv = ["faketime", "-f", skew, *argv]
             env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"  # timers stay real: only the wall clock
+        elif self.clock_file is not None:
+            if not self.clock_file.exists():
+                self.clock_file.write_text("+0\n")
+            env.pop("FAKETIME", None)  # it would win over the file
+            env |= {
+                "LD_PRELOAD": FAKETIME_LIBRARY,
+                "FAKETIME_TIMESTAMP_FILE": str(self.clock_file),
+                "FAKETIME_NO_CACHE": "1",  # read at every call: the offset moves at once
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            }
         if self.namespace is not None:
             argv = self.namespace.command(argv)
         since = len(_read(self.children.folder / f"{self.name}.log"))
@@ -104,6 +131,13 @@ class Replica:
                 if time.monotonic() > deadline or not self.child.alive():
                     raise StartError(f"{self.name}: /healthz never answered:\n{self.child.tail()}")
                 await asyncio.sleep(0.05)
+
+    def set_clock(self, skew: str | None) -> None:
+        """Move its running clock by ``skew`` ("-5m"), or back to the real one (None);
+        only a replica with a ``clock_file``."""
+        assert self.clock_file is not None
+        self.clock_file.write_text(f"{skew or '+0'}\n")
+        self.skew = skew
 
     def kill(self) -> None:
         if self.child is not None:
@@ -347,7 +381,20 @@ class Stack:
             f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n" + sources,
             encoding="utf-8",
         )
-        return Replica(name, config, bind, proxy_port, control_port, namespace, self.children)
+        replica = Replica(name, config, bind, proxy_port, control_port, namespace, self.children)
+        if live_clock(self.db):
+            replica.clock_file = self.out / f"clock-{name}.rc"
+        return replica
+
+    @property
+    def steer_file(self) -> Path:
+        """The replica whose clock is behind, by its index (empty: none); the workers
+        send a lapsed job's late writes to it (``verify.worker --steer``)."""
+        return self.out / "steer"
+
+    def steer(self, replica: Replica | None) -> None:
+        index = "" if replica is None else str(self.replicas.index(replica))
+        self.steer_file.write_text(index, encoding="utf-8")
 
     async def _upstream(self, port: int) -> Upstream:
         hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
@@ -364,6 +411,7 @@ class Stack:
             "--gateway", ",".join(r.proxy for r in self.replicas),
             "--history", str(self.out / f"history-{name}.jsonl"),
             "--seed", str(seed), "--token", self.worker_token,
+            "--steer", str(self.steer_file),
         ]  # fmt: skip
         if lock:
             assert self.lock_store is not None

@@ -29,6 +29,9 @@ lost lease (the client says so, or the gateway answers 409 ``stale-generation``,
 retries it, as real job queues do. A step held as ``outcome-unknown`` parks the job (its
 lease is failed with a short retry delay) until the operator resolves the key.
 
+``--steer FILE``: a lapsed job's late writes go to the replica the file names (by index)
+while it names one: the clock nemesis's replica whose clock is behind (``verify.stack``).
+
 ``--redis URL``: the worker holds Redis locks instead of the queue's jobs
 (``verify.locks.LockWorker``, the ``lock-loss`` nemesis's workload).
 
@@ -244,6 +247,7 @@ class Worker:
         self.direct: bool = args.direct is not None
         self.random = random.Random(f"{args.seed}/{args.id}")
         self.history = History(args.history)
+        self.steer: str | None = args.steer
         controls = args.control.split(",")
         gateways = args.gateway.split(",") if args.gateway else controls
         if len(controls) == 1:
@@ -412,16 +416,31 @@ class Worker:
         the lease goes on with the remaining steps, each sent once (a zombie), and ends
         there; a ``lapse`` stops renewing after the first step and works past the TTL."""
         lost = False
+        writes_to = target
         for step in range(steps_of(lease.job_id)):
             if conduct.lapse and step == 1:
                 await _cancel(renewer)
                 await asyncio.sleep(_valid_for(lease) + self.random.uniform(0.3, 1.5))
-            outcome = await self.step(target, lease, step, self.name, conduct.reckless, lost)
+                writes_to = self.steered(target)
+            outcome = await self.step(writes_to, lease, step, self.name, conduct.reckless, lost)
             if outcome == "lost" and conduct.reckless:
                 lost = True
             elif outcome != "ok" and not lost:
                 return outcome
         return "lost" if lost else await self.complete(target, lease)
+
+    def steered(self, target: Target) -> Target:
+        """Where a lapsed job's late writes go: the replica whose clock the clock nemesis
+        put behind, while it is (on PostgreSQL only the database's clock may judge them
+        late), else ``target``."""
+        if self.steer is None:
+            return target
+        try:
+            with open(self.steer, encoding="utf-8") as file:
+                index = file.read().strip()
+        except OSError:
+            return target
+        return self.targets[int(index)] if index.isdigit() else target
 
     async def step(
         self,
@@ -714,6 +733,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", default="0")
     parser.add_argument("--token", default=None)
     parser.add_argument("--direct", default=None, metavar="UPSTREAM_URL")
+    parser.add_argument(
+        "--steer",
+        default=None,
+        metavar="FILE",
+        help="the index of a replica whose clock is behind (verify.stack.Stack.steer)",
+    )
     parser.add_argument(
         "--redis", default=None, metavar="URL", help="work Redis locks (verify.locks) instead"
     )
