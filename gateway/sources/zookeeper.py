@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +58,57 @@ def split_node(token: str) -> tuple[str, str, int] | None:
     if any(part in ("", ".", "..") for part in path.split("/")[1:]):
         return None
     return path, node, int(match.group(1))
+
+
+# kazoo's reconnect chatter: while ZooKeeper is unreachable its connection thread logs
+# one of these at WARNING per try (about 30 a minute).
+RECONNECT_CHATTER = frozenset(
+    {
+        "Connection dropped: %s",
+        "Connection time-out: %s",
+        "Transition to CONNECTING",
+        "Cannot resolve %s: %s",
+    }
+)
+# At most one line of it per source per this many seconds; the rest at DEBUG.
+CHATTER_EVERY_SECONDS = 300.0
+
+
+class ReconnectChatter(logging.Filter):
+    """Lets the first of kazoo's reconnect warnings through, then one per
+    ``every_seconds`` (with how many were held back); the others are dropped, so an
+    unreachable ZooKeeper is said, not repeated 30 times a minute."""
+
+    def __init__(self, every_seconds: float = CHATTER_EVERY_SECONDS) -> None:
+        super().__init__()
+        self.every_seconds = every_seconds
+        self.next_at = 0.0  # monotonic
+        self.held_back = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or record.msg not in RECONNECT_CHATTER:
+            return True
+        now = time.monotonic()
+        if now < self.next_at:
+            self.held_back += 1
+            return False
+        self.next_at = now + self.every_seconds
+        note = f" ({self.held_back} more held back)" if self.held_back else ""
+        record.msg = (
+            f"{record.msg}{note}; kazoo keeps reconnecting, said at most every "
+            f"{self.every_seconds:.0f} s"
+        )
+        self.held_back = 0
+        return True
+
+
+def kazoo_logger(source: str) -> logging.Logger:
+    """The logger a source's kazoo client writes to (``fencegate.sources.<name>.kazoo``),
+    its reconnect chatter rate-limited (``ReconnectChatter``)."""
+    logger = logging.getLogger(f"{log.name}.{source}.kazoo")
+    if not any(isinstance(f, ReconnectChatter) for f in logger.filters):
+        logger.addFilter(ReconnectChatter())
+    return logger
 
 
 def owner(data: bytes, node: str) -> str:
@@ -106,6 +159,7 @@ class ZooKeeperSource:
             "timeout": settings.session_timeout_seconds,
             "connection_retry": KazooRetry(max_tries=-1, max_delay=5),
             "read_only": False,
+            "logger": kazoo_logger(self.name),
         }
         password = None if settings.password is None else settings.password.get_secret_value()
         if settings.sasl_mechanism is not None:
