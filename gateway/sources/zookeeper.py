@@ -61,44 +61,46 @@ def split_node(token: str) -> tuple[str, str, int] | None:
 
 
 # kazoo's reconnect chatter: while ZooKeeper is unreachable its connection thread logs
-# one of these at WARNING per try (about 30 a minute).
+# these at every try (about 30 warnings a minute, and as many "Connecting to" lines).
 RECONNECT_CHATTER = frozenset(
     {
         "Connection dropped: %s",
         "Connection time-out: %s",
         "Transition to CONNECTING",
         "Cannot resolve %s: %s",
+        "Connecting to %s(%s):%s, use_ssl: %r",
     }
 )
-# At most one line of it per source per this many seconds; the rest at DEBUG.
+# At most one line of each per source per this many seconds; the rest are dropped.
 CHATTER_EVERY_SECONDS = 300.0
 
 
 class ReconnectChatter(logging.Filter):
-    """Lets the first of kazoo's reconnect warnings through, then one per
-    ``every_seconds`` (with how many were held back); the others are dropped, so an
-    unreachable ZooKeeper is said, not repeated 30 times a minute."""
+    """Lets the first of each of kazoo's reconnect lines through, then one per
+    ``every_seconds`` (with how many were held back), so an unreachable ZooKeeper is
+    said, not repeated 30 times a minute. kazoo's other lines pass untouched."""
 
     def __init__(self, every_seconds: float = CHATTER_EVERY_SECONDS) -> None:
         super().__init__()
         self.every_seconds = every_seconds
-        self.next_at = 0.0  # monotonic
-        self.held_back = 0
+        self.next_at: dict[str, float] = {}  # message -> monotonic
+        self.held_back: dict[str, int] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING or record.msg not in RECONNECT_CHATTER:
+        message = record.msg
+        if not isinstance(message, str) or message not in RECONNECT_CHATTER:
             return True
         now = time.monotonic()
-        if now < self.next_at:
-            self.held_back += 1
+        if now < self.next_at.get(message, 0.0):
+            self.held_back[message] = self.held_back.get(message, 0) + 1
             return False
-        self.next_at = now + self.every_seconds
-        note = f" ({self.held_back} more held back)" if self.held_back else ""
+        self.next_at[message] = now + self.every_seconds
+        held = self.held_back.pop(message, 0)
+        note = f" ({held} more held back)" if held else ""
         record.msg = (
-            f"{record.msg}{note}; kazoo keeps reconnecting, said at most every "
+            f"{message}{note}; kazoo keeps reconnecting, said at most every "
             f"{self.every_seconds:.0f} s"
         )
-        self.held_back = 0
         return True
 
 

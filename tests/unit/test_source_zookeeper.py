@@ -127,13 +127,16 @@ def test_kazoos_reconnect_chatter_is_said_once_then_rate_limited(
     [chatter] = [f for f in logger.filters if isinstance(f, ReconnectChatter)]
     with caplog.at_level(logging.DEBUG, logger=logger.name):
         for _ in range(30):  # a minute of kazoo's retries
+            logger.info("Connecting to %s(%s):%s, use_ssl: %r", "h", "10.0.0.1", 1, False)
             logger.warning("Connection dropped: %s", "outstanding heartbeat ping not received")
             logger.warning("Transition to CONNECTING")
         logger.warning("AUTH_FAILED closing: %s", "bad")  # not chatter: always said
         said = [r.getMessage() for r in caplog.records]
-        assert len(said) == 2, said
-        assert said[0].startswith("Connection dropped: outstanding heartbeat ping not received")
-        assert said[1] == "AUTH_FAILED closing: bad"
-        chatter.next_at = 0.0  # CHATTER_EVERY_SECONDS later
-        logger.warning("Connection time-out: %s", "x")
-        assert "(59 more held back)" in caplog.records[-1].getMessage()
+        assert len(said) == 4, said
+        assert said[0].startswith("Connecting to h(10.0.0.1):1, use_ssl: False; kazoo keeps")
+        assert said[1].startswith("Connection dropped: outstanding heartbeat ping not received")
+        assert said[2].startswith("Transition to CONNECTING")
+        assert said[3] == "AUTH_FAILED closing: bad"
+        chatter.next_at.clear()  # CHATTER_EVERY_SECONDS later
+        logger.warning("Connection dropped: %s", "x")
+        assert "Connection dropped: x (29 more held back)" in caplog.records[-1].getMessage()
