@@ -3,10 +3,10 @@
 
 Two workers take the same lock item in turn (``fencegate_client.dynamodb_lock``: a
 conditional update raises the item's ``fence`` at every acquisition) and write through
-Fencegate with ``Fencing-Token: ddb:locks/<lock key>:<fence>``. A stalls past its expiry;
-B takes the lock (fence 2) and repeats A's charge (replayed, not sent again); A's late
-write is refused ``409 stale-generation``; once B releases, its own token is refused
-``409 lease-ended``.
+Fencegate with ``Fencing-Token: ddb:locks/<lock key>:<fence>.<record version>``. A
+stalls past its expiry; B takes the lock (fence 2) and repeats A's charge (replayed, not
+sent again); A's late write is refused ``409 stale-generation``; once B releases, its own
+token is refused ``409 lease-ended``.
 
 Run against ``fencegate serve --config examples/lease_sources.toml``, an upstream on
 127.0.0.1:9000 (examples/README.md) and DynamoDB (a local one: ``moto_server -p 5000``;

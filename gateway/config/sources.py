@@ -140,7 +140,8 @@ class RedisSourceSettings(BaseModel):
 
 class DynamoDbSourceSettings(BaseModel):
     """Lock items of a DynamoDB table with a fence counter
-    (``<name>:<table>/<lock key>:<fence>``; ``fencegate_client.dynamodb_lock``). The
+    (``<name>:<table>/<lock key>:<fence>.<record version>``;
+    ``fencegate_client.dynamodb_lock``). The
     gateway reads them with its own AWS credentials (botocore's default chain)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -5,6 +5,7 @@ request path is the driver's (``handler.Driver``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 
@@ -103,9 +104,21 @@ class Gateway(Driver):
         log.info("reload: %d upstream(s): %s", len(self.upstreams), ", ".join(self.upstreams))
 
     async def start(self) -> None:
+        """The forwarder's session, then each lease source. A start that raises (a
+        source refused, the process told to stop) closes what it opened first: the
+        proxy app's cleanup never runs for a start that failed."""
         await self.forwarder.start()
-        for source in self.sources.values():
-            await source.start()
+        started: list[sources.Source] = []
+        try:
+            for source in self.sources.values():
+                started.append(source)  # closed even when its own start raises
+                await source.start()
+        except BaseException:
+            for source in reversed(started):
+                with contextlib.suppress(Exception):
+                    await source.close()
+            await self.forwarder.close()
+            raise
 
     async def close(self) -> None:
         await self.forwarder.close()

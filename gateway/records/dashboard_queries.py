@@ -88,13 +88,15 @@ async def refusals_over_time(
     (``configured`` ones always listed), the writes forwarded, replayed and refused
     (``upstream_counts``); the forwarded ones are counted from ``records_since`` (the
     oldest admission the idempotency records surely still hold) when that is later than
-    ``since``. The replicas that answered in the window, for the table's filter."""
+    ``since``. The replicas that answered in the window, for the table's filter, and the
+    oldest entry of the audit (``first_at``), whatever the window."""
     stmt = _audited(backend, window, upstream=upstream, job_id=job_id)
     forwarded_since = window.since if records_since is None else max(window.since, records_since)
     forwarded_q = _forwarded(forwarded_since, window.until, upstream=upstream, job_id=job_id)
     async with backend.transaction() as conn:
         rows = (await conn.execute(stmt)).all()
         forwarded = {name: int(n) for name, n in (await conn.execute(forwarded_q)).all()}
+        first_at = (await conn.execute(_first_entry(upstream, job_id))).scalar()
 
     # Configured upstreams, and those written to in the window (one removed since);
     # any other name (an unknown upstream that anyone can ask for) is counted as None.
@@ -125,7 +127,20 @@ async def refusals_over_time(
         ],
         "forwarded_since": rfc3339(forwarded_since),
         "replicas": sorted(tally.replicas),
+        # The oldest entry the audit keeps (same filters, any time), or None: the page
+        # picks its window from it ("since the first entry").
+        "first_at": None if first_at is None else rfc3339(float(first_at)),
     }
+
+
+def _first_entry(upstream: str | None, job_id: str | None) -> sa.Select[Any]:
+    """The time of the audit's oldest entry (one end of the index on ``at``)."""
+    stmt = sa.select(sa.func.min(audit.c.at))
+    if upstream is not None:
+        stmt = stmt.where(audit.c.upstream == upstream)
+    if job_id is not None:
+        stmt = stmt.where(audit.c.job_id == job_id)
+    return stmt
 
 
 def _audited(

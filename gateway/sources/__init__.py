@@ -23,9 +23,10 @@ raises the job's fence only to a generation that is not below it.
 - ``redis``: ``<lock name>:<value>`` of a lock taken with Fencegate's Redis recipe
   (``fencegate_client.redis_lock``); the generation is the fence the value carries;
   current while the lock holds that value. Read with ``redis.asyncio``; nothing cached.
-- ``dynamodb``: ``<table>/<lock key>:<fence>`` of a lock item whose fence a conditional
-  update raises at each acquisition (``fencegate_client.dynamodb_lock``); current while
-  the item has that fence and an ``expires_at``, which the admission judges with the
+- ``dynamodb``: ``<table>/<lock key>:<fence>.<record version>`` of a lock item whose
+  fence a conditional update raises at each acquisition, with a new random record
+  version (``fencegate_client.dynamodb_lock``); current while the item has that fence,
+  that record version and an ``expires_at``, which the admission judges with the
   database's clock. A consistent read through botocore, in a thread; nothing cached.
 """
 

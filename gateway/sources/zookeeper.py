@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +58,59 @@ def split_node(token: str) -> tuple[str, str, int] | None:
     if any(part in ("", ".", "..") for part in path.split("/")[1:]):
         return None
     return path, node, int(match.group(1))
+
+
+# kazoo's reconnect chatter: while ZooKeeper is unreachable its connection thread logs
+# these at every try (about 30 warnings a minute, and as many "Connecting to" lines).
+RECONNECT_CHATTER = frozenset(
+    {
+        "Connection dropped: %s",
+        "Connection time-out: %s",
+        "Transition to CONNECTING",
+        "Cannot resolve %s: %s",
+        "Connecting to %s(%s):%s, use_ssl: %r",
+    }
+)
+# At most one line of each per source per this many seconds; the rest are dropped.
+CHATTER_EVERY_SECONDS = 300.0
+
+
+class ReconnectChatter(logging.Filter):
+    """Lets the first of each of kazoo's reconnect lines through, then one per
+    ``every_seconds`` (with how many were held back), so an unreachable ZooKeeper is
+    said, not repeated 30 times a minute. kazoo's other lines pass untouched."""
+
+    def __init__(self, every_seconds: float = CHATTER_EVERY_SECONDS) -> None:
+        super().__init__()
+        self.every_seconds = every_seconds
+        self.next_at: dict[str, float] = {}  # message -> monotonic
+        self.held_back: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg
+        if not isinstance(message, str) or message not in RECONNECT_CHATTER:
+            return True
+        now = time.monotonic()
+        if now < self.next_at.get(message, 0.0):
+            self.held_back[message] = self.held_back.get(message, 0) + 1
+            return False
+        self.next_at[message] = now + self.every_seconds
+        held = self.held_back.pop(message, 0)
+        note = f" ({held} more held back)" if held else ""
+        record.msg = (
+            f"{message}{note}; kazoo keeps reconnecting, said at most every "
+            f"{self.every_seconds:.0f} s"
+        )
+        return True
+
+
+def kazoo_logger(source: str) -> logging.Logger:
+    """The logger a source's kazoo client writes to (``fencegate.sources.<name>.kazoo``),
+    its reconnect chatter rate-limited (``ReconnectChatter``)."""
+    logger = logging.getLogger(f"{log.name}.{source}.kazoo")
+    if not any(isinstance(f, ReconnectChatter) for f in logger.filters):
+        logger.addFilter(ReconnectChatter())
+    return logger
 
 
 def owner(data: bytes, node: str) -> str:
@@ -106,6 +161,7 @@ class ZooKeeperSource:
             "timeout": settings.session_timeout_seconds,
             "connection_retry": KazooRetry(max_tries=-1, max_delay=5),
             "read_only": False,
+            "logger": kazoo_logger(self.name),
         }
         password = None if settings.password is None else settings.password.get_secret_value()
         if settings.sasl_mechanism is not None:

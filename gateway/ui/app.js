@@ -14,6 +14,10 @@
   const TOKEN_KEY = "fencegate.adminToken";
   const PAGE_SIZE = 50;
   const REFRESH_SECONDS = 30;
+  // "since the first entry" (the default window): chart.js's windowFromData, at most
+  // the server's longest window (366 days).
+  const HOUR = 3600;
+  const MAX_WINDOW_SECONDS = 366 * 86400;
 
   // One colour per reason, stable across reloads (the legend and the table use them too).
   const COLOURS = {
@@ -48,6 +52,7 @@
     refresh: null, // refresh.js's controller
     loading: false,
     edited: false, // a field typed in since the last load: an automatic one waits
+    autoWindow: HOUR, // the window "since the first entry" chose last, in seconds
   };
 
   const $ = (id) => document.getElementById(id);
@@ -200,15 +205,39 @@
     tip.style.top = `${event.clientY - rect.top + 12}px`;
   }
 
+  function windowText(seconds) {
+    if (seconds % 86400 === 0) return `${seconds / 86400} day(s)`;
+    return `${seconds / HOUR} hour(s)`;
+  }
+
   async function loadChart() {
     // The server's clock ends the window, not this browser's.
-    const params = new URLSearchParams({ window_seconds: $("window").value });
-    const series = await api(`/admin/ui/api/refusals-over-time?${params}`);
+    const chosen = $("window").value;
+    const auto = chosen === "auto";
+    const fetchSeries = (seconds) => {
+      const params = new URLSearchParams({ window_seconds: String(seconds) });
+      return api(`/admin/ui/api/refusals-over-time?${params}`);
+    };
+    let series = await fetchSeries(auto ? state.autoWindow : chosen);
+    if (auto) {
+      // The answer names the first entry: asked again when it needs another window.
+      const wanted = window.FencegateChart.windowFromData(
+        series.first_at,
+        series.until,
+        MAX_WINDOW_SECONDS,
+      );
+      if (wanted !== state.autoWindow) {
+        state.autoWindow = wanted;
+        series = await fetchSeries(wanted);
+      }
+    }
     state.series = series;
+    $("window").dataset.seconds = String(auto ? state.autoWindow : chosen);
     fillReasons(series.known_reasons);
     // Replays are stored answers of writes forwarded once, not refusals: counted apart.
     const total = Object.values(series.totals).reduce((a, b) => a + b, 0);
     $("chart-summary").textContent =
+      (auto ? `the last ${windowText(state.autoWindow)}, since the first entry; ` : "") +
       `${total} refusal(s); ${series.replays} replay(s) of stored answers, not charted; ` +
       `buckets of ${series.bucket_seconds} s (UTC)`;
     drawChart();
@@ -269,11 +298,18 @@
     loadRefusals(true).catch(report);
   }
 
+  // A long value (a key, a path, a lease source's job id) is cut to its cell's width
+  // (style.css: .clip) and shown whole in its title, so the table fits the screen.
+  function clip(value, wide) {
+    const text = show(value);
+    return el("span", { className: wide ? "clip wide" : "clip", title: text }, text);
+  }
+
   function jobButton(jobId) {
     if (!jobId) return "—";
     return el(
       "button",
-      { type: "button", className: "link", title: "Show this job's timeline", on: { click: () => openTimeline(jobId) } },
+      { type: "button", className: "link clip", title: `${jobId}: show this job's timeline`, on: { click: () => openTimeline(jobId) } },
       jobId,
     );
   }
@@ -297,7 +333,7 @@
     };
     return el(
       "button",
-      { type: "button", className: "link", title: "Show only this replica's entries", on: { click: filter } },
+      { type: "button", className: "link clip", title: `${replica}: show only this replica's entries`, on: { click: filter } },
       replica,
     );
   }
@@ -342,11 +378,11 @@
           ),
           el("td", {}, generationText(item.generation, item.highest_generation)),
           // The lease's owner (a label the worker chose), when a lease was behind it.
-          el("td", { className: "owner" }, show(item.owner)),
-          el("td", {}, show(item.upstream)),
-          el("td", { className: "mono" }, `${item.method} ${item.path}`),
-          el("td", { className: "mono" }, show(item.idempotency_key)),
-          el("td", { className: "mono" }, show(item.client)),
+          el("td", { className: "owner" }, clip(item.owner)),
+          el("td", {}, clip(item.upstream)),
+          el("td", { className: "mono" }, clip(`${item.method} ${item.path}`, true)),
+          el("td", { className: "mono" }, clip(item.idempotency_key)),
+          el("td", { className: "mono client" }, clip(item.client)),
           el("td", { className: "replica mono" }, replicaButton(item.replica)),
         ),
       );

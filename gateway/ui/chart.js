@@ -144,5 +144,14 @@ window.FencegateChart = (() => {
     return { left, top, plotH, slot, scale, n };
   }
 
-  return { draw, timeTicks, tickLabel, TICK_STEPS, MIN_LABEL_GAP };
+  // The window "since the first entry": from the audit's oldest entry (ISO time, or
+  // null when it holds none) to the window's end (the server's now), in whole hours, at
+  // least one (a fresh install's minutes are not one bar of a day), at most maxSeconds.
+  function windowFromData(firstAt, until, maxSeconds) {
+    if (!firstAt) return HOUR;
+    const span = (Date.parse(until) - Date.parse(firstAt)) / 1000;
+    return Math.min(maxSeconds, Math.max(1, Math.ceil(span / HOUR)) * HOUR);
+  }
+
+  return { draw, timeTicks, tickLabel, windowFromData, TICK_STEPS, MIN_LABEL_GAP };
 })();

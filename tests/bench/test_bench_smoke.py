@@ -6,40 +6,100 @@ speed: the numbers come from a full local run (docs/performance.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 110  # under pytest's own timeout, so the run is stopped cleanly (TERM) first
+# A run's own limit; stopping it (TERM, then the group KILLed after STOP_GRACE) fits
+# inside pytest's timeout for these tests (pytestmark), so the test itself always stops
+# the run and removes its folder, whatever happens.
+TIMEOUT = 150
+STOP_GRACE = 20
+pytestmark = pytest.mark.timeout(TIMEOUT + STOP_GRACE + 30)
+# The smoke run's work, shrunk to pass on a loaded 2-core machine (it checks that every
+# row is reported, never a speed): short runs, a small claim queue.
+SMALL = ("--duration", "0.4", "--warmup", "0.1", "--seed-jobs", "200", "--claim-jobs", "2000")
 
 
-def run_quick(*args: str) -> subprocess.CompletedProcess[str]:
+def run_stopped(argv: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (a benchmark) in a session of its own, its temporary files in a folder
+    of its own (TMPDIR); on every path out, timeouts and pytest's own included, the run is
+    stopped (TERM: it stops its servers and drops its database; then its whole process
+    group KILLed) and the folder removed, so nothing is left to disturb the next test."""
+    scratch = Path(tempfile.mkdtemp(prefix="fencegate-bench-smoke-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    env["TMPDIR"] = str(scratch)
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.run", "--quick", *args],
+        argv,
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its own process group, KILLed whole if need be
     )
     try:
-        out, err = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)  # it stops its servers and drops its database
         try:
-            out, err = process.communicate(timeout=30)
-        finally:
-            process.kill()
-        pytest.fail(f"the quick benchmark took over {TIMEOUT} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                out, err = process.communicate(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                out, err = "", "(no output: the run did not stop within the grace)"
+            pytest.fail(f"{argv[1:4]} took over {timeout} s:\n{out}\n{err}")
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()  # reaped, its pipes closed: no ResourceWarning later
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_quick(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_stopped([sys.executable, "-m", "bench.run", "--quick", *args])
+
+
+def test_a_run_that_overstays_is_stopped_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout path: a run that ignores TERM and has a child of its own is KILLed
+    with its group, reaped, and its temporary folder removed."""
+    said = tmp_path / "said"
+    script = (
+        "import os, signal, subprocess, sys, tempfile, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "folder = tempfile.mkdtemp()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "open(sys.argv[1], 'w').write(f'{os.getpgid(0)} {folder}')\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "STOP_GRACE", 1)
+    with pytest.raises(pytest.fail.Exception, match="took over 3 s"):
+        run_stopped([sys.executable, "-c", script, str(said)], timeout=3)
+    group, folder = said.read_text().split(" ", 1)
+    assert not Path(folder).exists()
+    deadline = time.monotonic() + 10  # the orphaned child: KILLed, then reaped by init
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(int(group), 0)
+        except ProcessLookupError:
+            return  # the group is gone, the child included
+        time.sleep(0.05)
+    pytest.fail(f"process group {group} outlived the run")
 
 
 @pytest.mark.postgres
@@ -48,8 +108,9 @@ def test_quick_benchmark_reports_every_target(pg_database_url: str, tmp_path: Pa
     # benchmark creates (and drops) its own database on that server.
     out = tmp_path / "out.json"
     result = run_quick(
-        "--backends", "sqlite,postgres", "--postgres-url", pg_database_url, "--json", str(out)
-    )
+        *SMALL, "--backends", "sqlite,postgres", "--postgres-url", pg_database_url,
+        "--json", str(out),
+    )  # fmt: skip
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     doc = json.loads(out.read_text())
     assert doc["failures"] == []
@@ -272,10 +333,9 @@ def test_the_soaks_trend_is_the_fitted_lines_change() -> None:
 def test_sqlite_growth_reports_each_step() -> None:
     """bench.sqlite_growth: the gateway's admit and settle in process, the cost per write
     at each step of the records table's growth (that it works, not its speed)."""
-    result = subprocess.run(
+    result = run_stopped(
         [sys.executable, "-m", "bench.sqlite_growth", "--writes", "96", "--step", "48",
          "--jobs", "4", "--concurrency", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     steps = [json.loads(line) for line in result.stdout.splitlines()]

@@ -470,6 +470,25 @@ def test_every_command_and_option_named_in_the_docs_exists() -> None:
         assert f"fencegate {name}" in operations, f"operations.md does not list {name}"
 
 
+def test_the_command_table_lists_every_option_of_each_command() -> None:
+    """operations.md's command table: the rows of each command name every option its
+    ``--help`` shows (``audit --source`` and ``--replica`` were once missing); ``--config``
+    is said once, below the table."""
+    operations = OPERATIONS.read_text(encoding="utf-8")
+    assert "Every command except `demo` takes `--config FILE`" in operations
+    start = operations.index("| command | what it does |")
+    rows = [line for line in operations[start:].splitlines()[2:] if line.startswith("| `")]
+    for name, (options, _) in cli_commands().items():
+        listed = {
+            option
+            for row in rows
+            if row.startswith(f"| `fencegate {name}")
+            for option in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", row.split("` |")[0])
+        }
+        wanted = options - {"--help", "--config"}
+        assert wanted <= listed, (name, sorted(wanted - listed))
+
+
 # -- (d) the configuration reference ----------------------------------------------------------
 
 

@@ -7,7 +7,9 @@
   the port examples/lease_sources.toml names, with the data folder the README says
   (checked where the package is installed);
 - examples/README.md's table has one row for every file in examples/, and no other;
-- examples/lease_sources.toml's header comment names each of its sources and its kind.
+- examples/lease_sources.toml's header comment names each of its sources and its kind;
+  each source has a file of its own in examples/lease_sources/ (the same settings, that
+  source alone), which examples/README.md and the combined file's header name.
 """
 
 from __future__ import annotations
@@ -121,3 +123,19 @@ def test_the_lease_sources_example_header_names_every_source() -> None:
         named = KIND_WORDS[source["kind"]]
         assert named in header, f"the header does not name {source['kind']} ({named!r})"
         assert f'("{source["name"]}")' in header, f"the header does not name {source['name']}"
+
+
+def test_each_source_has_a_file_of_its_own_with_the_same_settings() -> None:
+    """examples/lease_sources/KIND.toml is lease_sources.toml with that source alone, so
+    a newcomer tries etcd without AWS credentials or a ZooKeeper."""
+    combined_text = (EXAMPLES / "lease_sources.toml").read_text(encoding="utf-8")
+    combined = tomllib.loads(combined_text)
+    kinds = [source["kind"] for source in combined["lease_sources"]]
+    folder = EXAMPLES / "lease_sources"
+    assert sorted(p.stem for p in folder.glob("*.toml")) == sorted(kinds)
+    readme = (EXAMPLES / "README.md").read_text(encoding="utf-8")
+    for source in combined["lease_sources"]:
+        alone = tomllib.loads((folder / f"{source['kind']}.toml").read_text(encoding="utf-8"))
+        assert alone == combined | {"lease_sources": [source]}, source["kind"]
+        assert f"lease_sources/{source['kind']}.toml" in readme, source["kind"]
+    assert "examples/lease_sources/etcd.toml" in combined_text

@@ -137,3 +137,34 @@ def test_dynamodb_without_credentials_serve_refuses_and_check_config_says_so(
     checked = run("check-config", "--config", str(config), env=with_them)
     assert checked.returncode == 0, checked.stderr
     assert "botocore's chain found them in this shell" in checked.stdout
+
+
+ETCD_THEN_DYNAMODB = """\
+database_url = "sqlite+aiosqlite:///fencegate.db"
+proxy_listen = "127.0.0.1:{proxy}"
+control_listen = "127.0.0.1:{control}"
+
+[[lease_sources]]
+name = "etcd"
+kind = "etcd"
+endpoints = ["http://127.0.0.1:9"]
+
+[[lease_sources]]
+name = "ddb"
+kind = "dynamodb"
+table = "locks"
+region = "us-east-1"
+endpoint_url = "http://127.0.0.1:9"
+"""
+
+
+def test_a_start_that_fails_closes_what_it_opened(tmp_path: Path) -> None:
+    """etcd (not answering yet: its session opened, serve goes on), then a DynamoDB
+    source without credentials stops the start: the etcd session and the forwarder's
+    are closed on the way out, so no "Unclosed client session" is logged."""
+    config = write(tmp_path, ETCD_THEN_DYNAMODB)
+    served = run("serve", "--config", str(config), env=no_aws(tmp_path), timeout=60)
+    assert served.returncode != 0
+    assert "botocore found no AWS credentials" in served.stderr, served.stderr
+    assert "Unclosed" not in served.stderr, served.stderr
+    assert "Traceback" not in served.stderr, served.stderr

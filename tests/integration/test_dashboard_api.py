@@ -189,12 +189,12 @@ async def test_the_audit_table_shows_the_owner(
     }
     ui = dashboard.UI
     html = (ui / "index.html").read_text(encoding="utf-8")
-    header = re.findall(r"<th>([^<]+)</th>", html[html.index('id="refusals-table"') :])
+    header = re.findall(r"<th[^>]*>([^<]+)</th>", html[html.index('id="refusals-table"') :])
     script = (ui / "app.js").read_text(encoding="utf-8")
     # The refusals table: one header per cell app.js fills in, the owner and the replica
     # among them.
     table = header[: header.index("Replica") + 1]
-    assert "Owner" in table and "show(item.owner)" in script
+    assert "Owner" in table and "clip(item.owner)" in script
     assert "replicaButton(item.replica)" in script
     row = script[script.index("async function loadRefusals") :]
     row = row[: row.index("state.rows +=")]
@@ -304,6 +304,27 @@ async def test_bucket_boundaries(make_stack: Any, clock: FakeClock) -> None:
     doc = await over_time(stack, since=T0 - 3600, until=T0 + 3600, bucket_seconds=86400)
     assert counts(doc) == [5]
     assert doc["buckets"][0]["start"] == rfc3339(T0 - T0 % 86400)
+
+
+async def test_the_first_entry_is_named_whatever_the_window(
+    make_stack: Any, clock: FakeClock
+) -> None:
+    """``first_at``: the audit's oldest entry (the page's default window starts there),
+    outside the window too; null while the audit is empty; the job filter applies."""
+    stack = await make_stack(
+        upstreams=[{"name": "pay", "url": "http://127.0.0.1:9"}],
+        gateway={"audit_unauthenticated_bucket_seconds": 0.5},  # each refusal its own row
+    )
+    assert (await over_time(stack))["first_at"] is None
+    clock.now = T0 - 3 * 86400
+    await refuse(stack)
+    clock.now = T0
+    await refuse(stack)
+    clock.now = T0 + 60  # the window ends at now, exclusive
+    doc = await over_time(stack, window_seconds=3600)
+    assert doc["first_at"] == rfc3339(T0 - 3 * 86400)
+    assert sum(b["total"] for b in doc["buckets"]) == 1  # only the recent one is charted
+    assert (await over_time(stack, job_id="job-none"))["first_at"] is None
 
 
 async def test_timeline_of_a_job_in_time_order(

@@ -347,6 +347,7 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             await expect(page.locator("body[data-loaded]")).to_have_count(1)
             await expect(page.locator("#status")).to_have_class("ok")
 
+            await check_window_from_data(page)
             # The refusals table lists every reason; a filter shrinks it.
             rows = page.locator("#refusals-table tbody tr[data-reason]")
             await expect(rows).to_have_count(len(REASONS) + 1)  # gw-b's refusal too
@@ -391,6 +392,7 @@ async def drive_browser(chromium: str, control: str, gate: Gate, tmp_path: Path)
             await check_chart(page, tmp_path)
             await check_time_labels(page)
             await check_auto_refresh(page, gate)
+            await check_table_fits(page, gate)
             assert problems == []
         finally:
             await context.close()
@@ -453,6 +455,58 @@ async def check_auto_refresh(page: Page, gate: Gate) -> None:
     await page.click("#filter-clear")  # used (cleared): the next period refreshes
     await page.clock.fast_forward(31_000)
     await expect(page.locator("body[data-loaded='3']")).to_have_count(1)
+
+
+async def check_window_from_data(page: Page) -> None:
+    """The default window runs from the audit's first entry to now, in whole hours, at
+    least one: this history is seconds old, so one hour in 30 s buckets, not a day's
+    one bar."""
+    window = page.locator("#window")
+    await expect(window).to_have_value("auto")
+    await expect(window).to_have_attribute("data-seconds", "3600")
+    summary = page.locator("#chart-summary")
+    await expect(summary).to_contain_text("the last 1 hour(s), since the first entry")
+    await expect(summary).to_contain_text("buckets of 30 s")
+    pick = "([f, u, m]) => window.FencegateChart.windowFromData(f, u, m)"
+    now = "2026-12-07T12:00:00Z"
+    for first, expected in (
+        (None, 3600),  # an empty audit: an hour
+        ("2026-12-07T11:59:00Z", 3600),  # minutes: an hour
+        ("2026-12-07T10:30:00Z", 2 * 3600),  # 1.5 hours: two
+        ("2026-12-06T09:00:00Z", 27 * 3600),  # 27 hours
+        ("2025-01-01T00:00:00Z", 366 * 86400),  # at most the longest window
+    ):
+        assert await page.evaluate(pick, [first, now, 366 * 86400]) == expected, first
+
+
+async def check_table_fits(page: Page, gate: Gate) -> None:
+    """The audit table fits 1,400 px, the Replica column in view, with a 200-character
+    key and a long path in it (cut, shown whole in their title); under 1,200 px the
+    Client column is left out and it still fits."""
+    path = "/pay/" + "/".join(["a-long-path-segment"] * 12)
+    key = "key-" + "x" * 200
+    assert await gate.write(path, "fgl_not-a-token", key) == 403  # the key is audited
+    measure = """() => {
+        const table = document.getElementById('refusals-table');
+        const wrap = table.parentElement;
+        const heads = Array.from(table.tHead.rows[0].cells);
+        const replica = heads.find((th) => th.textContent === 'Replica');
+        return {scroll: wrap.scrollWidth, client: wrap.clientWidth,
+                replica: replica.getBoundingClientRect().right,
+                width: document.documentElement.clientWidth,
+                client_shown: getComputedStyle(heads.find(
+                    (th) => th.textContent === 'Client')).display !== 'none'};
+    }"""
+    for width, client_shown in ((1400, True), (1100, False)):
+        await page.set_viewport_size({"width": width, "height": 1000})
+        await page.reload()
+        await expect(page.locator("#refusals-table tbody")).to_contain_text("key-xxxx")
+        seen = await page.evaluate(measure)
+        assert seen["scroll"] <= seen["client"], (width, seen)  # no horizontal scroll
+        assert seen["replica"] <= seen["width"], (width, seen)
+        assert seen["client_shown"] is client_shown, (width, seen)
+    cut = page.locator("#refusals-table td .clip", has_text="key-xxxx")
+    await expect(cut).to_have_attribute("title", key)
 
 
 async def check_upstreams(page: Page) -> None:

@@ -3,6 +3,7 @@ tokens (a lock node's path), judged before any read; and the client's token help
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -108,3 +109,34 @@ def test_the_client_helper_names_a_held_lock_only() -> None:
         lock_token(chrooted, source="zk", chroot="/other")
     with pytest.raises(ValueError, match="outside the gateway's chroot"):
         lock_token(chrooted, source="zk", chroot="/ap")
+
+
+def test_kazoos_reconnect_chatter_is_said_once_then_rate_limited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An unreachable ZooKeeper: kazoo's connection thread warns at every try (about 30
+    a minute); the source's kazoo logger lets the first through, holds the rest back
+    for CHATTER_EVERY_SECONDS, and then says how many it held back."""
+    from gateway.sources.zookeeper import ReconnectChatter, kazoo_logger
+
+    options = ZooKeeperSource(
+        ZooKeeperSourceSettings(name="zk-chatter", kind="zookeeper", hosts=["h:1"])
+    ).client_options()
+    logger = options["logger"]
+    assert logger is kazoo_logger("zk-chatter") and logger.name.startswith("fencegate.")
+    [chatter] = [f for f in logger.filters if isinstance(f, ReconnectChatter)]
+    with caplog.at_level(logging.DEBUG, logger=logger.name):
+        for _ in range(30):  # a minute of kazoo's retries
+            logger.info("Connecting to %s(%s):%s, use_ssl: %r", "h", "10.0.0.1", 1, False)
+            logger.warning("Connection dropped: %s", "outstanding heartbeat ping not received")
+            logger.warning("Transition to CONNECTING")
+        logger.warning("AUTH_FAILED closing: %s", "bad")  # not chatter: always said
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 4, said
+        assert said[0].startswith("Connecting to h(10.0.0.1):1, use_ssl: False; kazoo keeps")
+        assert said[1].startswith("Connection dropped: outstanding heartbeat ping not received")
+        assert said[2].startswith("Transition to CONNECTING")
+        assert said[3] == "AUTH_FAILED closing: bad"
+        chatter.next_at.clear()  # CHATTER_EVERY_SECONDS later
+        logger.warning("Connection dropped: %s", "x")
+        assert "Connection dropped: x (29 more held back)" in caplog.records[-1].getMessage()
