@@ -1,15 +1,17 @@
-"""The lease rules as pure functions over frozen values.
+"""The lease service's states and the rules production uses in Python: ids, owners,
+TTLs, and why a lease that is not current was refused.
 
-No I/O, no asyncio, no SQLAlchemy: ``now`` is always a parameter (seconds since the
-epoch, from whichever clock is authoritative). ``lease_core.store`` carries out the same
-rules as single conditional SQL statements; the unit tests hold both to these functions.
+Every grant, renewal and ending is one conditional SQL statement (``lease_core/sql/``);
+the model those statements are held to (grant, renew, complete, fail, release, which
+job is claimable, which lease is current) lives with the tests that hold them to it
+(``tests/lease_model.py``), not here. No I/O: ``now`` is always a parameter.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 from fencegate_client.reasons import Reason
@@ -54,16 +56,6 @@ class Job:
     max_attempts: int = 3
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """One grant: the token's view of a job."""
-
-    job_id: str
-    generation: int
-    owner: str
-    expires_at: float
-
-
 def is_valid_id(value: str) -> bool:
     return ID_PATTERN.fullmatch(value) is not None
 
@@ -91,50 +83,6 @@ def is_expired(job: Job, now: float) -> bool:
     )
 
 
-def is_claimable(job: Job, now: float) -> bool:
-    """Pending and due, or leased with an expired lease and attempts left."""
-    if job.attempts >= job.max_attempts:
-        return False
-    if job.state is State.PENDING:
-        return job.claimable_at is None or job.claimable_at <= now
-    return is_expired(job, now)
-
-
-def can_acquire(job: Job, owner: str, now: float) -> bool:
-    """A named acquire: the job is free, expired, or already held by this owner."""
-    if job.state is State.PENDING:
-        return True
-    if job.state is State.LEASED:
-        return is_expired(job, now) or job.owner == owner
-    return False
-
-
-def grant(job: Job, owner: str, ttl: float, now: float) -> tuple[Job, Lease]:
-    """A new lease: the generation grows, the attempt is counted."""
-    expires = now + ttl
-    granted = replace(
-        job,
-        state=State.LEASED,
-        generation=job.generation + 1,
-        owner=owner,
-        lease_expires_at=expires,
-        claimable_at=expires,
-        attempts=job.attempts + 1,
-    )
-    return granted, Lease(job.job_id, granted.generation, owner, expires)
-
-
-def is_current(lease: Lease, job: Job, now: float) -> bool:
-    """Only the current lease may renew, complete, fail or release."""
-    return (
-        job.job_id == lease.job_id
-        and job.state is State.LEASED
-        and job.generation == lease.generation
-        and job.owner == lease.owner
-        and not is_expired(job, now)
-    )
-
-
 def refusal_reason(lease_generation: int, job: Job | None, now: float) -> Reason:
     """Why a lease that is not current was refused (a ``LeaseLost`` reason)."""
     if job is None or job.generation > lease_generation:
@@ -144,30 +92,3 @@ def refusal_reason(lease_generation: int, job: Job | None, now: float) -> Reason
     if is_expired(job, now):
         return Reason.LEASE_EXPIRED
     return Reason.STALE_GENERATION
-
-
-def renew(job: Job, ttl: float, now: float) -> Job:
-    expires = now + ttl
-    return replace(job, lease_expires_at=expires, claimable_at=expires)
-
-
-def complete(job: Job) -> Job:
-    return replace(job, state=State.COMPLETED, claimable_at=None, lease_expires_at=None)
-
-
-def fail(job: Job, retry_in: float, now: float) -> Job:
-    """Back to pending after ``retry_in`` seconds, or failed when out of attempts."""
-    if job.attempts >= job.max_attempts:
-        return replace(job, state=State.FAILED, claimable_at=None, lease_expires_at=None)
-    return replace(job, state=State.PENDING, claimable_at=now + retry_in, lease_expires_at=None)
-
-
-def release(job: Job, now: float) -> Job:
-    """Give the job back at once; a release does not use up an attempt."""
-    return replace(
-        job,
-        state=State.PENDING,
-        claimable_at=now,
-        lease_expires_at=None,
-        attempts=max(job.attempts - 1, 0),
-    )

@@ -23,9 +23,9 @@ from aiohttp.test_utils import TestClient
 
 from gateway.service.server import create_control_app
 from lease_core import exceptions as exc
-from lease_core import rules
 from lease_core.schema import job_tombstones, jobs, leases
 from lease_core.store import GRANT_SWEEP_SECONDS, LeaseStore
+from tests import lease_model as rules
 from tests.support import FakeClock
 
 Client = TestClient[Any, Any]

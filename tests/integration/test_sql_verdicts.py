@@ -23,10 +23,11 @@ from gateway.fencing.fence import Lost, Reason, RecordState
 from gateway.records.schema import fences, requests
 from gateway.records.store import GatewayStore, WriteRequest, holder_digest
 from gateway.sources import ExternalLease
-from lease_core import rules, tokens
+from lease_core import tokens
 from lease_core.rules import State
 from lease_core.schema import jobs, leases
 from lease_core.store import LeaseStore
+from tests import lease_model as rules
 from tests.support import FakeClock
 
 LEASE_GENERATION = 4

