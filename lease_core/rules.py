@@ -14,8 +14,6 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from fencegate_client.reasons import Reason
-
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@~+=-]{0,199}")
 """Job ids and queue names: 1 to 200 characters, URL-safe, no control characters."""
 
@@ -73,22 +71,3 @@ def check_ttl(ttl: float, max_ttl: float) -> str | None:
     if ttl > max_ttl:
         return f"must not exceed {max_ttl:g} (max_ttl_seconds)"
     return None
-
-
-def is_expired(job: Job, now: float) -> bool:
-    return (
-        job.state is State.LEASED
-        and job.lease_expires_at is not None
-        and (job.lease_expires_at <= now)
-    )
-
-
-def refusal_reason(lease_generation: int, job: Job | None, now: float) -> Reason:
-    """Why a lease that is not current was refused (a ``LeaseLost`` reason)."""
-    if job is None or job.generation > lease_generation:
-        return Reason.STALE_GENERATION
-    if job.state is not State.LEASED:
-        return Reason.LEASE_ENDED
-    if is_expired(job, now):
-        return Reason.LEASE_EXPIRED
-    return Reason.STALE_GENERATION

@@ -2,7 +2,7 @@
 catalogue (``lease_core/sql``), a conditional statement.
 
 An operation that matches zero rows means the caller lost; only then is the job read, to
-tell the caller why (``rules.refusal_reason``). Nothing is decided from a read.
+tell the caller why (the SQL's own verdict, ``lease_refusal``). Nothing is decided from a read.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fencegate_client.reasons import Reason
+
 from . import exceptions as exc
 from . import rules, tokens
 from .backend import PURGE_BATCH, Backend
 from .db import Clock
 from .metrics import Metrics
-from .rules import State
 from .schema import jobs
 
 # How often purge_grants looks at every grant past the retention, not only those that
@@ -308,15 +309,7 @@ class LeaseStore:
         found = await self.backend.run("lease_refusal", token_hash=token_hash)
         if found is None:
             raise exc.InvalidLeaseToken()
-        job = None
-        if found["state"] is not None:
-            job = rules.Job(
-                found["job_id"],
-                State(found["state"]),
-                found["generation"],
-                lease_expires_at=found["lease_expires_at"],
-            )
-        reason = rules.refusal_reason(found["lease_generation"], job, found["now"])
+        reason = Reason(found["refusal"] or Reason.STALE_GENERATION)
         self.metrics.losses.labels(reason).inc()
         raise exc.LOST_BY_REASON[reason]()
 

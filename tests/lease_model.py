@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fencegate_client.reasons import Reason
 from lease_core.rules import (
     FINISHED,
     ID_PATTERN,
@@ -17,10 +18,8 @@ from lease_core.rules import (
     RecordState,
     State,
     check_ttl,
-    is_expired,
     is_valid_id,
     is_valid_owner,
-    refusal_reason,
 )
 
 __all__ = [
@@ -126,3 +125,22 @@ def release(job: Job, now: float) -> Job:
         lease_expires_at=None,
         attempts=max(job.attempts - 1, 0),
     )
+
+
+def is_expired(job: Job, now: float) -> bool:
+    return (
+        job.state is State.LEASED
+        and job.lease_expires_at is not None
+        and (job.lease_expires_at <= now)
+    )
+
+
+def refusal_reason(lease_generation: int, job: Job | None, now: float) -> Reason:
+    """Why a lease that is not current was refused (a ``LeaseLost`` reason)."""
+    if job is None or job.generation > lease_generation:
+        return Reason.STALE_GENERATION
+    if job.state is not State.LEASED:
+        return Reason.LEASE_ENDED
+    if is_expired(job, now):
+        return Reason.LEASE_EXPIRED
+    return Reason.STALE_GENERATION

@@ -226,15 +226,10 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
                 "{job}.state = {State.LEASED} AND {job}.lease_expires_at > {now}",
                 "{job}.state = {State.LEASED} AND {job}.lease_expires_at + 3 > {now}",
             ),
-            Edit(
-                "lease_core/rules.py",
-                "        and (job.lease_expires_at <= now)",
-                "        and (job.lease_expires_at + 3 <= now)",
-            ),
         ),
         why=(
             "Three seconds of grace for clock drift in the current-lease check (the shared "
-            "fragment lease_current, which every dialect's statements use, and the rules), so "
+            "fragment lease_current, which every dialect's statements use), so "
             "a lease writes, renews and completes for three seconds after it expired; a "
             "takeover still fences it off (claims judge claimable_at), so only a write "
             "invoked after its lease's expiry with no successor shows it (invariant 11, "

@@ -49,9 +49,10 @@ lease_token_hash = :token_hash AND {lease_current(jobs)}
 -- The verdict on the lease of the grant {grant} (a row of leases; NULL: no such token)
 -- at {now}, its job {job} as it is now (NULL: purged since): NULL when it may write (the
 -- job's generation and owner are the grant's, and its lease is current), else why not,
--- a reason of fencegate_client.reasons, in the order of lease_core.rules.refusal_reason
--- (the model the tests hold it to): a newer generation, or the job gone, is stale; then
--- an ended lease; then an expired one.
+-- a reason of fencegate_client.reasons, in the order of refusal_reason in
+-- tests/lease_model.py (the model the tests hold it to): a newer generation, or the job
+-- gone, is stale; then an ended lease; then an expired one. The lease API's refusals are
+-- this verdict too (the operation lease_refusal).
 CASE
     WHEN {grant}.job_id IS NULL THEN {Reason.INVALID_FENCING_TOKEN}
     WHEN {job}.generation = {grant}.generation AND {job}.owner = {grant}.owner
@@ -174,10 +175,10 @@ SELECT (
 ) AS slice_end;
 
 -- name: lease_refusal
--- Read only: the grant behind a token and its job now, to say why the token's lease is
--- not current (lease_core.rules.refusal_reason). No row: no such token.
-SELECT l.job_id, l.generation AS lease_generation, j.state, j.generation,
-       j.lease_expires_at, {now} AS now
+-- Read only: why the token's lease is not current, the verdict of the one rule
+-- (lease_refusal; NULL: current again, which a lease never becomes once it was not: the
+-- caller then says stale). No row: no such token.
+SELECT l.job_id, {lease_refusal(l, j)} AS refusal
 FROM leases AS l LEFT JOIN jobs AS j ON j.job_id = l.job_id
 WHERE l.token_hash = :token_hash;
 
