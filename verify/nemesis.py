@@ -58,8 +58,8 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
 
 from verify import netns, outages
 from verify.events import JsonlWriter
@@ -286,7 +286,42 @@ def plan(
             faults.append(fault)
             busy[fault.slot] = t + fault.duration + KINDS[kind].rest
         t += rng.uniform(1.0, 4.0)
-    return faults
+    return _with_early(
+        faults, seed, kinds, seconds, pools={"replicas": replicas, "workers": workers}, db=db
+    )
+
+
+# Kinds every run exercises within the first share of its window, whatever the draw (one
+# kind among eleven may fall late or not at all): Redis losing its locks and fence
+# counters is what the lease-source mutants need. Added from a draw of their own, so the
+# rest of the plan is the seed's as before.
+EARLY: Final = {"lock-loss": 0.4}
+
+
+def _with_early(
+    faults: list[Fault],
+    seed: int,
+    kinds: list[str],
+    seconds: float,
+    *,
+    pools: dict[str, list[str]],
+    db: str,
+) -> list[Fault]:
+    for name, share in EARLY.items():
+        if name not in kinds or any(f.kind == name and f.at <= share * seconds for f in faults):
+            continue
+        rng = random.Random(f"nemesis/{seed}/{name}")
+        at = round(rng.uniform(0.15, share) * seconds, 3)
+        if any(f.kind == name and abs(f.at - at) < EARLY_CLEARANCE for f in faults):
+            continue
+        fault = _draw(rng, 0, at, name, pools, db, {})
+        if fault is not None:
+            faults.append(fault)
+    faults.sort(key=lambda f: f.at)
+    return [replace(f, index=i) for i, f in enumerate(faults)]
+
+
+EARLY_CLEARANCE = 5.0  # seconds between an early fault and one of its kind already planned
 
 
 def _draw(

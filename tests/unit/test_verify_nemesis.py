@@ -86,3 +86,25 @@ def test_the_failover_figures(tmp_path: Path) -> None:
         "unknown": 1,
     }
     assert failover_figures(tmp_path, []) is None
+
+
+def test_lock_loss_falls_early_in_every_plan_and_leaves_the_rest_as_drawn() -> None:
+    """A run with the lock workers always loses Redis's locks within its first 40 %
+    (seed 2 drew its only one at 52.6 s of 60), and the early fault is added beside the
+    seed's own draw, which stays as it was."""
+    from verify import nemesis as nem
+
+    kinds = [k for k, kind in nem.KINDS.items() if "sqlite" in kind.databases]
+    pools = {"replicas": ["replica-a"], "workers": ["w0", "w1", "l0"]}
+    for seed in range(1, 30):
+        faults = nem.plan(seed, kinds, seconds=60, db="sqlite", **pools)
+        assert any(f.kind == "lock-loss" and f.at <= 24 for f in faults), seed
+        assert [f.index for f in faults] == list(range(len(faults)))
+        early = dict(nem.EARLY)
+        try:
+            nem.EARLY.clear()  # type: ignore[attr-defined]
+            drawn = nem.plan(seed, kinds, seconds=60, db="sqlite", **pools)
+        finally:
+            nem.EARLY.update(early)  # type: ignore[attr-defined]
+        kept = [(f.at, f.kind, f.params) for f in faults]
+        assert all((f.at, f.kind, f.params) in kept for f in drawn), seed
