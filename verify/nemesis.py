@@ -293,9 +293,10 @@ def plan(
 
 # Kinds every run exercises within the first share of its window, whatever the draw (one
 # kind among eleven may fall late or not at all): Redis losing its locks and fence
-# counters is what the lease-source mutants need. Added from a draw of their own, so the
-# rest of the plan is the seed's as before.
-EARLY: Final = {"lock-loss": 0.4}
+# counters (a FLUSHALL: the counters start again while holders still write) is what the
+# lease-source mutants need. Added from a draw of their own, so the rest of the plan is
+# the seed's as before.
+EARLY: Final = {"lock-loss": (0.4, {"how": "flush"})}  # kind: (share, its params)
 
 
 def _with_early(
@@ -307,7 +308,7 @@ def _with_early(
     pools: dict[str, list[str]],
     db: str,
 ) -> list[Fault]:
-    for name, share in EARLY.items():
+    for name, (share, params) in EARLY.items():
         if name not in kinds or any(f.kind == name and f.at <= share * seconds for f in faults):
             continue
         rng = random.Random(f"nemesis/{seed}/{name}")
@@ -316,12 +317,13 @@ def _with_early(
             continue
         fault = _draw(rng, 0, at, name, pools, db, {})
         if fault is not None:
-            faults.append(fault)
+            faults.append(replace(fault, params=params, duration=EARLY_SECONDS))
     faults.sort(key=lambda f: f.at)
     return [replace(f, index=i) for i, f in enumerate(faults)]
 
 
 EARLY_CLEARANCE = 5.0  # seconds between an early fault and one of its kind already planned
+EARLY_SECONDS = 0.5  # an early fault's duration (a FLUSHALL is done at once)
 
 
 def _draw(
