@@ -296,7 +296,9 @@ def plan(
 # counters (a FLUSHALL: the counters start again while holders still write) is what the
 # lease-source mutants need. Added from a draw of their own, so the rest of the plan is
 # the seed's as before.
-EARLY: Final = {"lock-loss": (0.4, {"how": "flush"})}  # kind: (share, its params)
+# A FLUSHALL early, while the counters are low: they regrow to the generations last
+# admitted soon after, which is when a lock's generation is issued twice.
+EARLY: Final = {"lock-loss": (0.25, {"how": "flush"})}  # kind: (share, its params)
 
 
 def _with_early(
@@ -312,7 +314,7 @@ def _with_early(
         if name not in kinds or any(f.kind == name and f.at <= share * seconds for f in faults):
             continue
         rng = random.Random(f"nemesis/{seed}/{name}")
-        at = round(rng.uniform(0.15, share) * seconds, 3)
+        at = round(rng.uniform(0.1, share) * seconds, 3)
         if any(f.kind == name and abs(f.at - at) < EARLY_CLEARANCE for f in faults):
             continue
         fault = _draw(rng, 0, at, name, pools, db, {})
