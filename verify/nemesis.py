@@ -314,8 +314,14 @@ def _with_early(
         if name not in kinds or any(f.kind == name and f.at <= share * seconds for f in faults):
             continue
         rng = random.Random(f"nemesis/{seed}/{name}")
-        at = round(rng.uniform(0.1, share) * seconds, 3)
-        if any(f.kind == name and abs(f.at - at) < EARLY_CLEARANCE for f in faults):
+        times = (round(rng.uniform(0.1, share) * seconds, 3) for _ in range(20))
+        clear = (
+            at
+            for at in times
+            if all(f.kind != name or abs(f.at - at) >= EARLY_CLEARANCE for f in faults)
+        )
+        at = next(clear, None)
+        if at is None:
             continue
         fault = _draw(rng, 0, at, name, pools, db, {})
         if fault is not None:
