@@ -8,7 +8,7 @@ with writes waiting behind an older generation's. Their entries are in
   end without an answer while their unknown outcome cannot be recorded. SQLite: a
   process of its own holds ``BEGIN EXCLUSIVE`` on the run's database
   file past the gateway's busy timeout (``lease_core.direct_sqlite.BUSY_TIMEOUT_MS``, 10 s:
-  the gateway's database thread waits that long for the lock, then gives up) by 1-5 s;
+  the gateway's database thread waits that long for the lock, then gives up) by 0.2-1 s;
   healed by killing that process (the lock goes with it, also when the run is torn down:
   it is one of the run's children). PostgreSQL: ``ALTER DATABASE ... ALLOW_CONNECTIONS
   false`` and ``pg_terminate_backend`` of every connection to the run's database (the
@@ -60,8 +60,8 @@ HEAL_TRIES = 40  # ALLOW_CONNECTIONS true, every 0.5 s, until the server takes i
 
 def draw_store(rng: Random, pick: Callable[[], str], span: float, db: str) -> Any:
     outage = round(rng.uniform(1.0, 5.0), 2)
-    if db == "sqlite":  # the lock is held past the busy timeout by the outage
-        return pick(), round(BUSY_TIMEOUT + outage, 2), {"how": "exclusive-lock"}
+    if db == "sqlite":  # the lock is held past the busy timeout, by a fifth of the outage
+        return pick(), round(BUSY_TIMEOUT + outage / 5, 2), {"how": "exclusive-lock"}
     return pick(), outage, {"how": "connections-refused"}
 
 

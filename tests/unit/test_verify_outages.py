@@ -27,9 +27,9 @@ def test_all_takes_store_where_the_database_allows_and_shutdown_everywhere() -> 
 
 
 def test_the_plan_draws_outages_past_the_busy_timeout_on_sqlite() -> None:
-    for db, low, high in (("sqlite", BUSY_TIMEOUT + 1, BUSY_TIMEOUT + 5), ("pg", 1.0, 5.0)):
+    for db, low, high in (("sqlite", BUSY_TIMEOUT + 0.2, BUSY_TIMEOUT + 1), ("pg", 1.0, 5.0)):
         faults = plan(5, ["store"], seconds=300, replicas=["a"], workers=[], db=db)
-        assert len(faults) >= 10
+        assert len(faults) >= 8  # one at most every STORE_REST (20 s) after its healing
         assert all(low <= f.duration <= high for f in faults)
         assert {f.target for f in faults} == {"db"}
     stops = plan(5, ["shutdown"], seconds=120, replicas=["a", "b"], workers=[], db="pg")
