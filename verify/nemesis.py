@@ -298,7 +298,7 @@ def plan(
 # the seed's as before.
 # A FLUSHALL early, while the counters are low: they regrow to the generations last
 # admitted soon after, which is when a lock's generation is issued twice.
-EARLY: Final = {"lock-loss": (0.25, {"how": "flush"})}  # kind: (share, its params)
+EARLY: Final = {"lock-loss": (0.15, {"how": "flush"})}  # kind: (share, its params)
 
 
 def _with_early(
@@ -311,10 +311,11 @@ def _with_early(
     db: str,
 ) -> list[Fault]:
     for name, (share, params) in EARLY.items():
-        if name not in kinds or any(f.kind == name and f.at <= share * seconds for f in faults):
+        early = [f for f in faults if f.kind == name and f.params == params]
+        if name not in kinds or any(f.at <= share * seconds for f in early):
             continue
         rng = random.Random(f"nemesis/{seed}/{name}")
-        times = (round(rng.uniform(0.1, share) * seconds, 3) for _ in range(20))
+        times = (round(rng.uniform(0.05, share) * seconds, 3) for _ in range(20))
         clear = (
             at
             for at in times
