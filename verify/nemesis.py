@@ -331,7 +331,7 @@ def _with_early(
     return [replace(f, index=i) for i, f in enumerate(faults)]
 
 
-EARLY_CLEARANCE = 5.0  # seconds between an early fault and one of its kind already planned
+EARLY_CLEARANCE = 3.0  # seconds between an early fault and one of its kind already planned
 EARLY_SECONDS = 0.5  # an early fault's duration (a FLUSHALL is done at once)
 
 
