@@ -66,7 +66,7 @@ def choose_nemeses(text: str, db: str) -> tuple[list[str], list[str]]:
         return [], notes
     everything = words == ["all"]
     if everything:
-        words = [n for n, kind in KINDS.items() if db in kind.databases]
+        words = [n for n, kind in KINDS.items() if kind.in_all_of(db)]
     unknown = [w for w in words if w not in KINDS]
     if unknown:
         raise SetupError(f"unknown nemesis {', '.join(unknown)}: use {', '.join(KINDS)}, all")

@@ -15,10 +15,14 @@ from verify.outages import BUSY_TIMEOUT
 from verify.run import SetupError, choose_nemeses, excused_windows
 
 
-def test_all_takes_store_where_the_database_allows_and_shutdown_everywhere() -> None:
-    for db in ("sqlite", "pg"):
-        chosen, _ = choose_nemeses("all", db)
-        assert {"store", "shutdown"} <= set(chosen)
+def test_all_takes_store_on_postgresql_and_shutdown_everywhere() -> None:
+    """On SQLite ``store`` is named, not in ``all`` (its outage holds up every replica's
+    start, which beside kill, shutdown and clock left the workload too little time)."""
+    chosen, _ = choose_nemeses("all", "pg")
+    assert {"store", "shutdown"} <= set(chosen)
+    chosen, _ = choose_nemeses("all", "sqlite")
+    assert "shutdown" in chosen and "store" not in chosen
+    assert choose_nemeses("store,shutdown", "sqlite")[0] == ["store", "shutdown"]
     patroni, _ = choose_nemeses("all", "patroni")
     assert "shutdown" in patroni and "store" not in patroni
     with pytest.raises(SetupError, match="store needs --db"):
