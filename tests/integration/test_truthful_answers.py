@@ -82,6 +82,14 @@ async def store_broken(database_url: str) -> AsyncIterator[None]:
         await pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
 
 
+async def until_waiting(gateway: Gateway, wait: str, count: int, timeout: float = 10) -> None:
+    """Until ``count`` requests wait (``fencegate_gateway_waiting_requests{wait}``)."""
+    deadline = time.monotonic() + timeout
+    while gateway.metrics.waiting.labels(wait)._value.get() < count:
+        assert time.monotonic() < deadline, f"fewer than {count} request(s) waited ({wait})"
+        await asyncio.sleep(0.01)
+
+
 class CuttingUpstream:
     """An upstream that receives a write, breaks the gateway's database (``breaks``),
     then cuts the connection without answering: the write was sent, its outcome is
@@ -241,10 +249,7 @@ async def test_a_shutdown_answers_a_waiting_write_never_sent_and_frees_its_key(
         new = await stack.lease("job-1")  # the same owner again: a newer generation
         headers = {"Fencing-Token": new["lease_token"], "Idempotency-Key": "new-step"}
         waiting = asyncio.ensure_future(session.post(url, json={}, headers=headers))
-        deadline = time.monotonic() + 10
-        while gateway.metrics.waiting.labels("older")._value.get() < 1:
-            assert time.monotonic() < deadline, "the newer write never waited"
-            await asyncio.sleep(0.02)
+        await until_waiting(gateway, "older", 1)
         closing = asyncio.ensure_future(proxy_server.close())
         resp = await asyncio.wait_for(waiting, 5)
         doc = await problem(resp, 503, "ordering-timeout")
@@ -286,10 +291,7 @@ async def test_waiting_duplicates_get_the_stored_answer_without_a_slot(
                 )
             )
         )
-        deadline = time.monotonic() + 5
-        while gateway.metrics.waiting.labels("first")._value.get() < count:
-            assert time.monotonic() < deadline, "a duplicate never began to wait"
-            await asyncio.sleep(0.01)
+        await until_waiting(gateway, "first", count)
     await ok(await first)
     for waiter in waiters:
         await replayed(await waiter)
@@ -331,10 +333,7 @@ async def test_a_cancelled_wait_gives_its_claim_back(
     headers = {"Fencing-Token": new["lease_token"], "Idempotency-Key": "new-step"}
     async with aiohttp.ClientSession() as session:
         waiting = asyncio.ensure_future(session.post(url, json={}, headers=headers))
-        deadline = time.monotonic() + 10
-        while gateway.metrics.waiting.labels("older")._value.get() < 1:
-            assert time.monotonic() < deadline, "the newer write never waited"
-            await asyncio.sleep(0.02)
+        await until_waiting(gateway, "older", 1)
         assert await gateway.store.record(new["job_id"], "new-step") is not None
         waiting.cancel()  # the client leaves: its connection closes
         with contextlib.suppress(asyncio.CancelledError):
