@@ -294,7 +294,7 @@ async def list_jobs(request: web.Request) -> web.Response:
 def query_limit(raw: str | None, *, default: int) -> int:
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise exc.InvalidRequest(
             f"limit: must be a whole number from 1 to {MAX_LIST_LIMIT}.", field="limit"
         )
