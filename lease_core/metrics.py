@@ -1,6 +1,11 @@
 """The lease service's Prometheus metrics, every series prefixed ``fencegate_``. One
 registry per process (per store in tests), exposed at ``/metrics`` on the control
-listener; the gateway adds its own series to it (``gateway.observe.metrics``)."""
+listener; the gateway adds its own series to it (``gateway.observe.metrics``).
+
+Under ``fencegate serve --workers N`` (N > 1) each worker's values live in files of
+prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by the parent
+before the worker starts), which ``/metrics`` sums over the workers
+(``gateway.observe.metrics.scrape_registry``)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import values as client_values
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -20,6 +26,14 @@ PHASE_BUCKETS = (0.0001, 0.00025, *LATENCY_BUCKETS)
 # (a single-statement operation's own commit included: it is sent without BEGIN/COMMIT),
 # and the COMMIT of an operation of several statements.
 DB_PHASES = ("pool", "statement", "commit")
+
+
+def multiprocess() -> bool:
+    """Whether prometheus_client keeps this process's values in the files of its
+    multiprocess mode: it decided so when it was imported, from
+    ``PROMETHEUS_MULTIPROC_DIR`` (which ``fencegate serve --workers`` sets for its
+    workers). Its answer, not the variable read again here."""
+    return bool(getattr(client_values.ValueClass, "_multiprocess", False))
 
 
 class Metrics:
@@ -102,7 +116,13 @@ class LoopHistogram:
     as a collector. Another thread's observation (SQLite's database thread, rare) may
     race with the loop's and lose a count, never corrupt one. ``labels(*values)`` gives
     a labelled series' child, bound once by its callers; an unlabelled one observes
-    itself."""
+    itself.
+
+    In prometheus_client's multiprocess mode (``multiprocess()``: a worker of ``serve
+    --workers``) the series are a ``prometheus_client.Histogram``'s instead, whose
+    values are in the files that ``/metrics`` sums over the workers: a collector of
+    this process's memory would show one worker's share. Each observation then takes
+    the library's lock and writes to its file."""
 
     def __init__(
         self,
@@ -117,12 +137,23 @@ class LoopHistogram:
         self.labelnames = tuple(labelnames)
         self.buckets = tuple(float(b) for b in buckets)
         self._children: dict[tuple[str, ...], LoopSeries] = {}
+        self._shared: Histogram | None = None
+        self._alone: Observes | None = None
+        if multiprocess():
+            self._shared = Histogram(
+                name, documentation, self.labelnames, buckets=self.buckets, registry=registry
+            )
+            self._alone = None if self.labelnames else self._shared
+            return
         self._alone = None if self.labelnames else self.labels()
         registry.register(self)
 
-    def labels(self, *values: str) -> LoopSeries:
+    def labels(self, *values: str) -> Observes:
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name}: labels {self.labelnames}, given {values}")
+        if self._shared is not None:
+            series: Observes = self._shared.labels(*values)
+            return series
         key = tuple(str(v) for v in values)
         child = self._children.get(key)
         if child is None:

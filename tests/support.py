@@ -5,13 +5,14 @@ Tests import these from here; ``conftest.py`` holds only fixtures."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from lease_core.schema import metadata
 from tests.certs import Issued, Pki
+from verify import netns
 from verify.etcd import EtcdMember
+from verify.zookeeper import SCRIPT, ZooKeeperMember, zookeeper_script
 
 PG_URL = os.environ.get(
     "FENCEGATE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
@@ -48,6 +51,28 @@ def unavailable(service: str, message: str) -> None:
     if IN_CI:
         pytest.fail(f"{service} is required in CI: {message}", pytrace=False)
     pytest.skip(f"{service} not available: {message}")
+
+
+@contextlib.contextmanager
+def namespace_for_test(tag: str, first_index: int, indexes: int) -> Iterator[netns.Namespace]:
+    """A network namespace for a test (``verify.netns``; failing in CI where namespaces
+    do not work, else skipping). One subnet (and veth name) per xdist worker, from
+    ``first_index`` on, ``indexes`` of them: two workers' tests run at once, and a shared
+    index made one's ``ip link add`` meet the other's interface. verify's stacks take
+    1..220; tests/faults/test_partitioned_send.py 221..229, tests/verify/test_netns.py
+    241..250."""
+    why = netns.unavailable()
+    if why is not None:
+        unavailable("network namespaces", why)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    ns = netns.Namespace(
+        f"{netns.PREFIX}-{tag}{os.getpid() % 1000}", first_index + worker % indexes
+    )
+    ns.create()
+    try:
+        yield ns
+    finally:
+        ns.destroy()
 
 
 def postgres_unavailable(message: str) -> None:
@@ -289,22 +314,12 @@ class ZooKeeperServer(ServiceProcess):
     ``ssl.clientAuth`` default)."""
 
     service, binary_name, package = "ZooKeeper", "zkServer.sh", "zookeeper"
-    SCRIPT = "/usr/share/zookeeper/bin/zkServer.sh"
 
     def __init__(self, folder: Path, pki: Pki | None = None) -> None:
         binary = self.binary()
-        port = free_port()
-        self.hosts = f"127.0.0.1:{port}"
-        (folder / "data").mkdir()
-        config = folder / "zoo.cfg"
-        lines = [
-            "tickTime=500",  # sessions of 1 to 10 s (min/max: 2 and 20 ticks)
-            f"dataDir={folder / 'data'}",
-            f"clientPort={port}",
-            "clientPortAddress=127.0.0.1",
-            "admin.enableServer=false",
-            "4lw.commands.whitelist=srvr",
-        ]
+        member = ZooKeeperMember(folder, free_port())
+        self.hosts = member.hosts
+        lines: list[str] = []
         self.client: Issued | None = None
         if pki is not None:
             secure = free_port()
@@ -321,14 +336,12 @@ class ZooKeeperServer(ServiceProcess):
                 f"ssl.trustStore.location={pki.ca}",
                 "ssl.trustStore.type=PEM",
             ]
-        config.write_text("\n".join(lines) + "\n")
+        member.write_config(lines)
 
         def ready() -> bool:
             if pki is not None:  # Netty answers no four-letter word here: a session
                 return _kazoo_connects(self.hosts)
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                sock.sendall(b"srvr")
-                return b"Mode: standalone" in sock.recv(512)
+            return member.serves()
 
         # Debian's zookeeper.jar names netty-handler on its Class-Path but not
         # netty-codec (whose ByteToMessageDecoder Netty's SslHandler extends) nor
@@ -343,12 +356,14 @@ class ZooKeeperServer(ServiceProcess):
                 + [f"/usr/share/java/{jar}.jar" for jar in [*jars, "slf4j-simple"]]
             )
             env = {"SERVER_JVMFLAGS": f"-cp {classpath}"}
-        self.start(folder, [binary, "start-foreground", str(config)], ready, env)
+        self.start(folder, member.argv(binary), ready, env)
 
     def binary(self) -> str:
-        if not os.access(self.SCRIPT, os.X_OK):
-            unavailable(self.service, f"no {self.SCRIPT} (apt-get install {self.package})")
-        return self.SCRIPT
+        script = zookeeper_script()
+        if script is None:
+            unavailable(self.service, f"no {SCRIPT} (apt-get install {self.package})")
+            raise AssertionError("unreachable")
+        return script
 
 
 def _kazoo_connects(hosts: str) -> bool:

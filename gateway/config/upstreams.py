@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from yarl import URL
 
+from gateway.fencing.fence import UnknownOutcome
 from gateway.fencing.profiles import PROFILES, Answer, Profile, answer_of, statuses
 
 TOKEN_CHARS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -105,7 +106,7 @@ class UpstreamSettings(BaseModel):
     set_headers: dict[str, SecretStr] = Field(default_factory=dict)
     # "resolve": the gateway re-sends a held write itself (docs/profiles.md); only
     # where the upstream deduplicates by key or a precondition makes it safe.
-    unknown_outcome: Literal["hold", "retry", "resolve"] = "hold"
+    unknown_outcome: UnknownOutcome = UnknownOutcome.HOLD
     profile: Profile = "generic"
     dedup: DedupSettings | None = None
     # profile = "s3" only, and required there: the credentials the gateway signs with.
@@ -175,7 +176,7 @@ class UpstreamSettings(BaseModel):
 
     @model_validator(mode="after")
     def _resolvable(self) -> UpstreamSettings:
-        if self.unknown_outcome == "resolve" and (
+        if self.unknown_outcome == UnknownOutcome.RESOLVE and (
             self.dedup is None or (self.dedup.header is None and self.profile != "s3")
         ):
             raise ValueError(

@@ -1,8 +1,8 @@
 """The one deadline policy: how long a claim on a key lasts, until when its write may
 still be sent, how long a duplicate waits for its first attempt, and the resolver's
-window. Every margin the gateway keeps against another replica's clock is here. No I/O:
-the clocks' readings are passed in (``time.monotonic()`` by the caller), except a
-duplicate's wait, which reads the monotonic clock itself.
+window. Every margin the gateway keeps against another replica's clock is here. No I/O
+and no clock: the clocks' readings are passed in (``time.monotonic()`` by the caller,
+the database's ``now`` as a statement read it).
 
 A claim's deadline is the database's: past it, other replicas treat the record as
 unknown (the SQL's ``past_deadline``, read as a record's ``overdue``) and may move on.
@@ -12,7 +12,6 @@ by the database's, whichever ends first.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -55,23 +54,25 @@ class Timing:
     connect_timeout: float  # the upstream's connect_timeout_seconds
 
     @property
-    def claim_for(self) -> float:
+    def claim_seconds(self) -> float:
         """Seconds a claim lasts from its admission: the wait for older writes, the
         exchange, and the margin."""
         return self.ordering_wait + self.timeout + self.connect_timeout + MARGIN
 
-    def send_by(self, asked: float) -> float:
+    def send_by_monotonic(self, asked: float) -> float:
         """The monotonic time after which a write claimed by an admission asked at
         ``asked`` stays unsent: its deadline less the margin, by this process's clock."""
-        return asked + self.claim_for - MARGIN
+        return asked + self.claim_seconds - MARGIN
 
 
-def send_left(send_by: float, now: float, deadline: float | None, db_now: float) -> float:
+def send_left(
+    send_by_monotonic: float, now_monotonic: float, deadline: float | None, db_now: float
+) -> float:
     """Seconds a claimed write may still be sent, right before its first byte: the lesser
-    of this process's clock (``send_by``) and the database's (its claim's ``deadline``
+    of this process's clock (``send_by_monotonic``) and the database's (its claim's ``deadline``
     less the margin; None: the claim is no longer ours)."""
     on_database = -1.0 if deadline is None else deadline - db_now
-    return min(send_by - now, on_database - MARGIN)
+    return min(send_by_monotonic - now_monotonic, on_database - MARGIN)
 
 
 def resolve_window(dedup_window: float, timeout: float) -> float:
@@ -80,9 +81,15 @@ def resolve_window(dedup_window: float, timeout: float) -> float:
     return dedup_window - timeout - RESOLVE_MARGIN
 
 
-def resolve_claim_for(timeout: float, connect_timeout: float) -> float:
+def resolve_claim_seconds(timeout: float, connect_timeout: float) -> float:
     """Seconds the resolver's claim on a record lasts: the exchange and twice the margin."""
     return timeout + connect_timeout + 2 * RESOLVE_MARGIN
+
+
+def resolve_send_left(deadline: float | None, db_now: float) -> float:
+    """Seconds the resolver's claim still allows a re-send, right before it, by the
+    database's clock: its deadline less the margin (below zero: the claim is gone)."""
+    return (-1.0 if deadline is None else deadline - db_now) - RESOLVE_MARGIN
 
 
 @dataclass(slots=True)
@@ -92,7 +99,7 @@ class DuplicateWait:
     (``asked`` False: no ``Preference-Applied``)."""
 
     seconds: int  # the wait granted (above zero)
-    until: float | None = None  # time.monotonic() at which it ends, once it has begun
+    until_monotonic: float | None = None  # when it ends, once it has begun
     waited: bool = False  # it did wait (``Preference-Applied`` says so)
     poll: float = POLL_FIRST  # the next look at the record, after this long
     asked: bool = True  # by the client's ``Prefer: wait``
@@ -101,13 +108,16 @@ class DuplicateWait:
     def applied(self) -> str:
         return f"wait={self.seconds}"
 
-    def begin(self) -> None:
+    def begin(self, now_monotonic: float) -> None:
         """The admission found the key in flight: the wait runs from its first time."""
-        if self.until is None:
-            self.until = time.monotonic() + self.seconds
+        if self.until_monotonic is None:
+            self.until_monotonic = now_monotonic + self.seconds
 
-    def left(self) -> float:
-        return 0.0 if self.until is None else self.until - time.monotonic()
+    def left(self, now_monotonic: float) -> float:
+        """Seconds of the wait left at ``now_monotonic`` (none before it has begun)."""
+        if self.until_monotonic is None:
+            return 0.0
+        return self.until_monotonic - now_monotonic
 
     def next_poll(self) -> None:
         self.poll = min(self.poll * 2, POLL_MAX)

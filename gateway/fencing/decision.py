@@ -1,12 +1,11 @@
 """The gateway's decision: the spec's table as data, one row per answer, in its order.
 
 Each row names the answer it gives, the fact it tests and, for a fact that costs I/O to
-learn, the step that finds it out. ``decide`` walks the rows in order: the first row
-whose test holds is the answer; a row whose fact is not known yet stops the walk with
-"find this out first". The proxy gathers facts (the cheap ones from the request line and
-headers, then the lease, a slot, the body, the admission, a duplicate's wait for its
-first attempt, the wait for older writes, the last judgement before the send) and
-carries out the verdict. Nothing here does I/O.
+learn, the act that finds it out (``Act``). ``decide`` walks the rows in order: the
+first row whose test holds is the answer; a row whose fact is not known yet stops the
+walk with its act. The proxy performs the acts (the lease, a slot, the body, the
+admission, a duplicate's wait for its first attempt, the wait for older writes, the last
+judgement before the send) and carries out the verdict. Nothing here does I/O.
 
 To add a refusal: a ``Reason`` with its row in ``fencegate_client.reasons`` (status,
 title, detail), a fact in ``Facts``, and a row where the spec's table puts it. A
@@ -25,18 +24,20 @@ from typing import Any, Final
 from gateway.fencing.fence import Reason
 
 
-class Step(StrEnum):
-    """What the proxy does to learn a fact that the request itself does not carry."""
+class Act(StrEnum):
+    """The one I/O step the proxy performs next: to find out a fact the request itself
+    does not carry (a row's ``act``), or to give back a claim (``RELEASE``)."""
 
-    LEASE = "lease"  # the lease behind the token, as the database sees it now
-    SLOT = "slot"  # one of the pool's concurrency slots, if one is free
-    BODY = "body"  # the body, read up to the upstream's limit and within its time
-    ADMISSION = "admission"  # the key claimed (or its record read) under the lease check
-    # ``Prefer: wait``: the key's first attempt settled (a bounded wait holding no slot
-    # and no database connection); then a slot and the admission again
-    WAIT = "wait"
-    ORDER = "order"  # older generations' writes to the job settled (a bounded wait)
-    SEND = "send"  # right before the first byte: still current, claim not past deadline
+    CHECK_LEASE = "check-lease"  # the lease behind the token, as the database sees it now
+    TAKE_SLOT = "take-slot"  # one of the pool's concurrency slots, if one is free
+    READ_BODY = "read-body"  # the body, read up to the upstream's limit and within its time
+    ADMIT = "admit"  # the admission's one transaction: the lease judged, the key claimed
+    # ``Prefer: wait``: the slot given back, the key's first attempt settled (a bounded
+    # wait holding no slot and no database connection); then answered from the store
+    WAIT_FIRST = "wait-first"
+    WAIT_OLDER = "wait-older"  # older generations' writes to the job settled (bounded)
+    READ_CLAIM = "read-claim"  # right before the first byte: still current, claim in time
+    RELEASE = "release"  # the claim undone: the write was never sent
 
 
 class Outcome(StrEnum):
@@ -44,7 +45,6 @@ class Outcome(StrEnum):
     REFUSE = "refuse"  # answered by the gateway with a problem document
     REPLAY = "replay"  # answered with the key's stored answer
     FORWARD = "forward"  # a fenced write, sent to the upstream
-    NEED = "need"  # a fact is not known yet: take ``Verdict.need`` first
 
 
 class _Unknown:
@@ -83,7 +83,7 @@ class NoUpstream:
 
 @dataclass(slots=True)
 class Facts:
-    """What is known about one request; ``UNKNOWN`` until its step has run. The proxy
+    """What is known about one request; ``UNKNOWN`` until its act has run. The proxy
     fills it in; ``decide`` only reads it."""
 
     bad_target: str | None = None  # why the target or the framing is refused
@@ -108,7 +108,7 @@ class Facts:
     # None: the key is this request's to forward (claimed, or taken over); else what its
     # record answers (a replay, a reused key, in progress, an unknown outcome).
     record: Reason | _Unknown | None = UNKNOWN
-    in_order: bool | _Unknown = UNKNOWN  # no older generation's write still in flight
+    older_settled: bool | _Unknown = UNKNOWN  # no older generation's write still in flight
     # Right before the first byte goes out: None, or why the claim no longer allows it
     # (a newer generation admitted meanwhile; the claim near or past its deadline).
     at_send: Reason | _Unknown | None = UNKNOWN
@@ -122,7 +122,6 @@ class Verdict:
     reason: Reason | None = None
     detail: str | None = None  # None: the reason's own detail
     close: bool = False  # close the connection after answering
-    need: Step | None = None
     retry_after: bool = False  # answered with ``Retry-After: 1`` (besides the reason's own)
 
 
@@ -147,7 +146,7 @@ class Row:
     answer: Reason | Outcome | str  # FROM_FACT: the fact is itself a Reason
     fact: str  # the ``Facts`` field it tests
     holds: Callable[[Any], bool]
-    step: Step | None = None  # how the fact is found out when it is UNKNOWN
+    act: Act | None = None  # how the fact is found out when it is UNKNOWN
     # ``{value}``: the fact's value; a callable: told the value, says the detail
     detail: str | Mapping[Reason, str] | Callable[[Any], str] | None = None
     close: bool = False
@@ -172,7 +171,7 @@ class Row:
 
 # fmt: off
 ROWS: Final[tuple[Row, ...]] = (
-    # answer                          fact                    holds when              step
+    # answer                          fact                    holds     act
     Row(Reason.INVALID_REQUEST,       "bad_target",           _given, fenced_only=False,
         detail="{value}", close=True),
     Row(Reason.UNKNOWN_UPSTREAM,      "unknown_upstream",     _given, fenced_only=False,
@@ -192,24 +191,24 @@ ROWS: Final[tuple[Row, ...]] = (
         detail="The Connection header must not name Fencing-Token or Idempotency-Key."),
     Row(Reason.MISSING_IDEMPOTENCY_KEY, "key_acceptable",     _false),
     # invalid-fencing-token (unknown), stale-generation, lease-ended, lease-expired
-    Row(FROM_FACT,                    "lease",                _given,                 Step.LEASE),
-    Row(Reason.OVERLOADED,            "slot_free",            _false,                 Step.SLOT,
+    Row(FROM_FACT,                    "lease",                _given,   Act.CHECK_LEASE),
+    Row(Reason.OVERLOADED,            "slot_free",            _false,   Act.TAKE_SLOT,
         fenced_only=False),
-    Row(Reason.BODY_TOO_LARGE,        "over_limit",           _true,                  Step.BODY,
+    Row(Reason.BODY_TOO_LARGE,        "over_limit",           _true,    Act.READ_BODY,
         fenced_only=False),
-    Row(Reason.BODY_TIMEOUT,          "body_in_time",         _false,                 Step.BODY,
+    Row(Reason.BODY_TIMEOUT,          "body_in_time",         _false,   Act.READ_BODY,
         fenced_only=False, close=True),
     # The wait that ``Prefer: wait`` asks for; at its end, still in flight.
-    Row(Reason.REQUEST_IN_PROGRESS,   "first_settled",        _false,                 Step.WAIT,
+    Row(Reason.REQUEST_IN_PROGRESS,   "first_settled",        _false,   Act.WAIT_FIRST,
         detail="The key's first attempt had not settled when this request's wait ended, "
                "or it ended without an answer to replay. Nothing of this request was "
                "sent: send it again with the same key."),
     # idempotent-replay, replay-unavailable, idempotency-key-reused, request-in-progress,
     # outcome-unknown
-    Row(FROM_FACT,                    "record",               _given,             Step.ADMISSION),
-    Row(Reason.ORDERING_TIMEOUT,      "in_order",             _false,                 Step.ORDER),
+    Row(FROM_FACT,                    "record",               _given,   Act.ADMIT),
+    Row(Reason.ORDERING_TIMEOUT,      "older_settled",        _false,   Act.WAIT_OLDER),
     # stale-generation, ordering-timeout
-    Row(FROM_FACT,                    "at_send",              _given,                 Step.SEND,
+    Row(FROM_FACT,                    "at_send",              _given,   Act.READ_CLAIM,
         detail={
             Reason.STALE_GENERATION: "A newer generation of this job was admitted before "
                                      "this write could be forwarded; it was not sent.",
@@ -240,17 +239,17 @@ def http_error(status: int) -> Reason:
     return Reason.INVALID_REQUEST if status == 400 else Reason.HTTP_ERROR
 
 
-def decide(facts: Facts) -> Verdict:
-    """The first row that holds; "find out" for the first fact not known yet; else
-    forward (pass, for a method that is not fenced)."""
+def decide(facts: Facts) -> Verdict | Act:
+    """The first row that holds; the act that finds out the first fact not known yet;
+    else forward (pass, for a method that is not fenced)."""
     fenced = facts.fenced
     for row in ROWS:
         if row.fenced_only and not fenced:
             continue
         value = getattr(facts, row.fact)
         if value is UNKNOWN:
-            assert row.step is not None, f"{row.fact} has no step that finds it out"
-            return Verdict(Outcome.NEED, need=row.step)
+            assert row.act is not None, f"{row.fact} has no act that finds it out"
+            return row.act
         if row.holds(value):
             return row.verdict(value)
     return FORWARD if fenced else PASS

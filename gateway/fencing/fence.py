@@ -24,7 +24,7 @@ from fencegate_client.reasons import ReasonInfo as ReasonInfo
 from lease_core import rules, tokens
 from lease_core.rules import RecordState as RecordState  # re-exported: the gateway names it
 
-REASONS: dict[Reason, ReasonInfo] = {
+PROBLEMS: dict[Reason, ReasonInfo] = {
     reason: info for reason, info in ALL_REASONS.items() if Layer.GATEWAY in info.layers
 }
 """The gateway's problem documents: status, title, default detail, ``Retry-After``. The
@@ -199,10 +199,18 @@ def sql_verdict(refusal: str | None) -> Reason | None:
     return None if refusal is None else Reason(refusal)
 
 
+def superseded(generation: int, fence: int | None) -> bool:
+    """A newer generation than ``generation`` has been admitted: the job's fence (the
+    highest generation admitted; None: none yet) is above it. Every judgement of a write
+    against its job's fence in Python is this one (the SQL's is ``external_stale`` and
+    the admission's own statement)."""
+    return fence is not None and fence > generation
+
+
 def lease_after_wait(lease: Reason | None, highest: int | None, generation: int) -> Reason | None:
     """The lease judged again after the wait for older writes: a newer generation
     admitted meanwhile makes a current lease stale."""
-    if lease is None and (highest or 0) > generation:
+    if lease is None and superseded(generation, highest):
         return Reason.STALE_GENERATION
     return lease
 
@@ -215,7 +223,16 @@ def effective_state(record: Record) -> RecordState:
     return record.state
 
 
-def record_reason(record: Record | None, fingerprint: str, policy: str) -> Reason:
+class UnknownOutcome(StrEnum):
+    """What becomes of a sent write whose outcome is unknown: an upstream's
+    ``unknown_outcome`` (docs/profiles.md)."""
+
+    HOLD = "hold"  # its key answers outcome-unknown until it is resolved
+    RETRY = "retry"  # a retry under its key is forwarded again
+    RESOLVE = "resolve"  # the gateway re-sends it itself (an upstream that deduplicates)
+
+
+def record_reason(record: Record | None, fingerprint: str, policy: UnknownOutcome) -> Reason:
     """What a request whose key has a record that the admission did not give it gets:
     ``idempotent-replay`` (the stored answer), ``replay-unavailable`` (applied, but the
     answer was too large to keep), ``idempotency-key-reused``, ``outcome-unknown``, or
@@ -229,7 +246,7 @@ def record_reason(record: Record | None, fingerprint: str, policy: str) -> Reaso
     state = effective_state(record)
     if state is RecordState.COMPLETED:
         return Reason.IDEMPOTENT_REPLAY if record.body is not None else Reason.REPLAY_UNAVAILABLE
-    if state is RecordState.IN_FLIGHT or policy == "retry":
+    if state is RecordState.IN_FLIGHT or policy == UnknownOutcome.RETRY:
         return Reason.REQUEST_IN_PROGRESS
     return Reason.OUTCOME_UNKNOWN
 
@@ -276,7 +293,7 @@ def send_verdict(generation: int, fence: int | None, seconds_left: float) -> Rea
     is gone, or so near its deadline that other replicas may stop waiting for it
     (``seconds_left``, the lesser of this process's clock and the database's): not sent,
     ``ordering-timeout``."""
-    if fence is not None and fence > generation:
+    if superseded(generation, fence):
         return Reason.STALE_GENERATION
     if seconds_left <= 0:
         return Reason.ORDERING_TIMEOUT

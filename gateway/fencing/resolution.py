@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.fencing.deadlines import RESOLVE_MARGIN
+from gateway.fencing.deadlines import resolve_send_left
 from gateway.fencing.fence import ClaimState, Reason, RecordState, send_verdict
 from gateway.fencing.profiles import Answer
 
@@ -34,8 +34,7 @@ def before_resend(generation: int, claim: ClaimState) -> Settled | None:
     """None: the re-send may go. A newer generation was admitted since (an older write is
     never sent after it), or the resolver's claim ran so near its deadline that another
     replica may claim the record again: not re-sent."""
-    seconds_left = -1.0 if claim.deadline is None else claim.deadline - claim.now
-    why = send_verdict(generation, claim.fence, seconds_left - RESOLVE_MARGIN)
+    why = send_verdict(generation, claim.fence, resolve_send_left(claim.deadline, claim.now))
     if why is Reason.STALE_GENERATION:
         return Settled(
             RecordState.UNKNOWN,

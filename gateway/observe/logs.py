@@ -129,17 +129,25 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"ts", "level", "logger", "msg", "request_id", ...fields}`` per line. Its
-    records were redacted as they were made (``install``, which ``configure`` runs)."""
+    """``{"ts", "level", "logger", "msg", "request_id", ...fields}`` per line (and
+    ``pid`` with ``pid=True``: ``serve --workers``, whose processes share one stream).
+    Its records were redacted as they were made (``install``, which ``configure``
+    runs)."""
+
+    def __init__(self, *, pid: bool = False) -> None:
+        super().__init__()
+        self.pid = pid
 
     def format(self, record: logging.LogRecord) -> str:
-        doc = {
+        doc: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
             "request_id": REQUEST_ID.get(),
         }
+        if self.pid:
+            doc["pid"] = record.process
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             doc.update(fields)
@@ -150,16 +158,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)  # redacted when the record was made
 
 
-def configure(level: str = "INFO", fmt: str = "auto", *, access_log: bool = False) -> None:
+def configure(
+    level: str = "INFO", fmt: str = "auto", *, access_log: bool = False, pid: bool = False
+) -> None:
     """``fmt``: json, text, or auto (text on a terminal, JSON otherwise). Access lines
-    (one per request) only with ``access_log``."""
+    (one per request) only with ``access_log``. ``pid``: every line names its process
+    (``serve --workers``: the parent and its workers write to one stream)."""
     if fmt == "auto":
         fmt = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler()
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(pid=pid))
     else:
-        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        name = "%(name)s[%(process)d]" if pid else "%(name)s"
+        handler.setFormatter(TextFormatter(f"%(asctime)s %(levelname)s {name}: %(message)s"))
     install()
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -1,4 +1,10 @@
-"""The gateway's Prometheus series, on the lease store's registry (one ``/metrics``)."""
+"""The gateway's Prometheus series, on the lease store's registry (one ``/metrics``).
+
+Under ``fencegate serve --workers N`` the values are in prometheus_client's multiprocess
+files (``lease_core.metrics``) and ``/metrics`` reads them all (``scrape_registry``):
+counters and histograms are summed over the workers, dead ones included, so a total
+never goes back when a worker is replaced; each gauge says how it is combined
+(``multiprocess_mode``, ignored by a single process)."""
 
 from __future__ import annotations
 
@@ -8,15 +14,17 @@ from typing import ClassVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.multiprocess import MultiProcessCollector
 
-from gateway.fencing.request import Act, RequestMachine
+from gateway.fencing.decision import Act
+from gateway.fencing.machine import RequestMachine
 from lease_core.metrics import LATENCY_BUCKETS, PHASE_BUCKETS, LoopHistogram, Observes
 
 # ``fencegate_write_phase_seconds``'s phases beside the driver's steps (``Act``): the
 # exchange with the upstream (from the send to the answer's end streamed back), the
 # settle of the key's record (behind the answer or before it) and an audit entry's write.
 FORWARD, SETTLE, AUDIT = "forward", "settle", "audit"
-PHASES = (*(act.value for act in Act if act is not Act.ANSWER), FORWARD, SETTLE, AUDIT)
+PHASES = (*(act.value for act in Act), FORWARD, SETTLE, AUDIT)
 # A fenced write's steps and their seconds, kept for its ``Server-Timing`` header
 # (``gateway.server_timing``).
 STEPS = web.RequestKey("steps", list[tuple[str, float]])
@@ -90,13 +98,21 @@ class GatewayMetrics:
         self.phase: dict[str, Observes] = {
             phase: self.write_phase_seconds.labels(phase) for phase in PHASES
         }
-        self.in_flight = Gauge(
-            "fencegate_gateway_in_flight_writes",
-            "Fenced writes being forwarded right now.",
-            ["upstream"],
-            registry=r,
-        )
+        self.in_flight = in_flight_gauge(r)
         self.waiting = waiting_gauge(r)
+
+
+def in_flight_gauge(registry: CollectorRegistry) -> Gauge:
+    """Writes being forwarded. Across workers, the sum of the live ones' (a dead
+    worker's writes are no longer in flight: its parent drops its file,
+    ``mark_process_dead``)."""
+    return Gauge(
+        "fencegate_gateway_in_flight_writes",
+        "Fenced writes being forwarded right now.",
+        ["upstream"],
+        registry=registry,
+        multiprocess_mode="livesum",
+    )
 
 
 def waiting_gauge(registry: CollectorRegistry) -> Gauge:
@@ -108,7 +124,20 @@ def waiting_gauge(registry: CollectorRegistry) -> Gauge:
         "generations' writes (older).",
         ["wait"],
         registry=registry,
+        multiprocess_mode="livesum",  # as ``in_flight``: the live workers' waits, summed
     )
+
+
+def scrape_registry(own: CollectorRegistry, multiprocess_dir: str | None) -> CollectorRegistry:
+    """What ``/metrics`` reads: this process's registry, or, for a worker of ``serve
+    --workers`` (``multiprocess_dir``, its ``PROMETHEUS_MULTIPROC_DIR``), every worker's
+    files through prometheus_client's ``MultiProcessCollector``, so a scrape that any
+    worker answers shows the whole server's counts."""
+    if multiprocess_dir is None:
+        return own
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+    return registry
 
 
 class StepTimer:
@@ -119,9 +148,7 @@ class StepTimer:
     __slots__ = ("_by_act", "_per_request")
 
     def __init__(self, metrics: GatewayMetrics, *, per_request: bool) -> None:
-        self._by_act: dict[Act, Observes] = {
-            act: metrics.phase[act.value] for act in Act if act is not Act.ANSWER
-        }
+        self._by_act: dict[Act, Observes] = {act: metrics.phase[act.value] for act in Act}
         self._per_request = per_request
 
     def took(self, act: Act, began: float, request: web.Request, machine: RequestMachine) -> None:

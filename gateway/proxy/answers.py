@@ -13,10 +13,10 @@ from multidict import CIMultiDict
 from gateway.fencing import fence
 from gateway.fencing.decision import Verdict
 from gateway.fencing.fence import Reason
-from gateway.fencing.request import RequestMachine
+from gateway.fencing.machine import RequestMachine
 from gateway.observe import tracing
 from gateway.observe.metrics import GatewayMetrics
-from gateway.proxy.request import Incoming
+from gateway.proxy.incoming import Incoming
 from gateway.records.audit import Audit, AuditEntry, audit_path
 from lease_core.problems import problem_response
 
@@ -42,7 +42,7 @@ class Answers:
         headers: dict[str, str] | None = None,
         members: dict[str, Any] | None = None,
     ) -> web.Response:
-        info = fence.REASONS[reason]
+        info = fence.PROBLEMS[reason]
         if info.retry_after:
             headers = {"Retry-After": "1", **(headers or {})}
         extra = self._problem_extra(machine)

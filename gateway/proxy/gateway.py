@@ -1,22 +1,21 @@
 """The proxy's ``Gateway``: its settings, stores, slots, forwarder, resolver and lease
 sources, started and closed with the proxy listener's app (``create_proxy_app``). Its
-request path is the driver's (``handler.Driver``)."""
+request path is its ``driver`` (``handler.Driver``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway import sources
-from gateway.config import Settings, UpstreamSettings
-from gateway.fencing.request import Act
+from gateway.config import Settings
 from gateway.observe.logs import request_id_middleware
-from gateway.observe.metrics import GatewayMetrics, StepTimer
+from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy.answers import Answers
 from gateway.proxy.duplicates import Settles
 from gateway.proxy.handler import MACHINE, Driver
@@ -30,13 +29,15 @@ from lease_core.store import LeaseStore
 
 log = logging.getLogger("fencegate.proxy")
 
-# At shutdown, how long the claims still owed a release get for a last try.
+# At shutdown, how long the claims of writes never sent get for a last try: those owed
+# a release, and those of admissions still running for a request cancelled.
 OWED_LAST_TRY_SECONDS = 2.0
 
 
-class Gateway(Driver):
-    """The proxy's state: settings, stores, the slots, the forwarder (with the one
-    client session) and the gateway's own answers."""
+class Gateway:
+    """The proxy's state: settings, stores, the forwarder (with the one client session),
+    the gateway's own answers, the resolver and the lease sources; its request path is
+    ``driver`` (``handler.Driver``), made with what it shares."""
 
     def __init__(self, settings: Settings, lease_store: LeaseStore) -> None:
         self.settings = settings
@@ -46,7 +47,6 @@ class Gateway(Driver):
         self.answers = Answers(self.audit, self.metrics, audit_bodies=settings.gateway.audit_bodies)
         self.forwarder = Forwarder(settings.gateway, self.metrics)
         self.upstreams = {u.name: u for u in settings.upstreams}
-        self.resolving = _resolving(self.upstreams)
         # Unknown outcomes re-sent by ``fencegate serve``'s resolver (gateway.proxy.resolve).
         self.resolver = Resolver(
             settings.gateway,
@@ -58,9 +58,6 @@ class Gateway(Driver):
         )
         # Lease sources other than the gateway's own (``[[lease_sources]]``), by name.
         self.sources = sources.build(settings.lease_sources)
-        # Slots in use per pool: fenced writes past the lease check (up to
-        # max_concurrent_requests) and unfenced requests (max_concurrent_unfenced_requests).
-        self.slots = {"fenced": 0, "unfenced": 0}
         # Duplicates waiting (``Prefer: wait``) for a key this replica may settle.
         self.settles = Settles()
         # Final answers given, their records still being settled.
@@ -71,19 +68,20 @@ class Gateway(Driver):
         self.releases = Releases(
             self.store, self.settles.notify, limit=4 * settings.gateway.max_concurrent_requests
         )
-        # The step the machine asks for, and who performs it.
-        self.steps = {
-            Act.CHECK_LEASE: self._check_lease,
-            Act.TAKE_SLOT: self._take_slot,
-            Act.READ_BODY: self._read,
-            Act.ADMIT: self._admit,
-            Act.WAIT_FIRST: self._wait_for_first,
-            Act.WAIT_OLDER: self._wait_in_order,
-            Act.READ_CLAIM: self._read_claim,
-            Act.RELEASE: self._release_step,
-        }
-        # Each step of a fenced write timed (``Server-Timing`` with gateway.server_timing).
-        self.timer = StepTimer(self.metrics, per_request=settings.gateway.server_timing)
+        self.driver = Driver(
+            settings.gateway,
+            settings.control_listen,
+            self.store,
+            self.metrics,
+            self.answers,
+            self.forwarder,
+            self.sources,
+            self.settles,
+            self.behind,
+            self.draining,
+            self.releases,
+        )
+        self.driver.route(self.upstreams)
 
     def reload(self, settings: Settings) -> None:
         """Take new upstreams (SIGHUP). Settings that need a restart are reported."""
@@ -99,7 +97,7 @@ class Gateway(Driver):
             if getattr(settings, key) != getattr(self.settings, key):
                 log.warning("reload: %s changed; it takes effect after a restart", key)
         self.upstreams = {u.name: u for u in settings.upstreams}
-        self.resolving = _resolving(self.upstreams)
+        self.driver.route(self.upstreams)
         self.settings = self.settings.model_copy(update={"upstreams": settings.upstreams})
         log.info("reload: %d upstream(s): %s", len(self.upstreams), ", ".join(self.upstreams))
 
@@ -123,19 +121,22 @@ class Gateway(Driver):
     async def close(self) -> None:
         await self.forwarder.close()
         await self.behind.flush()
-        if self.releases.owed:  # a last try: lost with the process, they turn unknown
-            try:
-                await asyncio.wait_for(self.releases.pay(), OWED_LAST_TRY_SECONDS)
-            except (TimeoutError, lease_exc.StoreUnavailable):
-                log.warning("%d unsent claim(s) could not be given back", self.releases.owed)
+        # The claims of writes never sent, a last try (lost with the process, they turn
+        # unknown): those of admissions whose request was cancelled, once they end, and
+        # those owed; one budget for both, so the shutdown's worst case stays as it was.
+        try:
+            async with asyncio.timeout(OWED_LAST_TRY_SECONDS):
+                await self.releases.finish()
+                if self.releases.owed:
+                    await self.releases.pay()
+        except (TimeoutError, lease_exc.StoreUnavailable):
+            log.warning(
+                "%d unsent claim(s) could not be given back",
+                self.releases.owed + self.releases.orphans,
+            )
         await self.audit.close()
         for source in self.sources.values():
             await source.close()
-
-
-def _resolving(upstreams: Mapping[str, UpstreamSettings]) -> bool:
-    """Some upstream's unknown outcomes are re-sent by the gateway's resolver."""
-    return any(u.unknown_outcome == "resolve" for u in upstreams.values())
 
 
 # The proxy app's gateway (its state: slots, waits, claims owed a release).
@@ -150,7 +151,7 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
         # CONNECT and ``OPTIONS *`` match no route; they still get the gateway's answer
         # (a problem document, audited) instead of aiohttp's plain 404.
         if request.match_info.http_exception is not None:
-            return await gateway.handle(request)
+            return await gateway.driver.handle(request)
         return await handler(request)
 
     app = web.Application(middlewares=[request_id_middleware, unrouted])
@@ -179,5 +180,6 @@ def create_proxy_app(gateway: Gateway) -> web.Application:
 
     app.on_shutdown.append(drain)
     app.cleanup_ctx.append(session_ctx)
-    app.router.add_route("*", "/{tail:.*}", gateway.handle, expect_handler=gateway.expect)
+    driver = gateway.driver
+    app.router.add_route("*", "/{tail:.*}", driver.handle, expect_handler=driver.expect)
     return app

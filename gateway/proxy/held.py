@@ -18,10 +18,10 @@ from gateway.config import GatewaySettings
 from gateway.fencing import fence
 from gateway.fencing.after_forward import Ended, Fate
 from gateway.fencing.decision import Verdict
-from gateway.fencing.fence import Record, RecordState
-from gateway.fencing.request import RequestMachine
+from gateway.fencing.fence import Admission, Record, RecordState, UnknownOutcome
+from gateway.fencing.machine import RequestMachine
 from gateway.observe.metrics import SETTLE, GatewayMetrics
-from gateway.proxy.request import Incoming
+from gateway.proxy.incoming import Incoming
 from gateway.proxy.resolve import kept_request
 from gateway.records.store import GatewayStore, KeptRequest
 from gateway.upstream import s3
@@ -94,20 +94,76 @@ class Releases:
     def __init__(self, store: GatewayStore, notify: Callable[[str, str], None], limit: int) -> None:
         self._store, self._notify, self.limit = store, notify, limit
         self._owed: dict[tuple[str, str, str], Record | None] = {}
+        # Admissions whose request was cancelled while they ran, and the releases of
+        # what they claimed: shutdown waits for them (``finish``).
+        self._orphans: set[asyncio.Future[Any]] = set()
+
+    async def admit(self, admitting: Awaitable[Admission | None], key: str) -> Admission | None:
+        """The admission's answer. A cancellation of the request while the admission
+        is in the database (a shutdown past its grace, a client gone) does not stop it:
+        its statement may commit all the same (SQLite's thread waiting for another
+        process's lock, a commit on its way to PostgreSQL), and a claim nobody knows of
+        would turn into an unknown outcome for a write that was never sent. It runs to
+        its end, and what it claimed is given back (or owed)."""
+        task = asyncio.ensure_future(admitting)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._orphans.add(task)
+            task.add_done_callback(lambda done: self._orphaned(done, key))
+            raise
+
+    def _orphaned(self, task: asyncio.Future[Admission | None], key: str) -> None:
+        """An admission whose request is gone has ended: its claim, if it made one,
+        given back."""
+        self._orphans.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return  # nothing committed, or nothing known: as any failed admission
+        admission = task.result()
+        if admission is None or admission.attempt is None or admission.presented is None:
+            return
+        job_id, attempt, back_to = admission.presented.job_id, admission.attempt, admission.back_to
+        release = asyncio.ensure_future(self._give_back_orphan(job_id, key, attempt, back_to))
+        self._orphans.add(release)
+        release.add_done_callback(self._orphans.discard)
+
+    async def _give_back_orphan(
+        self, job_id: str, key: str, attempt: str, back_to: Record | None
+    ) -> None:
+        try:
+            await self._give_back(job_id, key, attempt, back_to)
+        except Exception:
+            log.exception("a claim not sent could not be released")
+        else:
+            log.info("gave back the claim of a request cancelled during its admission")
+
+    @property
+    def orphans(self) -> int:
+        """Admissions of cancelled requests still running, and releases of their claims."""
+        return len(self._orphans)
+
+    async def finish(self) -> None:
+        """Until every admission of a cancelled request has ended and its claim been
+        given back (or owed)."""
+        while self._orphans:
+            await asyncio.gather(*self._orphans, return_exceptions=True)
 
     async def release(self, machine: RequestMachine, key: str) -> None:
         """The machine's claim given back now, or owed; either way the request goes on
-        to its answer (it was never sent)."""
+        to its answer (it was never sent). The machine is told by its driver
+        (``Released``), where the machine asked for the release."""
         claim = machine.claim
         assert claim is not None
+        await self._give_back(machine.job_id, key, claim.attempt, claim.back_to)
+
+    async def _give_back(self, job_id: str, key: str, attempt: str, back_to: Record | None) -> None:
         try:
-            await self._store.release(machine.job_id, key, claim.attempt, claim.back_to)
+            await self._store.release(job_id, key, attempt, back_to)
         except lease_exc.StoreUnavailable:
             log.warning("the database is unavailable: a claim not sent is owed its release")
-            self._owe(machine.job_id, key, claim.attempt, claim.back_to)
+            self._owe(job_id, key, attempt, back_to)
         else:
-            self._notify(machine.job_id, key)
-        machine.released()
+            self._notify(job_id, key)
 
     async def release_unsent(self, machine: RequestMachine, key: str | None) -> None:
         """Whatever ended the request before its forward (the database, a cancellation
@@ -256,7 +312,7 @@ class HeldKey:
         upstream = incoming.upstream
         if (
             upstream is None
-            or upstream.unknown_outcome != "resolve"
+            or upstream.unknown_outcome != UnknownOutcome.RESOLVE
             or fence.is_anonymous(self._key)
             or machine.forwarded is None
             or machine.body is None

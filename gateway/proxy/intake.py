@@ -10,6 +10,7 @@ the upstream and which the gateway sets itself.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from urllib.parse import unquote
 
@@ -22,11 +23,12 @@ from gateway.config.problems import nearest
 from gateway.fencing import fence, profiles
 from gateway.fencing.deadlines import DuplicateWait, Timing
 from gateway.fencing.decision import Facts, NoUpstream
-from gateway.fencing.request import RequestMachine
+from gateway.fencing.fence import UnknownOutcome
+from gateway.fencing.machine import RequestMachine
 from gateway.observe import tracing
 from gateway.observe.logs import REQUEST_ID
 from gateway.proxy.duplicates import prefer_wait
-from gateway.proxy.request import Incoming
+from gateway.proxy.incoming import Incoming
 from gateway.sources import Source, split_token
 from gateway.upstream import s3
 from gateway.upstream.hops import HOP_BY_HOP, connection_named
@@ -278,9 +280,12 @@ def begin(
     upstreams: Mapping[str, UpstreamSettings],
     sources: Mapping[str, Source],
     lease_api_at: str | None = None,
+    *,
+    resolving: bool = False,
 ) -> tuple[Incoming, RequestMachine]:
     """The request's line and headers read (``intake``), and its state machine made;
-    ``lease_api_at`` (control_listen) is named to a lease call sent here by mistake."""
+    ``lease_api_at`` (control_listen) is named to a lease call sent here by mistake;
+    ``resolving``: some upstream's unknown outcomes are the gateway's to re-send."""
     incoming, facts = intake(
         request, upstreams, limits.max_idempotency_key_length, sources, lease_api_at
     )
@@ -292,10 +297,12 @@ def begin(
         )
     machine = RequestMachine(
         facts,
+        time.perf_counter(),
         timing=timing,
         body_arrived=request.content.is_eof(),
-        policy="hold" if upstream is None else upstream.unknown_outcome,
+        policy=UnknownOutcome.HOLD if upstream is None else upstream.unknown_outcome,
         wait=asked_wait(request, facts.fenced, limits.max_prefer_wait_seconds),
+        resolving=resolving,
     )
     return incoming, machine
 

@@ -5,7 +5,7 @@ what is found is judged by the request's state machine."""
 from __future__ import annotations
 
 from gateway.fencing.fence import Admission
-from gateway.proxy.request import Incoming
+from gateway.proxy.incoming import Incoming
 from gateway.records.store import GatewayStore, WriteRequest
 from gateway.sources import ExternalLease, bounded
 

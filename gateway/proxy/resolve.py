@@ -26,8 +26,8 @@ from multidict import CIMultiDict
 
 from gateway.config import GatewaySettings, UpstreamSettings
 from gateway.fencing import resolution
-from gateway.fencing.deadlines import resolve_claim_for, resolve_window
-from gateway.fencing.fence import RecordState
+from gateway.fencing.deadlines import resolve_claim_seconds, resolve_window
+from gateway.fencing.fence import RecordState, UnknownOutcome
 from gateway.fencing.profiles import is_mismatch, upstream_key
 from gateway.fencing.resolution import Settled
 from gateway.observe.metrics import GatewayMetrics
@@ -80,7 +80,7 @@ class Resolver:
             return 0
         settled = 0
         for upstream in list(self.upstreams().values()):
-            if upstream.unknown_outcome != "resolve" or upstream.dedup is None:
+            if upstream.unknown_outcome != UnknownOutcome.RESOLVE or upstream.dedup is None:
                 continue
             for _ in range(ROUND):
                 claimed = await self.store.claim_resolution(
@@ -88,7 +88,7 @@ class Resolver:
                     window=resolve_window(upstream.dedup.window_seconds, upstream.timeout_seconds),
                     max_attempts=self.limits.resolve_max_attempts,
                     pause=PAUSE,
-                    deadline_in=resolve_claim_for(
+                    deadline_in=resolve_claim_seconds(
                         upstream.timeout_seconds, upstream.connect_timeout_seconds
                     ),
                 )

@@ -37,7 +37,7 @@ async def until_settled(
     with settles.watch(job_id, key) as watch:
         while True:
             settled = watch.current()
-            left = wait.left()
+            left = wait.left(time.monotonic())
             if left <= 0 or gone(request) or (stop is not None and stop.is_set()):
                 return False, None
             await _first((settled,) if stop is None else (settled, stop), min(wait.poll, left))

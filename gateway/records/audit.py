@@ -33,7 +33,7 @@ log = logging.getLogger("fencegate.audit")
 
 MAX_PAGE = 500
 MAX_NAMED_REPLICAS = 20  # replicas a refused replica filter names at most
-REASONS = tuple(sorted(r.value for r in GATEWAY_REASONS))
+REASON_VALUES = tuple(sorted(r.value for r in GATEWAY_REASONS))  # the filter takes these
 MAX_PATH = 2000  # characters of an entry's path
 MAX_GROUP_PATH = 200  # characters of a grouped entry's path: the group's path prefix
 OVERFLOW = "*"  # method and path of a bucket's overflow row
@@ -367,9 +367,9 @@ def source_is(name: str) -> sa.ColumnElement[bool]:
 
 
 def check_reason(value: str | None) -> None:
-    if value is not None and value not in REASONS:
+    if value is not None and value not in REASON_VALUES:
         raise lease_exc.InvalidRequest(
-            f"reason: {value[:100]!r} is not a reason; one of: {', '.join(REASONS)}.",
+            f"reason: {value[:100]!r} is not a reason; one of: {', '.join(REASON_VALUES)}.",
             field="reason",
         )
 

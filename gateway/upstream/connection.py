@@ -8,7 +8,10 @@ client's limit, and its body as a stream, held back from a slow reader.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import socket
+import struct
 from collections import deque
 from typing import Protocol, cast
 
@@ -40,6 +43,21 @@ PIECE = 256 * 1024
 # the reader has taken it below LOW (a slow worker slows the upstream, not our memory).
 HIGH = 512 * 1024
 LOW = 128 * 1024
+
+# A request's bytes must not reach the upstream after the gateway let go of it: the
+# claim on its key ends, and another replica may send the job's next generation. Closing
+# a socket does not take back what the kernel still holds to send: it is retransmitted
+# for minutes (a partition that heals later delivers it), and so are a killed process's.
+# So while an exchange is in progress its socket closes with a reset (SO_LINGER on, 0 s:
+# the unsent bytes are discarded, however the socket is closed: by us, or by the kernel
+# when the process ends), and the kernel is told to drop the connection rather than keep
+# its bytes unacknowledged past the exchange's deadline (TCP_USER_TIMEOUT, Linux), which
+# holds while the process is frozen too. A connection whose exchange finished cleanly
+# closes gracefully again (idle, it holds nothing unsent): an upstream does not log a
+# reset for every idle connection the pool closes.
+RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+SHUT_ON_CLOSE = struct.pack("ii", 0, 0)
+USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", None)
 
 
 class Connection(asyncio.Protocol):
@@ -95,6 +113,7 @@ class Connection(asyncio.Protocol):
         self.reason = bytearray()
         self.headers = []
         self._timer = self._loop.call_at(deadline, self._expired)
+        self._guard(deadline)
 
     async def send(self, head: bytes, body: bytes | io.BytesIO, size: int) -> None:
         """Write the request. Once its first write is taken, a failure is ``NoAnswer``:
@@ -173,6 +192,8 @@ class Connection(asyncio.Protocol):
 
     def end(self) -> None:
         """The exchange is over (released to the pool or about to be closed)."""
+        if self.finished_cleanly():
+            self._set_linger(SHUT_ON_CLOSE)
         self._active = False
         self._cancel_timer()
 
@@ -198,6 +219,33 @@ class Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _socket(self) -> socket.socket | None:
+        transport = self.transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        return None if sock is None or sock.family == socket.AF_UNIX else sock
+
+    def _guard(self, deadline: float) -> None:
+        """From now until the exchange finishes cleanly, closing the socket discards
+        what it has not sent, and the kernel drops the connection if its bytes stay
+        unacknowledged past ``deadline`` (this loop's time), whatever this process is
+        doing then."""
+        sock = self._set_linger(RESET_ON_CLOSE)
+        if sock is None or USER_TIMEOUT is None:
+            return
+        milliseconds = max(1, int((deadline - self._loop.time()) * 1000))
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, USER_TIMEOUT, milliseconds)
+
+    def _set_linger(self, linger: bytes) -> socket.socket | None:
+        sock = self._socket()
+        if sock is None:
+            return None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        except (OSError, ValueError):  # not a TCP socket (a Unix one), or closed already
+            return None
+        return sock
 
     def _expired(self) -> None:
         self._timer = None

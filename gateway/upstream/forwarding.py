@@ -3,7 +3,7 @@
 The one client to the upstreams (``upstream.UpstreamClient``) lives here. While
 the answer streams to the client, the part needed for replay is kept; how the exchange
 ended (not sent, no answer, an answer cut short, "not processed", a whole answer)
-decides what becomes of the write's claimed key, which the caller keeps (``ClaimedKey``).
+decides what becomes of the write's claimed key, which the caller keeps (``EndOfExchange``).
 An exchange that brought no answer to stream back is reported to the caller (``refuse``)
 as what happened (``after_forward.Exchange``, or the answer's meaning for the key); the
 answer it gets is ``after_forward``'s to choose.
@@ -141,6 +141,9 @@ class Forwarder:
                 answer.close()
                 await end.ended(Answer.PRECONDITION_FAILED)
                 return await end.refusal()
+            # Counted once the upstream has answered, before the answer goes back: a
+            # worker process killed right after it answered has counted it.
+            metrics.forwarded.inc()
             timing = None
             if self.limits.server_timing and decided_since is not None:
                 timing = _Timing(request, decided_since, started, time.perf_counter())
@@ -149,7 +152,6 @@ class Forwarder:
             finally:
                 took = time.perf_counter() - started
                 metrics.forward_seconds.observe(took)
-                metrics.forwarded.inc()
                 if decided_since is not None:
                     self._forward_phase.observe(took)
         finally:
@@ -184,7 +186,7 @@ class Forwarder:
         assert self.client is not None
         total = upstream.timeout_seconds
         if send_left is not None:
-            # Judged right before this (``RequestMachine.claim_seen``), nothing awaited since.
+            # Judged right before this (the machine fed ``ClaimSeen``), nothing awaited since.
             total = min(total, send_left)
         began: list[bool] = []  # the first byte is about to leave (``sending``)
         try:

@@ -23,6 +23,13 @@
 -- not): its job can be leased again.
 {job}.state = {State.LEASED} AND {job}.lease_expires_at <= {now}
 
+-- fragment: claimable(job)
+-- The job row {job} may be claimed from its queue at {now}: due (pending past its retry
+-- delay, or leased past its lease: claimable_at says when) and with attempts left. Every
+-- claim from a queue tests this one.
+{job}.claimable_at IS NOT NULL AND {job}.claimable_at <= {now}
+    AND {job}.attempts < {job}.max_attempts
+
 -- fragment: token_lease_current
 -- The job row's lease (of UPDATE jobs) is :token_hash's, and current.
 lease_token_hash = :token_hash AND {lease_current(jobs)}
@@ -112,6 +119,48 @@ ON CONFLICT (job_id, key) DO UPDATE
 -- Take the record :key of :job_id out of writes_in_flight, while the marker is our
 -- attempt's (:attempt): one that another attempt has taken over since is left alone.
 DELETE FROM writes_in_flight WHERE job_id = :job_id AND key = :key AND attempt = :attempt
+
+-- fragment: claim_key
+-- The key :key of the job :job_id claimed for this attempt (:attempt) by an admission of
+-- generation :admitted (NULL: not admitted, nothing is claimed): a record in flight until
+-- {now} + :deadline_in, unless the key has a record already (claimed: 1 when this claimed
+-- it). The claim of every admission (admit on SQLite, admit_external; PostgreSQL's admit
+-- is one statement for a batch of callers and claims in its CTE "claim").
+INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
+                                 upstream, method, path, deadline, created_at, updated_at)
+SELECT CAST(:job_id AS text), CAST(:key AS text), CAST(:fingerprint AS text),
+       {RecordState.IN_FLIGHT}, CAST(:admitted AS bigint), CAST(:attempt AS text),
+       CAST(:upstream AS text), CAST(:method AS text), CAST(:path AS text),
+       {now} + CAST(:deadline_in AS double precision), {now}, {now}
+WHERE CAST(:admitted AS bigint) IS NOT NULL
+ON CONFLICT (job_id, key) DO NOTHING
+RETURNING 1 AS claimed
+
+-- fragment: take_over_key
+-- The key's record taken over for this attempt by an admission of generation :admitted,
+-- when the record is the same request's (:fingerprint), its outcome unknown or overdue,
+-- and the upstream's policy is retry (:retry): in flight again until {now} +
+-- :deadline_in (taken: 1 when it was). A record this admission just claimed is in flight
+-- and within its deadline, so it is not taken over as well.
+UPDATE idempotency_records
+SET state = {RecordState.IN_FLIGHT}, generation = CAST(:admitted AS bigint),
+    attempt = CAST(:attempt AS text),
+    deadline = {now} + CAST(:deadline_in AS double precision), updated_at = {now},
+    unknown_at = NULL
+WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
+  AND CAST(:admitted AS bigint) IS NOT NULL AND CAST(:retry AS boolean)
+  AND fingerprint = CAST(:fingerprint AS text)
+  AND {unknown_or_overdue(idempotency_records)}
+RETURNING 1 AS taken
+
+-- fragment: mark_attempt
+-- The key's record marked in writes_in_flight when it is this attempt's (claimed or
+-- taken over just now; another attempt's record is left alone).
+INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
+SELECT job_id, key, generation, attempt, deadline FROM idempotency_records
+WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
+  AND attempt = CAST(:attempt AS text)
+{mark_in_flight}
 
 -- fragment: unknown_since
 -- The unknown_at of a record that settles in the state :state at {now}: since now when
@@ -204,7 +253,10 @@ LEFT JOIN fences AS f ON f.job_id = l.job_id;
 -- order: a generation below the fence is stale whatever the source says; then the
 -- source's own finding (:lost, the reason it names; NULL: none); then the expiry the
 -- lease carries (:expires_at), by the database's clock. Always one row
--- (fence_generation NULL: nothing of it has written yet).
+-- (fence_generation NULL: nothing of it has written yet). This read only refuses early
+-- (before the body is read) with what it sees; admit_external decides, on its locked
+-- fence row, and only it judges a generation bound to another holder (reissued): the
+-- two verdicts share their rules (external_stale, token_expired), not their questions.
 SELECT {now} AS now, f.generation AS fence_generation,
        {external_older_in_flight} AS older_in_flight,
        CASE
@@ -259,30 +311,9 @@ FROM (SELECT 1 AS one) AS one
 LEFT JOIN fences AS f ON f.job_id = CAST(:job_id AS text)
 LEFT JOIN idempotency_records AS r
     ON r.job_id = CAST(:job_id AS text) AND r.key = CAST(:key AS text);
-INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
-                                 upstream, method, path, deadline, created_at, updated_at)
-SELECT CAST(:job_id AS text), CAST(:key AS text), CAST(:fingerprint AS text),
-       {RecordState.IN_FLIGHT}, CAST(:generation AS bigint), CAST(:attempt AS text),
-       CAST(:upstream AS text), CAST(:method AS text), CAST(:path AS text),
-       {now} + CAST(:deadline_in AS double precision), {now}, {now}
-WHERE CAST(:admitted AS bigint) IS NOT NULL
-ON CONFLICT (job_id, key) DO NOTHING
-RETURNING 1 AS claimed;
-UPDATE idempotency_records
-SET state = {RecordState.IN_FLIGHT}, generation = CAST(:generation AS bigint),
-    attempt = CAST(:attempt AS text),
-    deadline = {now} + CAST(:deadline_in AS double precision), updated_at = {now},
-    unknown_at = NULL
-WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
-  AND CAST(:admitted AS bigint) IS NOT NULL AND CAST(:retry AS boolean)
-  AND fingerprint = CAST(:fingerprint AS text)
-  AND {unknown_or_overdue(idempotency_records)}
-RETURNING 1 AS taken;
-INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
-SELECT job_id, key, generation, attempt, deadline FROM idempotency_records
-WHERE job_id = CAST(:job_id AS text) AND key = CAST(:key AS text)
-  AND attempt = CAST(:attempt AS text)
-{mark_in_flight};
+{claim_key};
+{take_over_key};
+{mark_attempt};
 
 -- name: record
 -- Read only: a key's record (an admission that found it claimed by a concurrent one

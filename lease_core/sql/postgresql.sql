@@ -103,8 +103,7 @@ candidate AS (
     FROM (SELECT queue, count(*) AS wanted FROM input GROUP BY queue) AS q
     CROSS JOIN LATERAL (
         SELECT j.job_id, j.claimable_at FROM jobs AS j
-        WHERE j.queue = q.queue AND j.claimable_at IS NOT NULL
-          AND j.claimable_at <= {now} AND j.attempts < j.max_attempts
+        WHERE j.queue = q.queue AND {claimable(j)}
         ORDER BY j.claimable_at LIMIT q.wanted
         FOR UPDATE SKIP LOCKED
     ) AS c

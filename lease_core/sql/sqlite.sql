@@ -77,8 +77,7 @@ UPDATE jobs SET
     {grant}
 WHERE job_id = (
     SELECT job_id FROM jobs
-    WHERE queue = :queue AND claimable_at IS NOT NULL AND claimable_at <= {now}
-      AND attempts < max_attempts
+    WHERE queue = :queue AND {claimable(jobs)}
     ORDER BY claimable_at LIMIT 1
 )
 RETURNING job_id, generation, owner, lease_expires_at, lease_ttl_seconds, payload;
@@ -142,49 +141,34 @@ SELECT changes() AS changed, {now} - :older_than AS cutoff;
 -- over when the upstream's policy is retry (:retry), and either marked in
 -- writes_in_flight. The first statement reads the lease, the fence, the older
 -- generations' writes and the key's record as they were before, and judges the lease
--- (refusal: lease_refusal, NULL when it may write); each later one is conditional on
--- that verdict (the IMMEDIATE transaction keeps every other writer out meanwhile).
-SELECT clock.now, l.job_id, l.generation AS lease_generation, l.owner AS lease_owner,
-       j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
-       f.generation AS fence_generation,
-       {lease_older_in_flight(l)} AS older_in_flight,
-       {lease_refusal(l, j)} AS refusal,
-       r.fingerprint, r.state AS r_state, r.generation AS r_generation,
-       r.attempt AS r_attempt, r.deadline, {past_deadline(r)} AS overdue, r.status,
-       r.headers, r.body
-FROM (SELECT {now} AS now) AS clock
-LEFT JOIN leases AS l ON l.token_hash = :token_hash
-LEFT JOIN jobs AS j ON j.job_id = l.job_id
-LEFT JOIN fences AS f ON f.job_id = l.job_id
-LEFT JOIN idempotency_records AS r ON r.job_id = l.job_id AND r.key = :key;
-INSERT INTO fences (job_id, generation, updated_at)
-SELECT job_id, generation, {now} FROM leases
-WHERE token_hash = :token_hash AND :refusal IS NULL
-{raise_fence};
-INSERT INTO idempotency_records (job_id, key, fingerprint, state, generation, attempt,
-                                 upstream, method, path, deadline, created_at, updated_at)
-SELECT job_id, :key, :fingerprint, {RecordState.IN_FLIGHT}, generation, :attempt, :upstream,
-       :method, :path, {now} + :deadline_in, {now}, {now}
-FROM leases
-WHERE token_hash = :token_hash AND :refusal IS NULL
-ON CONFLICT (job_id, key) DO NOTHING
-RETURNING 1 AS claimed;
-UPDATE idempotency_records
-SET state = {RecordState.IN_FLIGHT}, generation = l.generation, attempt = :attempt,
-    deadline = {now} + :deadline_in, updated_at = {now}, unknown_at = NULL
+-- (refusal: lease_refusal, NULL when it may write; admitted: the lease's generation
+-- when it may); each later one is conditional on that verdict (the IMMEDIATE
+-- transaction keeps every other writer out meanwhile). The key's claim, take-over and
+-- mark are admit_external's (common.sql: claim_key, take_over_key, mark_attempt).
+SELECT q.*, CASE WHEN q.refusal IS NULL THEN q.lease_generation END AS admitted
 FROM (
-    SELECT job_id, generation FROM leases
-    WHERE token_hash = :token_hash AND :refusal IS NULL
-) AS l
-WHERE idempotency_records.job_id = l.job_id AND idempotency_records.key = :key
-  AND :retry AND idempotency_records.fingerprint = :fingerprint
-  AND {unknown_or_overdue(idempotency_records)}
-RETURNING 1 AS taken;
-INSERT INTO writes_in_flight (job_id, key, generation, attempt, deadline)
-SELECT r.job_id, r.key, r.generation, r.attempt, r.deadline
-FROM leases AS l JOIN idempotency_records AS r ON r.job_id = l.job_id
-WHERE l.token_hash = :token_hash AND r.key = :key AND r.attempt = :attempt
-{mark_in_flight};
+    SELECT clock.now, l.job_id AS job_id, l.generation AS lease_generation,
+           l.owner AS lease_owner,
+           j.state, j.generation, j.owner, j.lease_expires_at, j.attempts, j.max_attempts,
+           f.generation AS fence_generation,
+           {lease_older_in_flight(l)} AS older_in_flight,
+           {lease_refusal(l, j)} AS refusal,
+           r.fingerprint, r.state AS r_state, r.generation AS r_generation,
+           r.attempt AS r_attempt, r.deadline, {past_deadline(r)} AS overdue, r.status,
+           r.headers, r.body
+    FROM (SELECT {now} AS now) AS clock
+    LEFT JOIN leases AS l ON l.token_hash = :token_hash
+    LEFT JOIN jobs AS j ON j.job_id = l.job_id
+    LEFT JOIN fences AS f ON f.job_id = l.job_id
+    LEFT JOIN idempotency_records AS r ON r.job_id = l.job_id AND r.key = :key
+) AS q;
+INSERT INTO fences (job_id, generation, updated_at)
+SELECT :job_id, :admitted, {now}
+WHERE :admitted IS NOT NULL
+{raise_fence};
+{claim_key};
+{take_over_key};
+{mark_attempt};
 
 -- name: settle
 -- Store the answer of our attempt (completed, or unknown outcome) and take the record

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.records.audit import REASONS
+from gateway.records.audit import REASON_VALUES
 from tests.gateway_helpers import PROBLEM
 from tests.support import Upstream, upstream_config
 
@@ -27,10 +27,10 @@ async def test_audit_reason_must_be_one(make_stack: Any, upstream: Upstream) -> 
         resp = await stack.control.get("/admin/rejections", params={"reason": bogus})
         detail = await refused(resp, "reason")
         assert f"{bogus!r} is not a reason" in detail
-        for reason in REASONS:
+        for reason in REASON_VALUES:
             assert reason in detail
-    assert "stale-generation" in REASONS and "idempotent-replay" in REASONS
-    for reason in REASONS:
+    assert "stale-generation" in REASON_VALUES and "idempotent-replay" in REASON_VALUES
+    for reason in REASON_VALUES:
         resp = await stack.control.get("/admin/rejections", params={"reason": reason})
         assert resp.status == 200, await resp.text()
 

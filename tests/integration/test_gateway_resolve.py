@@ -62,7 +62,7 @@ class StripeLike:
             request.transport.close()
             raise asyncio.CancelledError  # the answer is never written
         if lose == "timeout":
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(3.0)  # past the upstream's timeout_seconds (config)
         return web.Response(status=200, body=answer, content_type="application/json")
 
 
@@ -82,7 +82,9 @@ def config(up: StripeLike, **extra: Any) -> dict[str, Any]:
         "url": up.url,
         "profile": "stripe",
         "unknown_outcome": "resolve",
-        "timeout_seconds": 0.5,
+        # Long enough that a loaded machine connects and sends within it (a write that
+        # could not connect is told upstream-unavailable, not the loss these tests make).
+        "timeout_seconds": 2.0,
         "set_headers": {"Authorization": "Bearer sk_test_gateway_secret"},
         **extra,
     }

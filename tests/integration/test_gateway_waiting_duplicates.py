@@ -218,11 +218,11 @@ async def test_the_wait_holds_no_slot_and_no_database_connection(
         started = time.monotonic()
         await ok(await stack.write("/fast/c", lease, key=f"other-{n}"))
         assert time.monotonic() - started < 0.5
-    assert not waiting.done() and gateway.slots["fenced"] == 1  # the first attempt's
+    assert not waiting.done() and gateway.driver.slots["fenced"] == 1  # the first attempt's
     assert await replayed(await waiting) != b""
     await ok(await first)
     assert len(upstream.received) == 1 and len(fast.received) == 5
-    assert gateway.slots["fenced"] == 0
+    assert gateway.driver.slots["fenced"] == 0
 
 
 async def test_a_client_that_goes_away_ends_the_wait(make_gateway: Any, upstream: Upstream) -> None:

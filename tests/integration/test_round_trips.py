@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gateway.fencing import request as request_machine
+from gateway.fencing import machine as request_machine
 from tests.gateway_helpers import ok, problem, replayed
 from tests.support import Upstream, upstream_config
 

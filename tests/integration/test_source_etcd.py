@@ -159,6 +159,23 @@ async def test_the_cache_never_admits_a_generation_below_the_fence(
     assert len(upstream.received) == 2
 
 
+async def test_a_lock_read_as_held_is_believed_only_for_cache_seconds(
+    make_stack: Any, upstream: Upstream, etcd: Etcd, etcd_url: str
+) -> None:
+    """A lock lost after the gateway read it as held (its lease revoked, and nobody newer
+    has written) is refused once ``cache_seconds`` have passed since that read."""
+    stack = await make_stack(
+        upstreams=[upstream_config(upstream)], lease_sources=[source(etcd_url, cache_seconds=0.3)]
+    )
+    lease = await etcd.grant(30)
+    key = await etcd.lock(lock_name(), lease)
+    await ok(await stack.write("/pay/x", token(key), key="k1"))  # read and cached
+    await etcd.revoke(lease)
+    await asyncio.sleep(0.5)
+    await problem(await stack.write("/pay/x", token(key), key="k2"), 409, "lease-expired")
+    assert len(upstream.received) == 1
+
+
 async def test_tokens_that_hold_no_lock_are_invalid(
     make_stack: Any, upstream: Upstream, etcd: Etcd, etcd_url: str
 ) -> None:

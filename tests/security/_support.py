@@ -10,13 +10,14 @@ import base64
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,8 @@ KEEPALIVE = 3.0
 WELL_FORMED_UNKNOWN_TOKEN = "fgl_" + "A" * 32
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+LISTENING = re.compile(r"fencegate listening: .*?control=([^\s\",]+).*?proxy=([^\s\",]+)")
+"""fencegate's start line: the control and proxy listeners' addresses, ports resolved."""
 
 
 def environment() -> dict[str, str]:
@@ -203,9 +201,12 @@ def bearer(token: str) -> list[tuple[str, str]]:
 class Stack:
     home: Path
     database_url: str = "sqlite+aiosqlite:///fencegate.db"
-    proxy_port: int = field(default_factory=free_port)
-    control_port: int = field(default_factory=free_port)
-    upstream_port: int = field(default_factory=free_port)
+    # Each process binds port 0 and says which port it got (the upstream on its stdout,
+    # fencegate in its listening line): a port picked free and bound later can be taken
+    # by another process in between. Known once ``start`` has returned.
+    proxy_port: int = 0
+    control_port: int = 0
+    upstream_port: int = 0
     gateway: subprocess.Popen[bytes] | None = None
     upstream: subprocess.Popen[bytes] | None = None
 
@@ -251,17 +252,22 @@ set_headers = {{ Authorization = "Bearer ${{SEC_PAY_KEY}}" }}
 """
 
     def start(self) -> None:
-        config = self.home / "fencegate.toml"
-        config.write_text(self.config_text())
         self.record_file.touch()
         env = environment()
         with (self.home / "upstream.log").open("wb") as upstream_log:
             self.upstream = subprocess.Popen(
-                [sys.executable, UPSTREAM_SCRIPT, str(self.upstream_port), str(self.record_file)],
-                stdout=subprocess.DEVNULL,
+                [sys.executable, UPSTREAM_SCRIPT, "0", str(self.record_file)],
+                stdout=subprocess.PIPE,
                 stderr=upstream_log,
                 env=env,
             )
+        assert self.upstream.stdout is not None
+        ready = self.upstream.stdout.readline().decode()  # "upstream ready PORT"
+        assert ready.startswith("upstream ready "), f"the upstream did not start: {ready!r}"
+        self.upstream_port = int(ready.split()[-1])
+        self.proxy_port = self.control_port = 0
+        config = self.home / "fencegate.toml"
+        config.write_text(self.config_text())
         with self.log_file.open("wb") as log:
             self.gateway = subprocess.Popen(
                 [
@@ -274,7 +280,12 @@ set_headers = {{ Authorization = "Bearer ${{SEC_PAY_KEY}}" }}
                 cwd=self.home,
             )
         deadline = time.monotonic() + 30
-        while not (self._healthy() and _accepts(self.upstream_port)):
+        while (found := LISTENING.search(self.output())) is None:
+            assert self.gateway.poll() is None, f"fencegate exited:\n{self.output()}"
+            assert time.monotonic() < deadline, f"fencegate never listened:\n{self.output()}"
+            time.sleep(0.05)
+        self.control_port, self.proxy_port = (int(found[i].rsplit(":", 1)[1]) for i in (1, 2))
+        while not self._healthy():
             assert self.gateway.poll() is None, f"fencegate exited:\n{self.output()}"
             assert self.upstream.poll() is None, "the upstream exited"
             assert time.monotonic() < deadline, f"fencegate never got healthy:\n{self.output()}"
@@ -285,6 +296,8 @@ set_headers = {{ Authorization = "Bearer ${{SEC_PAY_KEY}}" }}
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+        if self.upstream is not None and self.upstream.stdout is not None:
+            self.upstream.stdout.close()
 
     def output(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
@@ -344,14 +357,6 @@ set_headers = {{ Authorization = "Bearer ${{SEC_PAY_KEY}}" }}
         assert resp.status == 201, resp
         lease: dict[str, Any] = resp.json()
         return lease
-
-
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def headers_of(entry: dict[str, Any]) -> dict[str, str]:

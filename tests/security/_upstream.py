@@ -1,6 +1,6 @@
 """A recording upstream for the security tests, run as its own process:
 
-    python _upstream.py PORT RECORD_FILE
+    python _upstream.py PORT RECORD_FILE   (PORT 0: any free one, printed)
 
 Every request it receives is appended to RECORD_FILE as one JSON line (method, raw
 target, headers in order, the raw body in base64) before it answers. It never inflates a
@@ -53,8 +53,11 @@ async def main(port: int, record_file: str) -> None:
     app.router.add_route("*", "/{tail:.*}", handler)
     runner = web.AppRunner(app, access_log=None, auto_decompress=False)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    print("upstream ready", flush=True)
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    if port == 0:  # the port the system chose, for the redirect and the caller
+        port = runner.addresses[0][1]
+    print(f"upstream ready {port}", flush=True)
     await asyncio.Event().wait()
 
 

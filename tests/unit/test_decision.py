@@ -17,16 +17,16 @@ from gateway.fencing.decision import (
     ROWS,
     STORE_UNAVAILABLE,
     UNKNOWN,
+    Act,
     Facts,
     NoUpstream,
     Outcome,
     Row,
-    Step,
     Verdict,
     decide,
     http_error,
 )
-from gateway.fencing.fence import REASONS, Reason
+from gateway.fencing.fence import PROBLEMS, Reason
 from gateway.fencing.profiles import Answer
 
 # Every fact known, and none of them refusing: a fenced write that goes out.
@@ -36,7 +36,7 @@ CLEAR = Facts(
     over_limit=False,
     body_in_time=True,
     record=None,
-    in_order=True,
+    older_settled=True,
     at_send=None,
 )
 
@@ -58,7 +58,7 @@ for index, row in enumerate(ROWS):
         "body_in_time": False,
         "first_settled": False,
         "record": Reason.IDEMPOTENCY_KEY_REUSED,
-        "in_order": False,
+        "older_settled": False,
         "at_send": Reason.ORDERING_TIMEOUT,
     }[row.fact]
 
@@ -75,10 +75,10 @@ def test_every_fact_clear_forwards() -> None:
     assert decide(CLEAR) == Verdict(Outcome.FORWARD)
 
 
-def test_the_defaults_pass_every_row_that_needs_no_step() -> None:
+def test_the_defaults_pass_every_row_that_needs_no_act() -> None:
     """What intake leaves unset passes its row: only the facts that take a step are
     unknown at first, and the first of them is asked for."""
-    assert decide(Facts()) == Verdict(Outcome.NEED, need=Step.LEASE)
+    assert decide(Facts()) == Act.CHECK_LEASE
 
 
 @pytest.mark.parametrize("index", range(len(ROWS)), ids=lambda i: f"{i}-{ROWS[i].fact}")
@@ -86,7 +86,7 @@ def test_each_row_answers_when_its_fact_holds(index: int) -> None:
     verdict = decide(holding(CLEAR, index))
     assert verdict == expected(index)
     assert verdict.outcome is Outcome.REFUSE
-    assert verdict.reason is not None and verdict.reason in REASONS
+    assert verdict.reason is not None and verdict.reason in PROBLEMS
 
 
 PAIRS = [
@@ -100,14 +100,14 @@ def test_of_two_rows_that_hold_the_earlier_answers(pair: tuple[int, int]) -> Non
     assert decide(holding(holding(CLEAR, first), second)) == expected(first)
 
 
-STEPPED = [i for i, row in enumerate(ROWS) if row.step is not None]
+STEPPED = [i for i, row in enumerate(ROWS) if row.act is not None]
 
 
 @pytest.mark.parametrize("index", STEPPED, ids=lambda i: ROWS[i].fact)
 def test_an_unknown_fact_is_asked_for_only_when_no_earlier_row_holds(index: int) -> None:
     row = ROWS[index]
     unknown = replace(CLEAR, **{row.fact: UNKNOWN})
-    assert decide(unknown) == Verdict(Outcome.NEED, need=row.step)
+    assert decide(unknown) == row.act
     for earlier in range(index):
         if ROWS[earlier].fact != row.fact:
             assert decide(holding(unknown, earlier)) == expected(earlier)
@@ -135,9 +135,9 @@ def test_the_lease_and_the_record_answer_with_their_own_reason() -> None:
 
 def test_a_method_that_is_not_fenced_meets_only_its_rows() -> None:
     unfenced = Facts(fenced=False)
-    assert decide(unfenced) == Verdict(Outcome.NEED, need=Step.SLOT)
+    assert decide(unfenced) == Act.TAKE_SLOT
     unfenced = replace(unfenced, slot_free=True)
-    assert decide(unfenced) == Verdict(Outcome.NEED, need=Step.BODY)
+    assert decide(unfenced) == Act.READ_BODY
     read = replace(unfenced, over_limit=False, body_in_time=True)
     assert decide(read) == Verdict(Outcome.PASS)
     assert decide(replace(read, over_limit=True)).reason is Reason.BODY_TOO_LARGE
@@ -158,10 +158,11 @@ def test_details_and_closing() -> None:
     assert decide(replace(CLEAR, token_headers=2)).close is False
 
 
-def test_every_row_can_be_reached_and_every_step_is_used() -> None:
-    assert {row.step for row in ROWS} - {None} == set(Step)
+def test_every_row_can_be_reached_and_every_act_is_used() -> None:
+    # every act but RELEASE (the machine's, to undo a claim) finds out a fact
+    assert {row.act for row in ROWS} - {None} == set(Act) - {Act.RELEASE}
     refusals = {row.answer for row in ROWS if isinstance(row.answer, Reason)}
-    assert refusals <= set(REASONS)
+    assert refusals <= set(PROBLEMS)
     assert all(isinstance(row, Row) for row in ROWS)
     assert sum(row.answer == FROM_FACT for row in ROWS) == 3
 
@@ -180,8 +181,8 @@ def test_a_request_without_a_current_lease_is_refused_before_it_takes_a_slot() -
     its body trickles in, and a full pool does not hide a lease refusal."""
     facts = Facts(lease=Reason.INVALID_FENCING_TOKEN)
     assert decide(facts) == Verdict(Outcome.REFUSE, Reason.INVALID_FENCING_TOKEN)
-    assert decide(Facts(lease=None)) == Verdict(Outcome.NEED, need=Step.SLOT)
-    assert decide(Facts(lease=None, slot_free=True)) == Verdict(Outcome.NEED, need=Step.BODY)
+    assert decide(Facts(lease=None)) == Act.TAKE_SLOT
+    assert decide(Facts(lease=None, slot_free=True)) == Act.READ_BODY
 
 
 # -- the answers after the forward, and outside the table's walk ----------------------------
@@ -200,7 +201,7 @@ def test_a_request_without_a_current_lease_is_refused_before_it_takes_a_slot() -
 def test_the_answers_after_the_forward(ended: Exchange | Answer, reason: Reason) -> None:
     verdict = answer_after(ended)
     assert (verdict.outcome, verdict.reason) == (Outcome.REFUSE, reason)
-    assert REASONS[reason].status in (412, 502, 504)
+    assert PROBLEMS[reason].status in (412, 502, 504)
 
 
 @pytest.mark.parametrize("keyed", [True, False])

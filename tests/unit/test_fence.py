@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fencegate_client.errors import LOST_BY_REASON
 from fencegate_client.reasons import AUDIT_ONLY
 from gateway.fencing import fence
-from gateway.fencing.fence import REASONS, Presented, Reason, Record, RecordState
+from gateway.fencing.fence import PROBLEMS, Presented, Reason, Record, RecordState
 from lease_core.rules import Job, State
 
 TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -449,12 +449,12 @@ def test_problem_extra(seen: Presented | None, highest: int | None, extra: dict[
 
 
 def test_every_refusal_has_a_problem_and_a_replay_has_none() -> None:
-    assert set(REASONS) == set(fence.GATEWAY_REASONS) - AUDIT_ONLY
+    assert set(PROBLEMS) == set(fence.GATEWAY_REASONS) - AUDIT_ONLY
 
 
 @pytest.mark.parametrize("reason", [r for r in fence.GATEWAY_REASONS if r not in AUDIT_ONLY])
 def test_each_reason_is_a_complete_problem(reason: Reason) -> None:
-    info = REASONS[reason]
+    info = PROBLEMS[reason]
     assert 400 <= info.status <= 599
     assert info.title.strip() and info.detail.strip()
 
@@ -481,7 +481,7 @@ SPEC_STATUSES = {
 
 @pytest.mark.parametrize(("reason", "status"), SPEC_STATUSES.items())
 def test_statuses_are_the_specifications(reason: Reason, status: int) -> None:
-    assert REASONS[reason].status == status
+    assert PROBLEMS[reason].status == status
 
 
 def test_the_gateway_names_a_lost_lease_as_the_client_reads_it() -> None:

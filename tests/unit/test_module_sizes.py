@@ -25,8 +25,9 @@ def test_no_module_is_over_600_lines(package: str) -> None:
 
 
 def test_the_request_driver_stays_a_driver() -> None:
-    """``proxy/handler.py`` performs the state machine's steps and holds no rule of its
-    own (issue 45): at most 300 lines; a rule that grows there belongs in
-    ``gateway/fencing/request.py``."""
+    """``proxy/handler.py`` performs the state machine's acts and holds no rule of its
+    own (issue 45): at most 320 lines (300, and since issue 56 the driver's own state,
+    composed instead of inherited by ``Gateway``); a rule that grows there belongs in
+    ``gateway/fencing/machine.py``."""
     handler = ROOT / "gateway" / "proxy" / "handler.py"
-    assert len(handler.read_text("utf-8").splitlines()) <= 300
+    assert len(handler.read_text("utf-8").splitlines()) <= 320

@@ -114,9 +114,9 @@ def test_the_gateway_reasons_are_its_rows_and_the_replay() -> None:
         Reason(v) for v, (_, who) in WIRE.items() if who in ("gateway", "both")
     }
     assert list(GATEWAY_REASONS) == [r for r in Reason if r in GATEWAY_REASONS]  # enum order
-    assert set(fence.REASONS) == set(GATEWAY_REASONS) - AUDIT_ONLY
+    assert set(fence.PROBLEMS) == set(GATEWAY_REASONS) - AUDIT_ONLY
     assert fence.Reason is Reason
-    for reason, info in fence.REASONS.items():
+    for reason, info in fence.PROBLEMS.items():
         assert info is REASONS[reason]
 
 

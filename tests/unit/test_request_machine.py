@@ -1,12 +1,13 @@
-"""One request's state machine (``gateway.fencing.request``), driven by hand: no server,
-no database, no aiohttp. Each test feeds what a step would have found and checks the
-step the machine asks for next, or its verdict."""
+"""One request's state machine (``gateway.fencing.machine``), driven by hand: no server,
+no database, no aiohttp. Each test feeds what an act would have found (its event) and
+checks the act the machine asks for next, or its verdict."""
 
 from __future__ import annotations
 
 import io
 
 import pytest
+from multidict import CIMultiDict
 
 from fencegate_client.reasons import REASONS, Sent
 from gateway.fencing import resolution
@@ -16,14 +17,32 @@ from gateway.fencing.deadlines import (
     RESOLVE_MARGIN,
     DuplicateWait,
     Timing,
-    resolve_claim_for,
+    resolve_claim_seconds,
     resolve_window,
     send_left,
 )
-from gateway.fencing.decision import Facts, Outcome
-from gateway.fencing.fence import Admission, ClaimState, Presented, Reason, Record, RecordState
+from gateway.fencing.decision import Act, Facts, Outcome, Verdict
+from gateway.fencing.events import (
+    RELEASED,
+    Admitted,
+    BodyRead,
+    ClaimSeen,
+    FirstSettled,
+    LeaseSeen,
+    OlderSettled,
+    SlotTaken,
+)
+from gateway.fencing.fence import (
+    Admission,
+    ClaimState,
+    Presented,
+    Reason,
+    Record,
+    RecordState,
+    UnknownOutcome,
+)
+from gateway.fencing.machine import MachineError, RequestMachine
 from gateway.fencing.profiles import Answer
-from gateway.fencing.request import Act, MachineError, RequestMachine
 
 TIMING = Timing(ordering_wait=30.0, timeout=10.0, connect_timeout=5.0)
 PRESENTED = Presented(job_id="job-1", generation=3, owner="w", job=None)
@@ -32,7 +51,7 @@ PRESENTED = Presented(job_id="job-1", generation=3, owner="w", job=None)
 def machine(**kwargs: object) -> RequestMachine:
     options: dict[str, object] = {"timing": TIMING, "body_arrived": True}
     options.update(kwargs)
-    return RequestMachine(Facts(), **options)  # type: ignore[arg-type]
+    return RequestMachine(Facts(), 0.0, **options)  # type: ignore[arg-type]
 
 
 def admission(**kwargs: object) -> Admission:
@@ -47,57 +66,53 @@ def claimed(**kwargs: object) -> Admission:
 
 def to_admission(m: RequestMachine) -> None:
     """TAKE_SLOT, READ_BODY: the steps before the admission of a body that arrived."""
-    assert m.next().act is Act.TAKE_SLOT
-    m.slot_taken("fenced")
-    assert m.next().act is Act.READ_BODY
-    m.body_read(io.BytesIO(b"{}"), "fp")
-    assert m.next().act is Act.ADMIT
+    assert m.next() is Act.TAKE_SLOT
+    m.feed(SlotTaken("fenced"))
+    assert m.next() is Act.READ_BODY
+    m.feed(BodyRead(io.BytesIO(b"{}"), "fp"))
+    assert m.next() is Act.ADMIT
 
 
 def test_a_body_still_coming_has_its_lease_read_before_a_slot_is_taken() -> None:
     m = machine(body_arrived=False)
-    assert m.next().act is Act.CHECK_LEASE
-    m.lease_seen(admission())
-    assert m.next().act is Act.TAKE_SLOT
+    assert m.next() is Act.CHECK_LEASE
+    m.feed(LeaseSeen(admission()))
+    assert m.next() is Act.TAKE_SLOT
 
 
 def test_an_arrived_body_lets_the_admission_tell_about_the_lease() -> None:
     m = machine()
     to_admission(m)
-    m.admitted(
-        admission(lease=Reason.STALE_GENERATION), asked=0, answered=0, behind=False, gone=False
-    )
-    step = m.next()
-    assert step.act is Act.ANSWER and step.verdict is not None
-    assert step.verdict.reason is Reason.STALE_GENERATION
+    m.feed(Admitted(admission(lease=Reason.STALE_GENERATION), 0, 0, behind=False, gone=False))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.STALE_GENERATION
 
 
 def test_no_slot_free_reads_the_lease_then_is_overloaded() -> None:
     m = machine()
-    assert m.next().act is Act.TAKE_SLOT
-    m.slot_taken(None)
-    assert m.next().act is Act.CHECK_LEASE
-    m.lease_seen(admission())
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.OVERLOADED
+    assert m.next() is Act.TAKE_SLOT
+    m.feed(SlotTaken(None))
+    assert m.next() is Act.CHECK_LEASE
+    m.feed(LeaseSeen(admission()))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.OVERLOADED
 
 
 def test_an_unknown_token_is_refused() -> None:
     m = machine()
     to_admission(m)
-    m.admitted(None, asked=0, answered=0, behind=False, gone=False)
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.INVALID_FENCING_TOKEN
+    m.feed(Admitted(None, 0, 0, behind=False, gone=False))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.INVALID_FENCING_TOKEN
 
 
 def test_a_fresh_admission_is_the_judgement_before_the_send() -> None:
     m = machine()
     to_admission(m)
-    m.admitted(claimed(), asked=100.0, answered=100.01, behind=False, gone=False)
-    step = m.next()
-    assert step.act is Act.ANSWER and step.verdict is not None
-    assert step.verdict.outcome is Outcome.FORWARD
-    assert m.send_left == pytest.approx(TIMING.claim_for - MARGIN - 0.01)
+    m.feed(Admitted(claimed(), 100.0, 100.01, behind=False, gone=False))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.outcome is Outcome.FORWARD
+    assert m.send_left == pytest.approx(TIMING.claim_seconds - MARGIN - 0.01)
 
 
 @pytest.mark.parametrize("resolving, answered", [(False, 100.3), (True, 100.01)])
@@ -106,8 +121,8 @@ def test_a_slow_admission_or_a_resolver_running_reads_the_claim_again(
 ) -> None:
     m = machine(resolving=resolving)
     to_admission(m)
-    m.admitted(claimed(), asked=100.0, answered=answered, behind=False, gone=False)
-    assert m.next().act is Act.READ_CLAIM
+    m.feed(Admitted(claimed(), 100.0, answered, behind=False, gone=False))
+    assert m.next() is Act.READ_CLAIM
 
 
 def test_an_older_write_in_flight_is_waited_for_however_fast_the_admission() -> None:
@@ -115,30 +130,30 @@ def test_an_older_write_in_flight_is_waited_for_however_fast_the_admission() -> 
     ``barrier-quick-admission``)."""
     m = machine()
     to_admission(m)
-    m.admitted(claimed(older_in_flight=True), asked=100.0, answered=100.0, behind=False, gone=False)
-    assert m.next().act is Act.WAIT_OLDER
+    m.feed(Admitted(claimed(older_in_flight=True), 100.0, 100.0, behind=False, gone=False))
+    assert m.next() is Act.WAIT_OLDER
 
 
 def test_after_the_wait_a_newer_generation_makes_the_write_stale_and_its_claim_undone() -> None:
     m = machine()
     to_admission(m)
-    m.admitted(claimed(older_in_flight=True), asked=0, answered=0, behind=False, gone=False)
-    assert m.older_waited(True).act is Act.CHECK_LEASE
-    m.lease_seen(admission(highest=4))
-    assert m.next().act is Act.RELEASE  # refused with our claim: undone first
-    m.released()
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.STALE_GENERATION
+    m.feed(Admitted(claimed(older_in_flight=True), 0, 0, behind=False, gone=False))
+    assert m.feed(OlderSettled(True)) is Act.CHECK_LEASE
+    m.feed(LeaseSeen(admission(highest=4)))
+    assert m.next() is Act.RELEASE  # refused with our claim: undone first
+    m.feed(RELEASED)
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.STALE_GENERATION
 
 
 def test_older_writes_not_settled_in_time_are_an_ordering_timeout() -> None:
     m = machine()
     to_admission(m)
-    m.admitted(claimed(older_in_flight=True), asked=0, answered=0, behind=False, gone=False)
-    assert m.older_waited(False).act is Act.RELEASE
-    m.released()
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.ORDERING_TIMEOUT
+    m.feed(Admitted(claimed(older_in_flight=True), 0, 0, behind=False, gone=False))
+    assert m.feed(OlderSettled(False)) is Act.RELEASE
+    m.feed(RELEASED)
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.ORDERING_TIMEOUT
 
 
 def test_at_the_send_a_newer_fence_is_stale_and_a_lost_claim_is_not_sent() -> None:
@@ -152,28 +167,33 @@ def test_at_the_send_a_newer_fence_is_stale_and_a_lost_claim_is_not_sent() -> No
     ):
         m = machine()
         to_admission(m)
-        m.admitted(claimed(), asked=0.0, answered=1.0, behind=False, gone=False)
-        m.claim_seen(state, 1.0)
-        assert m.next().act is Act.RELEASE
-        m.released()
-        verdict = m.next().verdict
-        assert verdict is not None and verdict.reason is not None
+        m.feed(Admitted(claimed(), 0.0, 1.0, behind=False, gone=False))
+        m.feed(ClaimSeen(state, 1.0))
+        assert m.next() is Act.RELEASE
+        m.feed(RELEASED)
+        verdict = m.next()
+        assert isinstance(verdict, Verdict) and verdict.reason is not None
         assert verdict.reason.value.startswith(reason), (state, verdict)
 
 
 def test_at_the_send_an_older_write_claimed_since_is_waited_for() -> None:
     m = machine()
     to_admission(m)
-    m.admitted(claimed(), asked=0.0, answered=1.0, behind=False, gone=False)
-    m.claim_seen(ClaimState(now=1000.0, fence=3, deadline=1040.0, older_in_flight=True), 1.0)
-    assert m.next().act is Act.WAIT_OLDER
+    m.feed(Admitted(claimed(), 0.0, 1.0, behind=False, gone=False))
+    m.feed(ClaimSeen(ClaimState(now=1000.0, fence=3, deadline=1040.0, older_in_flight=True), 1.0))
+    assert m.next() is Act.WAIT_OLDER
 
 
 def test_the_send_is_judged_by_the_earlier_of_both_clocks() -> None:
-    assert send_left(send_by=50.0, now=10.0, deadline=1020.0, db_now=1000.0) == 20.0 - MARGIN
-    assert send_left(send_by=15.0, now=10.0, deadline=1100.0, db_now=1000.0) == 5.0
-    assert send_left(send_by=15.0, now=10.0, deadline=None, db_now=1000.0) < 0
-    assert TIMING.send_by(100.0) == 100.0 + 30.0 + 10.0 + 5.0
+    assert (
+        send_left(send_by_monotonic=50.0, now_monotonic=10.0, deadline=1020.0, db_now=1000.0)
+        == 20.0 - MARGIN
+    )
+    assert (
+        send_left(send_by_monotonic=15.0, now_monotonic=10.0, deadline=1100.0, db_now=1000.0) == 5.0
+    )
+    assert send_left(send_by_monotonic=15.0, now_monotonic=10.0, deadline=None, db_now=1000.0) < 0
+    assert TIMING.send_by_monotonic(100.0) == 100.0 + 30.0 + 10.0 + 5.0
 
 
 def record(state: RecordState, *, deadline: float = 2000.0, body: bytes | None = b"ok") -> Record:
@@ -194,9 +214,9 @@ def record(state: RecordState, *, deadline: float = 2000.0, body: bytes | None =
 def test_the_keys_record_answers(found: Record, reason: Reason) -> None:
     m = machine()
     to_admission(m)
-    m.admitted(admission(record=found, highest=3), asked=0, answered=0, behind=False, gone=False)
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is reason
+    m.feed(Admitted(admission(record=found, highest=3), 0, 0, behind=False, gone=False))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is reason
 
 
 def test_a_duplicate_that_asked_to_wait_is_answered_from_the_store() -> None:
@@ -206,33 +226,29 @@ def test_a_duplicate_that_asked_to_wait_is_answered_from_the_store() -> None:
     m = machine(wait=DuplicateWait(5))
     to_admission(m)
     in_flight = admission(record=record(RecordState.IN_FLIGHT), highest=3)
-    m.admitted(in_flight, asked=0, answered=0, behind=False, gone=False)
-    assert m.next().act is Act.WAIT_FIRST
+    m.feed(Admitted(in_flight, 0, 0, behind=False, gone=False))
+    assert m.next() is Act.WAIT_FIRST
     assert m.body is None and m.fingerprint == "fp"
     m.slot_given_back()
-    m.first_waited(True, record(RecordState.COMPLETED))
-    assert m.next().act is Act.CHECK_LEASE
-    m.lease_seen(admission())
-    step = m.next()
-    assert step.verdict is not None and step.verdict.outcome is Outcome.REPLAY
+    m.feed(FirstSettled(True, record(RecordState.COMPLETED)))
+    assert m.next() is Act.CHECK_LEASE
+    m.feed(LeaseSeen(admission()))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.outcome is Outcome.REPLAY
     assert m.wait is not None and m.wait.waited and m.wait.asked
 
 
 def test_a_waiter_whose_lease_went_stale_is_refused_not_replayed() -> None:
     m = machine(wait=DuplicateWait(5))
     to_admission(m)
-    m.admitted(
-        admission(record=record(RecordState.IN_FLIGHT)),
-        asked=0,
-        answered=0,
-        behind=False,
-        gone=False,
+    m.feed(
+        Admitted(admission(record=record(RecordState.IN_FLIGHT)), 0, 0, behind=False, gone=False)
     )
-    m.first_waited(True, record(RecordState.COMPLETED))
-    assert m.next().act is Act.CHECK_LEASE
-    m.lease_seen(admission(lease=Reason.STALE_GENERATION))
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.STALE_GENERATION
+    m.feed(FirstSettled(True, record(RecordState.COMPLETED)))
+    assert m.next() is Act.CHECK_LEASE
+    m.feed(LeaseSeen(admission(lease=Reason.STALE_GENERATION)))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.STALE_GENERATION
 
 
 @pytest.mark.parametrize(
@@ -244,18 +260,14 @@ def test_a_waiter_whose_key_is_free_again_is_told_to_send_again(found: Record | 
     """The first attempt ended without an answer to replay (released, "not processed",
     or to be forwarded again): the waiter holds no body, so it is not forwarded; it is
     told that nothing of it was sent (request-in-progress, Retry-After)."""
-    m = machine(wait=DuplicateWait(5), policy="retry")
+    m = machine(wait=DuplicateWait(5), policy=UnknownOutcome.RETRY)
     to_admission(m)
-    m.admitted(
-        admission(record=record(RecordState.IN_FLIGHT)),
-        asked=0,
-        answered=0,
-        behind=False,
-        gone=False,
+    m.feed(
+        Admitted(admission(record=record(RecordState.IN_FLIGHT)), 0, 0, behind=False, gone=False)
     )
-    m.first_waited(True, found)
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.REQUEST_IN_PROGRESS
+    m.feed(FirstSettled(True, found))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.REQUEST_IN_PROGRESS
     assert verdict.detail is not None and "Nothing of this request was sent" in verdict.detail
     assert REASONS[Reason.REQUEST_IN_PROGRESS].sent is Sent.NEVER
 
@@ -263,10 +275,10 @@ def test_a_waiter_whose_key_is_free_again_is_told_to_send_again(found: Record | 
 def test_a_failure_before_the_forward_is_never_sent_after_it_maybe() -> None:
     m = machine()
     to_admission(m)
-    m.admitted(claimed(), asked=0, answered=0, behind=False, gone=False)
+    m.feed(Admitted(claimed(), 0, 0, behind=False, gone=False))
     assert m.unsent_claim
     assert m.failed().reason is Reason.STORE_UNAVAILABLE
-    m.forwarding()
+    m.forwarding(CIMultiDict())
     assert not m.unsent_claim
     assert m.failed().reason is Reason.INTERNAL_ERROR
     assert REASONS[Reason.INTERNAL_ERROR].sent is Sent.MAYBE
@@ -276,29 +288,58 @@ def test_a_duplicate_of_an_answer_settling_here_waits_without_asking() -> None:
     m = machine()
     to_admission(m)
     in_flight = admission(record=record(RecordState.IN_FLIGHT), highest=3)
-    m.admitted(in_flight, asked=0, answered=0, behind=True, gone=False)
-    assert m.next().act is Act.WAIT_FIRST
+    m.feed(Admitted(in_flight, 0, 0, behind=True, gone=False))
+    assert m.next() is Act.WAIT_FIRST
     assert m.wait is not None and not m.wait.asked
-    m.first_waited(False, None)
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.REQUEST_IN_PROGRESS
+    m.feed(FirstSettled(False, None))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.REQUEST_IN_PROGRESS
 
 
 def test_a_client_gone_does_not_wait() -> None:
     m = machine(wait=DuplicateWait(5))
     to_admission(m)
     in_flight = admission(record=record(RecordState.IN_FLIGHT), highest=3)
-    m.admitted(in_flight, asked=0, answered=0, behind=False, gone=True)
-    verdict = m.next().verdict
-    assert verdict is not None and verdict.reason is Reason.REQUEST_IN_PROGRESS
+    m.feed(Admitted(in_flight, 0, 0, behind=False, gone=True))
+    verdict = m.next()
+    assert isinstance(verdict, Verdict) and verdict.reason is Reason.REQUEST_IN_PROGRESS
 
 
-def test_expect_continue_stops_at_the_body() -> None:
+def test_expect_continue_stops_at_the_body_and_goes_on_with_the_same_machine() -> None:
+    """The lease is looked at before the body comes; the request then goes on with the
+    same machine (the intake is not run again): a slot, the body, the admission."""
     m = machine(body_arrived=False)
     m.before_body()
-    assert m.next().act is Act.CHECK_LEASE
-    m.lease_seen(admission())
-    assert m.next().act is Act.READ_BODY
+    assert m.next() is Act.CHECK_LEASE
+    assert m.feed(LeaseSeen(admission())) is Act.READ_BODY
+    m.body_coming()
+    assert m.next() is Act.TAKE_SLOT
+    assert m.feed(SlotTaken("fenced")) is Act.READ_BODY
+    assert m.feed(BodyRead(io.BytesIO(b"{}"), "fp")) is Act.ADMIT
+
+
+@pytest.mark.parametrize(
+    "event",
+    [LeaseSeen(None), BodyRead(None, None), RELEASED, OlderSettled(True)],
+    ids=["lease", "body", "released", "older"],
+)
+def test_an_event_that_does_not_answer_the_act_asked_for_raises(event: object) -> None:
+    """h11's rule for every act: the machine asked for a slot; anything else fed back is
+    the driver's bug, and changes nothing."""
+    m = machine()
+    assert m.next() is Act.TAKE_SLOT
+    before = repr(m)
+    with pytest.raises(MachineError):
+        m.feed(event)  # type: ignore[arg-type]
+    assert repr(m) == before
+
+
+def test_nothing_may_be_fed_once_the_machine_has_its_verdict() -> None:
+    m = machine()
+    to_admission(m)
+    assert isinstance(m.feed(Admitted(None, 0, 0)), Verdict)  # an unknown token, refused
+    with pytest.raises(MachineError):
+        m.feed(LeaseSeen(admission()))
 
 
 # -- the resolver's rules: the same send verdict and deadline policy -----------------------
@@ -308,7 +349,7 @@ def test_the_resolver_re_sends_only_inside_the_window() -> None:
     """A re-send must reach the upstream while it still remembers the key: the window
     less the exchange and the margin (mutant ``resolver-window-sign``)."""
     assert resolve_window(dedup_window=3600.0, timeout=10.0) == 3600.0 - 10.0 - RESOLVE_MARGIN
-    assert resolve_claim_for(timeout=10.0, connect_timeout=5.0) == 15.0 + 2 * RESOLVE_MARGIN
+    assert resolve_claim_seconds(timeout=10.0, connect_timeout=5.0) == 15.0 + 2 * RESOLVE_MARGIN
 
 
 @pytest.mark.parametrize(
@@ -354,8 +395,8 @@ def forwarding_machine(*, keyed: bool = True) -> RequestMachine:
     m = machine()
     to_admission(m)
     if keyed:
-        m.admitted(claimed(), asked=0, answered=0, behind=False, gone=False)
-    m.forwarding()
+        m.feed(Admitted(claimed(), 0, 0, behind=False, gone=False))
+    m.forwarding(CIMultiDict())
     return m
 
 

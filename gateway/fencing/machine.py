@@ -1,25 +1,29 @@
 """One request, one state machine: everything the gateway knows and holds for a request,
-and every change to it, with no I/O (in the manner of h11's ``_state``).
+and every change to it, with no I/O and no clock (in the manner of h11's ``_state``).
 
-The proxy's driver (``gateway.proxy.handler``) asks ``next()`` what to do, performs that
-one step (a read of the lease, a slot, the body, the admission, a wait, the last look
-before the send, the release of a claim), and feeds what it found back through the
-method named for the step (``lease_seen``, ``slot_taken``, ``body_read``, ``admitted``,
-``first_waited``, ``older_waited``, ``claim_seen``, ``released``). ``next()`` answers
-``Act.ANSWER`` with the verdict once the decision table (``decision``) has one: forward,
-pass, replay or refuse. The rules it applies are ``fence``'s and ``decision``'s; its
-deadlines are ``deadlines``'s.
+One door out, one door in. ``next()`` names the one act the driver
+(``gateway.proxy.handler``) performs next (an ``Act``: a read of the lease, a slot, the
+body, the admission, a wait, the last look before the send, the release of a claim), or
+answers with the ``Verdict`` once the decision table (``decision``) has one: forward,
+pass, replay or refuse. The driver performs the act and feeds what it found back through
+``feed`` as the act's event (``LeaseSeen``, ``SlotTaken``, ``BodyRead``, ``BodyLate``,
+``Admitted``, ``FirstSettled``, ``OlderSettled``, ``ClaimSeen``, ``Released``; a time in
+an event is the driver's reading of the clock); an event that is not an answer to the act
+asked for raises ``MachineError``. The rules it applies are ``fence``'s and
+``decision``'s; its deadlines are ``deadlines``'s.
 
-Which step follows which:
+Which act follows which (``decide`` names each fact's act; ``_lease_act`` chooses how
+the lease is found out):
 
-    LEASE ─ body still coming (or over the limit) ─> CHECK_LEASE
-          └ body arrived ─> TAKE_SLOT ─> READ_BODY ─> ADMIT   (the admission tells)
-    SLOT ─> TAKE_SLOT        BODY ─> READ_BODY        ADMISSION ─> ADMIT
-    WAIT ─> WAIT_FIRST (slot and body given back) ─ settled ─> CHECK_LEASE ─> the record's
-          answer (a replay, a refusal); the key free again ─> request-in-progress
-    ORDER ─> WAIT_OLDER ─ settled ─> CHECK_LEASE (judged after the wait)
-    SEND ─> READ_CLAIM (unless the admission, fresh, was itself that judgement)
-    refused with a claim held ─> RELEASE ─> ANSWER
+    lease unknown ─ body still coming (or over the limit), or a second look ─> CHECK_LEASE
+                  └ body arrived ─> TAKE_SLOT ─> READ_BODY ─> ADMIT   (the admission tells)
+    slot ─> TAKE_SLOT        body ─> READ_BODY        record ─> ADMIT
+    first attempt in flight, asked to wait ─> WAIT_FIRST (slot and body given back)
+          ─ settled ─> CHECK_LEASE ─> the record's answer (a replay, a refusal);
+          the key free again ─> request-in-progress
+    older writes in flight ─> WAIT_OLDER ─ settled ─> CHECK_LEASE (judged after the wait)
+    at the send ─> READ_CLAIM (unless the admission, fresh, was itself that judgement)
+    refused with a claim held ─> RELEASE ─> the verdict
 
 Once the verdict to forward is carried out (``forwarding``: from here on the write may
 be sent), the exchange's end is an event too: ``exchange_ended`` (not sent, no answer, or
@@ -28,17 +32,13 @@ what the upstream's answer means for the key) returns the key's fate
 ``answer_after`` is the gateway's own answer where no upstream answer is streamed back.
 Any failure outside the exchange (the database, a bug) ends in ``failed()``: nothing was
 sent before the forward began (``store-unavailable``), after it whether anything was is
-unknown (``internal-error``). An event the machine did not ask for raises
-``MachineError``.
+unknown (``internal-error``).
 """
 
 from __future__ import annotations
 
 import io
-import time
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
-from typing import Final
+from dataclasses import dataclass, replace
 
 from multidict import CIMultiDict
 
@@ -55,38 +55,31 @@ from gateway.fencing.decision import (
     INTERNAL_ERROR,
     STORE_UNAVAILABLE,
     UNKNOWN,
+    Act,
     Facts,
     Outcome,
-    Step,
     Verdict,
     decide,
 )
-from gateway.fencing.fence import Admission, ClaimState, Record
+from gateway.fencing.events import (
+    ANSWERS,
+    Admitted,
+    BodyLate,
+    BodyRead,
+    ClaimSeen,
+    Event,
+    FirstSettled,
+    LeaseSeen,
+    OlderSettled,
+    Released,
+    SlotTaken,
+)
+from gateway.fencing.fence import Admission, ClaimState, Record, UnknownOutcome
 
 
 class MachineError(RuntimeError):
     """The machine was fed an event it did not ask for (h11's ``LocalProtocolError``): a
     bug in the driver, never a request's fault."""
-
-
-class Act(StrEnum):
-    """The one I/O step the driver performs next."""
-
-    CHECK_LEASE = "check-lease"  # read the lease behind the token (and its source's)
-    TAKE_SLOT = "take-slot"  # one of the pool's slots, if one is free
-    READ_BODY = "read-body"  # the body, within the upstream's limit and its time
-    ADMIT = "admit"  # the admission's one transaction, claims for ``claim_for`` seconds
-    WAIT_FIRST = "wait-first"  # the slot given back; the key's first attempt settled?
-    WAIT_OLDER = "wait-older"  # older generations' writes to the job settled?
-    READ_CLAIM = "read-claim"  # the claim and the job's fence, right before the send
-    RELEASE = "release"  # the claim undone: the write was never sent
-    ANSWER = "answer"  # carry out ``Next.verdict``
-
-
-@dataclass(frozen=True, slots=True)
-class Next:
-    act: Act
-    verdict: Verdict | None = None  # ANSWER: what to do with the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,21 +88,7 @@ class Claim:
 
     attempt: str
     back_to: Record | None  # the record before we took it over
-    send_by: float  # time.monotonic() after which the write stays unsent
-
-
-# The steps that need nothing but their name, made once (the hot path allocates none).
-CHECK_LEASE, TAKE_SLOT, READ_BODY, ADMIT, RELEASE = (
-    Next(act) for act in (Act.CHECK_LEASE, Act.TAKE_SLOT, Act.READ_BODY, Act.ADMIT, Act.RELEASE)
-)
-_BY_NEED: Final = {
-    Step.SLOT: TAKE_SLOT,
-    Step.BODY: READ_BODY,
-    Step.ADMISSION: ADMIT,
-    Step.WAIT: Next(Act.WAIT_FIRST),
-    Step.ORDER: Next(Act.WAIT_OLDER),
-    Step.SEND: Next(Act.READ_CLAIM),
-}
+    send_by_monotonic: float  # after which the write stays unsent (time.monotonic())
 
 
 @dataclass(slots=True)
@@ -117,12 +96,12 @@ class RequestMachine:
     """One request's facts and holdings, and the transitions between them."""
 
     facts: Facts
-    timing: Timing | None = None  # None: no upstream (refused before any step)
+    started: float  # time.perf_counter() when the request was taken (the driver's clock)
+    timing: Timing | None = None  # None: no upstream (refused before any act)
     body_arrived: bool = False  # the whole body was in when the request was taken
     resolving: bool = False  # some upstream's unknown outcomes are re-sent by the gateway
-    policy: str = "hold"  # the upstream's ``unknown_outcome``
+    policy: UnknownOutcome = UnknownOutcome.HOLD  # the upstream's ``unknown_outcome``
     wait: DuplicateWait | None = None  # ``Prefer: wait``, capped; or granted (behind)
-    started: float = field(default_factory=time.perf_counter)
     slot: str | None = None  # the pool whose slot this request holds
     body: io.BytesIO | None = None  # the request body, read once (the only copy)
     fingerprint: str | None = None
@@ -134,59 +113,97 @@ class RequestMachine:
     sending: bool = False  # the forward has begun: from here on, the write may be sent
     ended: Ended | None = None  # how the forward's exchange ended
     kept: bool | None = None  # what its end does to the key was written (None: no key)
+    asked: Act | None = None  # the act ``next()`` named last; None: a verdict
     _keyed: bool = False  # a claim on the key was held when the exchange ended
     _after_wait: bool = False  # the lease is being judged again after WAIT_OLDER
-    # After WAIT_FIRST: answered from the store alone (the stored answer, or a refusal),
-    # never forwarded: a waiter holds no body.
-    _from_store: bool = False
 
-    # -- what to do next ----------------------------------------------------------------
+    # -- the door out: what to do next --------------------------------------------------
 
-    def next(self) -> Next:
-        verdict = decide(self.facts)
-        if verdict.need is None:
-            if verdict.outcome is Outcome.REFUSE and self.claim is not None:
-                return RELEASE  # our claim on the key: not sent, undone first
-            return Next(Act.ANSWER, verdict)
-        if verdict.need is Step.LEASE:
-            return self._lease_step()
-        return _BY_NEED[verdict.need]
+    def next(self) -> Act | Verdict:
+        """The act to perform next, or the verdict to carry out."""
+        found = decide(self.facts)
+        if found is Act.CHECK_LEASE:
+            found = self._lease_act()
+        elif isinstance(found, Verdict) and found.outcome is Outcome.REFUSE and self.claim:
+            found = Act.RELEASE  # our claim on the key: not sent, undone first
+        self.asked = found if isinstance(found, Act) else None
+        return found
 
-    def _lease_step(self) -> Next:
-        """Over the limit, or the body still on the way: a read of the lease before a
-        slot is taken and the body read. Once the body has all arrived it cannot hold
-        a slot for long: take one, read it and let the admission (the one statement
-        that decides) tell about the lease, instead of asking twice."""
+    def _lease_act(self) -> Act:
+        """Over the limit, the body still on the way, or a second look (after a wait):
+        a read of the lease, before a slot is taken and the body read. Once the body has
+        all arrived it cannot hold a slot for long: take one, read it and let the
+        admission (the one statement that decides) tell about the lease, instead of
+        asking twice."""
         facts = self.facts
-        if facts.over_limit is True or not self.body_arrived or self._from_store:
-            return CHECK_LEASE
+        if facts.over_limit is True or not self.body_arrived or self.admission is not None:
+            return Act.CHECK_LEASE
         if facts.slot_free is UNKNOWN:
-            return TAKE_SLOT
+            return Act.TAKE_SLOT
         if facts.slot_free is True and facts.over_limit is UNKNOWN:
-            return READ_BODY
+            return Act.READ_BODY
         if facts.slot_free is True and facts.over_limit is False and facts.body_in_time:
-            return ADMIT
-        return CHECK_LEASE
+            return Act.ADMIT
+        return Act.CHECK_LEASE
 
-    def admitting(self) -> float:
-        """Seconds the claim the ADMIT step asks for lasts."""
+    @property
+    def claim_seconds(self) -> float:
+        """Seconds the claim the ADMIT act asks for lasts."""
         assert self.timing is not None
-        return self.timing.claim_for
+        return self.timing.claim_seconds
 
-    # -- what the steps found -----------------------------------------------------------
+    # -- the door in: what the act found --------------------------------------------------
 
-    def lease_checked(self, admission: Admission) -> None:
-        """``Expect: 100-continue``'s read of the lease, before the body came."""
-        self.admission, self.facts.lease = admission, admission.lease
+    def feed(self, event: Event) -> Act | Verdict:
+        """What the act asked for found; then what to do next. An event that does not
+        answer the act asked for is the driver's bug (``MachineError``)."""
+        asked = self.asked
+        if asked is None or not isinstance(event, ANSWERS[asked]):
+            raise MachineError(f"{event!r} does not answer {asked}: {self!r}")
+        match event:
+            case LeaseSeen():
+                self._lease_seen(event.admission)
+            case SlotTaken():
+                self.slot = event.pool
+                self.facts.slot_free = event.pool is not None
+            case BodyRead():
+                self.body, self.fingerprint = event.body, event.fingerprint
+                self.facts.over_limit, self.facts.body_in_time = event.body is None, True
+            case BodyLate():
+                self.facts.over_limit, self.facts.body_in_time = False, False
+            case Admitted():
+                self._admitted(event)
+            case FirstSettled():
+                self._first_settled(event.settled, event.record)
+            case OlderSettled():
+                self._older_settled(event.settled)
+            case ClaimSeen():
+                self._claim_seen(event.claim, event.now_monotonic)
+            case Released():
+                self.claim = None
+        return self.next()
 
-    def lease_seen(self, admission: Admission | None) -> None:
-        """CHECK_LEASE: the lease as the database (and its source) sees it now; None: no
-        such token. After the wait for older writes, a newer generation admitted
-        meanwhile makes a current lease stale."""
+    def slot_given_back(self) -> None:
+        """The driver gave the request's slot back (the one change it may make at any
+        time: before a long wait, and as the request ends)."""
+        self.slot = None
+
+    def before_body(self) -> None:
+        """``Expect: 100-continue``: judged as if the slot were taken (the driver takes it
+        for the body), so only the refusals that need no body are given."""
+        self.facts.slot_free = True
+
+    def body_coming(self) -> None:
+        """``Expect: 100-continue`` let the body come: the slot is to be taken now."""
+        self.facts.slot_free = UNKNOWN
+
+    def _lease_seen(self, admission: Admission | None) -> None:
+        """After the wait for older writes, a newer generation admitted meanwhile makes
+        a current lease stale."""
         facts = self.facts
         after_wait, self._after_wait = self._after_wait, False
         if after_wait:
-            facts.in_order = True
+            facts.older_settled = True
         if admission is None:  # unknown, or its grant purged meanwhile
             facts.lease = fence.UNKNOWN_TOKEN
             return
@@ -196,37 +213,8 @@ class RequestMachine:
         if generation is not None:
             facts.lease = fence.lease_after_wait(admission.lease, admission.highest, generation)
 
-    def slot_taken(self, pool: str | None) -> None:
-        """TAKE_SLOT: the pool whose slot is now held; None: none was free."""
-        self.slot = pool
-        self.facts.slot_free = pool is not None
-
-    def slot_given_back(self) -> None:
-        self.slot = None
-
-    def body_read(self, body: io.BytesIO | None, fingerprint: str | None) -> None:
-        """READ_BODY: the body (None: over the upstream's limit), hashed on the way."""
-        self.body, self.fingerprint = body, fingerprint
-        self.facts.over_limit, self.facts.body_in_time = body is None, True
-
-    def body_late(self) -> None:
-        """READ_BODY: the body did not arrive in time."""
-        self.facts.over_limit, self.facts.body_in_time = False, False
-
-    def admitted(
-        self,
-        admission: Admission | None,
-        *,
-        asked: float,
-        answered: float,
-        behind: bool,
-        gone: bool,
-    ) -> None:
-        """ADMIT, asked at ``asked`` and answered at ``answered`` (monotonic): the lease
-        judged by the statement, and the key claimed or its record read. ``behind``: a
-        settle of this key is being written here (its answer given), asked before the
-        admission; ``gone``: the client has gone away. None: no such token."""
-        facts = self.facts
+    def _admitted(self, event: Admitted) -> None:
+        facts, admission = self.facts, event.admission
         if admission is None:
             facts.lease = fence.UNKNOWN_TOKEN
             return
@@ -235,14 +223,14 @@ class RequestMachine:
         if facts.lease is not None:
             return
         if admission.attempt is not None:
-            self._claimed(admission, asked, answered)
+            self._claimed(admission, event.asked_monotonic, event.answered_monotonic)
             return
         # The key has a record not ours (or gone between claim and read): what it answers.
         assert self.fingerprint is not None and self.timing is not None
         self.record = admission.record
         facts.record = fence.record_reason(admission.record, self.fingerprint, self.policy)
         if fence.in_progress(facts.record):
-            self._may_wait(behind=behind, gone=gone)
+            self._may_wait(event.answered_monotonic, behind=event.behind, gone=event.gone)
 
     def _claimed(self, admission: Admission, asked: float, answered: float) -> None:
         """The key is ours: wait for older writes if any are in flight; an admission
@@ -250,13 +238,18 @@ class RequestMachine:
         judgement before the send (``FRESH_ADMISSION``)."""
         assert admission.attempt is not None and self.timing is not None
         facts = self.facts
-        self.claim = Claim(admission.attempt, admission.back_to, self.timing.send_by(asked))
+        send_by = self.timing.send_by_monotonic(asked)
+        self.claim = Claim(admission.attempt, admission.back_to, send_by)
         facts.record = None
-        facts.in_order = UNKNOWN if admission.older_in_flight else True
-        if facts.in_order is True and not self.resolving and answered - asked < FRESH_ADMISSION:
-            self._judge_send(admission.highest, self.claim.send_by - answered)
+        facts.older_settled = UNKNOWN if admission.older_in_flight else True
+        if (
+            facts.older_settled is True
+            and not self.resolving
+            and answered - asked < FRESH_ADMISSION
+        ):
+            self._judge_send(admission.highest, send_by - answered)
 
-    def _may_wait(self, *, behind: bool, gone: bool) -> None:
+    def _may_wait(self, now: float, *, behind: bool, gone: bool) -> None:
         """The key is in flight under another request: ``request-in-progress``, unless
         the request asked to wait (``Prefer: wait``) and its wait has time left, or its
         answer has gone out from this replica and its record is being settled here
@@ -265,22 +258,20 @@ class RequestMachine:
             self.wait = DuplicateWait(BEHIND_WAIT_SECONDS, asked=False)
         if self.wait is None:
             return
-        self.wait.begin()
-        if self.wait.left() > 0 and not gone:
+        self.wait.begin(now)
+        if self.wait.left(now) > 0 and not gone:
             self.facts.first_settled = UNKNOWN
             # A waiter is answered from the store, never forwarded: it needs its
             # fingerprint, not its body (which would otherwise stay in memory for the
             # whole wait, outside the slots' bound).
             self.body = None
 
-    def first_waited(self, settled: bool, record: Record | None) -> None:
-        """WAIT_FIRST (the slot and the body given back): the key's first attempt settled
-        within the wait, and its record as then read (None: free again). A stored answer
-        (or a refusal the record gives: reused key, unknown outcome) is this waiter's,
-        once the lease is looked at again: no slot is needed for an answer from the
-        store. A key free again (released, "not processed", to be forwarded again) has no
-        answer to give: the waiter, never sent, is told to send again
-        (``request-in-progress``, with ``Retry-After``)."""
+    def _first_settled(self, settled: bool, record: Record | None) -> None:
+        """A stored answer (or a refusal the record gives: reused key, unknown outcome)
+        is this waiter's, once the lease is looked at again: no slot is needed for an
+        answer from the store. A key free again (released, "not processed", to be
+        forwarded again) has no answer to give: the waiter, never sent, is told to send
+        again (``request-in-progress``, with ``Retry-After``)."""
         assert self.wait is not None and self.fingerprint is not None
         self.wait.waited = True
         reason = fence.record_reason(record, self.fingerprint, self.policy) if settled else None
@@ -289,44 +280,41 @@ class RequestMachine:
             return
         self.facts.first_settled = True
         self.record, self.facts.record = record, reason
-        self.facts.lease, self._from_store = UNKNOWN, True
+        self.facts.lease = UNKNOWN  # looked at again (CHECK_LEASE: a second look)
 
-    def older_waited(self, settled: bool) -> Next:
-        """WAIT_OLDER: older generations' writes settled within the wait (then the lease
-        is judged again: a newer generation may have been granted or admitted
-        meanwhile); else ``ordering-timeout``."""
+    def _older_settled(self, settled: bool) -> None:
+        """Settled: the lease is judged again (a newer generation may have been granted
+        or admitted meanwhile); else ``ordering-timeout``."""
         if not settled:
-            self.facts.in_order = False
-            return self.next()
+            self.facts.older_settled = False
+            return
         self._after_wait = True
-        return CHECK_LEASE
+        self.facts.lease = UNKNOWN  # looked at again (CHECK_LEASE: a second look)
 
-    def claim_seen(self, claim: ClaimState, now: float) -> None:
-        """READ_CLAIM, read at ``now`` (monotonic): a claimed write judged once more right
-        before its first byte goes out. A replica that stalled since its admission must
-        not send once a newer generation has been admitted, nor once its claim is so
-        near its deadline that other replicas may stop waiting for it."""
+    def _claim_seen(self, claim: ClaimState, now: float) -> None:
+        """A claimed write judged once more right before its first byte goes out. A
+        replica that stalled since its admission must not send once a newer generation
+        has been admitted, nor once its claim is so near its deadline that other
+        replicas may stop waiting for it."""
         assert self.claim is not None and self.admission is not None
-        self._judge_send(claim.fence, send_left(self.claim.send_by, now, claim.deadline, claim.now))
+        left = send_left(self.claim.send_by_monotonic, now, claim.deadline, claim.now)
+        self._judge_send(claim.fence, left)
         if self.facts.at_send is None and claim.older_in_flight:
             # An older write went in flight after the admission's snapshot (the resolver
             # re-claimed one): wait for it as for any older write, then judge again.
             # Each of the two reads its own snapshot after the other's commit or before
             # it, so either this read sees its claim or the resolver sees our fence.
-            self.facts.in_order = self.facts.at_send = UNKNOWN
+            self.facts.older_settled = self.facts.at_send = UNKNOWN
         if claim.fence is not None and claim.fence > (self.admission.highest or 0):
             # A newer generation was admitted meanwhile: the highest known, for the answer.
             self.admission = replace(self.admission, highest=claim.fence)
 
-    def released(self) -> None:
-        """RELEASE: the claim is undone."""
-        self.claim = None
-
-    def forwarding(self) -> None:
-        """The verdict to forward is being carried out: from here on, bytes of the write
-        may reach the upstream, and no answer may say it was never sent unless the
-        exchange itself says so."""
+    def forwarding(self, headers: CIMultiDict[str]) -> None:
+        """The verdict to forward is being carried out with ``headers`` (kept, unsigned,
+        for a re-send): from here on, bytes of the write may reach the upstream, and no
+        answer may say it was never sent unless the exchange itself says so."""
         self.sending = True
+        self.forwarded = headers.copy()
 
     def exchange_ended(self, ended: Ended) -> Fate | None:
         """The forward's exchange ended: not sent, no answer, or an answer whose meaning
@@ -390,8 +378,3 @@ class RequestMachine:
     def decided(self) -> bool:
         """The lease was looked at (the decision's time is measured from the start)."""
         return self.admission is not None
-
-    def before_body(self) -> None:
-        """``Expect: 100-continue``: judged as if the slot were taken (the driver takes it
-        for the body), so only the refusals that need no body are given."""
-        self.facts.slot_free = True

@@ -1,6 +1,6 @@
 """What a request's line and headers said: ``Incoming``, read once by the intake and
 never changed after. What the gateway finds out and holds for the request since is its
-state machine's (``gateway.fencing.request.RequestMachine``); the answers read both.
+state machine's (``gateway.fencing.machine.RequestMachine``); the answers read both.
 """
 
 from __future__ import annotations
