@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from verify import check
+from verify.etcd_locks import etcd_binary
 from verify.locks import redis_binary
-from verify.nemesis import KINDS, LOCK_NEMESES
+from verify.nemesis import ETCD_NEMESES, KINDS, LOCK_NEMESES, ZK_NEMESES
 from verify.run import TAIL_SECONDS, Options, SetupError, choose_nemeses, run
+from verify.zk_locks import zk_binary
 
 DEFAULT_LOCK_WORKERS = 3
+DEFAULT_SIGNED_WORKERS = 1
 
 
 def _share(text: str) -> float:
@@ -80,6 +83,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="workers of Redis locks (verify/locks.py), besides --workers (default "
         f"{DEFAULT_LOCK_WORKERS} with lock-loss, else 0)",
     )
+    r.add_argument(
+        "--etcd-lock-workers",
+        type=int,
+        default=None,
+        help="workers of etcd locks (verify/etcd_locks.py), besides --workers (default "
+        f"{DEFAULT_LOCK_WORKERS} with etcd-loss, else 0)",
+    )
+    r.add_argument(
+        "--zk-lock-workers",
+        type=int,
+        default=None,
+        help="workers of ZooKeeper locks (verify/zk_locks.py), besides --workers (default "
+        f"{DEFAULT_LOCK_WORKERS} with zk-loss, else 0)",
+    )
+    r.add_argument(
+        "--signed-workers",
+        type=int,
+        default=None,
+        help="workers of signed tokens (verify/signed.py), besides --workers (default "
+        f"{DEFAULT_SIGNED_WORKERS}; 0 with --direct)",
+    )
+    r.add_argument(
+        "--resolving",
+        action="store_true",
+        help="give the replicas a second upstream, dedup, whose unknown outcomes the gateway "
+        "resolves itself (a key kept 4 s), and send a quarter of the jobs there",
+    )
     r.add_argument("--replicas", type=int, default=None, help="default 1 (sqlite), 3 (pg, patroni)")
     r.add_argument(
         "--min-completed",
@@ -136,6 +166,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= lock_workers <= 64:
         print("verify: --lock-workers 0..64")
         return 2
+    etcd_workers = args.etcd_lock_workers
+    if etcd_workers is None:
+        etcd_workers = DEFAULT_LOCK_WORKERS if ETCD_NEMESES & set(nemeses) else 0
+    if not 0 <= etcd_workers <= 64 or (args.direct and etcd_workers):
+        print("verify: --etcd-lock-workers 0..64, and none with --direct (they need the gateway)")
+        return 2
+    if etcd_workers and etcd_binary() is None:
+        print("verify: the etcd lock workers need etcd: apt-get install etcd-server")
+        return 2
+    zk_workers = args.zk_lock_workers
+    if zk_workers is None:
+        zk_workers = DEFAULT_LOCK_WORKERS if ZK_NEMESES & set(nemeses) else 0
+    if not 0 <= zk_workers <= 64 or (args.direct and zk_workers):
+        print("verify: --zk-lock-workers 0..64, and none with --direct (they need the gateway)")
+        return 2
+    if zk_workers and zk_binary() is None:
+        print("verify: the ZooKeeper lock workers need ZooKeeper: apt-get install zookeeper")
+        return 2
+    signed_workers = args.signed_workers
+    if signed_workers is None:
+        signed_workers = 0 if args.direct else DEFAULT_SIGNED_WORKERS
+    if args.direct and args.resolving:
+        print("verify: --resolving needs the gateway (not --direct)")
+        return 2
+    if not 0 <= signed_workers <= 64 or (args.direct and signed_workers):
+        print("verify: --signed-workers 0..64, and none with --direct (they need the gateway)")
+        return 2
     if lock_workers and not args.direct and redis_binary() is None:
         print("verify: the lock workers need redis-server: apt-get install redis-server")
         return 2
@@ -159,11 +216,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         tail=args.tail,
         stop_on_violation=args.stop_on_violation,
         lock_workers=lock_workers,
+        etcd_lock_workers=etcd_workers,
+        zk_lock_workers=zk_workers,
+        signed_workers=signed_workers,
+        resolving=args.resolving,
     )
     print(
         f"run: --db {args.db} --seconds {args.seconds:g} --nemesis {','.join(nemeses) or 'none'}"
         f"{' --direct' if args.direct else ''} --workers {args.workers}"
-        f"{f' --lock-workers {lock_workers}' if lock_workers else ''} --replicas {replicas}"
+        f"{f' --lock-workers {lock_workers}' if lock_workers else ''}"
+        f"{f' --etcd-lock-workers {etcd_workers}' if etcd_workers else ''}"
+        f"{f' --zk-lock-workers {zk_workers}' if zk_workers else ''}"
+        f"{f' --signed-workers {signed_workers}' if signed_workers else ''}"
+        f"{' --resolving' if args.resolving else ''} --replicas {replicas}"
         f" --out {options.out}",
         flush=True,
     )

@@ -58,6 +58,15 @@ expired or completed (11). The violation is named by the latest such write.
     rebuilds its payload) must be refused ``idempotency-key-reused``, not answered with
     the other body's outcome.
 
+15. ``granted-while-current``: a claim ``ok`` of the gateway's own leases (no ``holder``)
+    comes after every older generation's lease of its job could have ended: each claim
+    and renew ``ok`` of that lease holds it at least until its invoke plus its ``ttl``
+    (the lease core dates a lease from when it handles the call, after the worker
+    invoked it), unless a complete of it was invoked before the claim, or a replica's
+    clock was skewed (``skewed``) at the grant or the claim. A lease core that hands a
+    job out early (a claimable time judged with slack) breaks it while the gateway still
+    fences the old holder off.
+
 ``python -m verify check HISTORY LEDGER [--min-completed X] [--expiry-margin S]
 [--clock-skew FROM,TO ...] [--unknowns FILE] [--excused FROM,TO ...] [--json]``: 0 no
 violation, 1 violation, 2 a file cannot be read.
@@ -69,7 +78,7 @@ import argparse
 import json
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, get_args
@@ -103,6 +112,7 @@ NAMES = {
     12: "two-holders-one-generation",
     13: "never-sent-held-unknown",
     14: "acked-body-not-applied",
+    15: "granted-while-current",
 }
 
 REISSUED: Final = Reason.GENERATION_REISSUED.value
@@ -136,12 +146,41 @@ the upstream cuts a connection, after applying."""
 RECORD_LIFE: Final = 15.0
 """Seconds after a write's invoke, or its completion when that came later, in which the
 gateway may still be handling it (waiting on a locked SQLite file, 10 s at most, then its
-settle): a fault that excuses a held key (13) excuses the writes it overlaps so widened."""
+settle): a fault that excuses a held key (13) excuses the writes it overlaps so widened.
+Shorter for an attempt whose connection says the gateway let go of it (``LET_GO``)."""
+
+LET_GO: Final = {"connection-refused": 0.0, "disconnected": 7.0, "ServerDisconnectedError": 7.0}
+"""An ``info`` completion's ``reason`` that bounds how long after it the gateway may still
+have held the write (13), in seconds. ``connection-refused``: no connection was made, so
+no gateway had the request. ``disconnected`` (the queue workers' name for aiohttp's
+``ServerDisconnectedError``, which the lock and signed workers record as is): the gateway
+closed the connection without answering, which it does only when its process ends (kill
+-9) or is stopping (SIGTERM, past its grace): what that request held is let go, or gone,
+once the process has ended, which ``verify run`` makes happen within 5 s of a SIGTERM (a
+SIGKILL then, and a ``killed`` line whose span excuses); 2 s more for bytes written before
+the end to cross the network. Issue 53: with ``RECORD_LIFE`` for them, a partition 10 s
+after a shutdown excused the shutdown's own never-sent waiter."""
 
 EXPIRY_MARGIN: Final = 0.5
 """Seconds a write must be invoked after its lease was over to count as invoked after it:
 the history's and the ledger's times and the database's clock are one machine's, and a
 client sees a grant after the database made it, so this only absorbs the clock's grain."""
+
+Refresh = tuple[str, float, float]
+"""``(job prefix, down, back)``: a lease source's store restarted (went down at ``down``,
+served again from ``back``), giving every lease of the jobs under the prefix that was
+alive when it went down its TTL again once it was back (``REFRESH_EXTEND``): etcd does
+so when a leader takes over (its lessor's ``Promote``), ZooKeeper when it serves again
+after a pause or a restart (every session it holds gets its timeout from then)."""
+
+REFRESH_EXTEND: Final = 1.0
+"""Seconds etcd adds to each lease's TTL when a leader takes over (its election timeout,
+1 s by default), so that no lease expires before its holder could reach the new leader."""
+
+REFRESH_SLACK: Final = 1.0
+"""Seconds a lease may have been past its TTL at a restart and still be refreshed: etcd
+revokes expired leases in rounds (every 500 ms), so one just past its TTL may still be
+there when the store goes down."""
 
 Step = tuple[str, str]
 """``(job, key)``: the identity of a write."""
@@ -254,15 +293,18 @@ def check(
     skewed: Sequence[tuple[float, float]] = (),
     held: Sequence[HeldUnknown] | None = None,
     excused: Sequence[tuple[float, float]] = (),
+    refreshed: Sequence[Refresh] = (),
 ) -> Report:
-    """Check invariants 1-14 of a run; the violations in invariant order, then ledger order.
+    """Check invariants 1-15 of a run; the violations in invariant order, then ledger order.
 
     ``skewed``: the spans of time (``time.time()``, from, to) in which a replica that
     judges leases by its own clock (SQLite) ran with a skewed clock; invariant 11 does
     not judge the leases granted or renewed, nor the writes invoked, in them.
     ``held``: the keys the gateway was seen holding as unknown outcomes (``unknowns.jsonl``;
     None: invariant 13 is not judged); ``excused``: the spans in which a replica or the
-    network could lose a write without the gateway knowing whether it left (13)."""
+    network could lose a write without the gateway knowing whether it left (13);
+    ``refreshed``: restarts of a lease source's store that gave its leases their TTL
+    again (``Refresh``; 11)."""
     report = Report(min_completed=min_completed)
     report.history_events = len(history)
     report.writes_applied = len(ledger)
@@ -293,7 +335,7 @@ def check(
                 grants[event.job, event.generation] = event
 
     v = report.violations
-    causes = Causes(history, expiry_margin, skewed)
+    causes = Causes(history, expiry_margin, skewed, refreshed)
     # The order at the upstream (1, 2, 6) is judged without the writes the gateway gave
     # up on (``GAVE_UP``): an upstream may still apply those after the next generation's.
     ordered = {
@@ -313,6 +355,7 @@ def check(
     v.extend(causes.two_holders(ledger))
     if held is not None:
         v.extend(causes.held_unknown(held, ledger, excused))
+    v.extend(granted_while_current(history, causes.in_skew))
     v.extend(liveness(history, report))
     v.sort(key=lambda violation: violation.invariant)
     return report
@@ -481,9 +524,11 @@ class Causes:
         history: Sequence[HistoryEvent],
         margin: float,
         skewed: Sequence[tuple[float, float]],
+        refreshed: Sequence[Refresh] = (),
     ) -> None:
         self.margin = margin
         self.skewed = tuple(skewed)
+        self.refreshed = sorted(refreshed, key=lambda r: r[1])
         self.sent: dict[tuple[str, str, int], list[HistoryEvent]] = defaultdict(list)
         self.completion: dict[int, HistoryEvent] = {}  # id(invoke) -> its completion
         self.granted: dict[str, list[HistoryEvent]] = defaultdict(list)
@@ -581,6 +626,12 @@ class Causes:
         if not grants or any(g.ttl is None for g in grants):
             return None  # nothing granted before it, or a grant of unknown length
         until = max(g.time + (g.ttl or 0.0) for g in grants)
+        first = min(g.time for g in grants)
+        last = max(grants, key=lambda g: g.time)
+        for prefix, down, back in self.refreshed:
+            # The store went down while the lease lived: back, it gave it its TTL again.
+            if invoke.job.startswith(prefix) and first <= down <= until + REFRESH_SLACK:
+                until = max(until, back + (last.ttl or 0.0) + REFRESH_EXTEND)
         if invoke.time <= until + self.margin:
             return None
         unknown = self.unknown_renew.get(lease)
@@ -588,7 +639,6 @@ class Causes:
             return None  # a renewal that may have held the lease longer
         if self.in_skew(invoke.time) or any(self.in_skew(g.time) for g in grants):
             return None
-        last = max(grants, key=lambda g: g.time)
         return (
             11,
             f"invoked {invoke.time - until:.2f} s after its lease expired (last {last.f} ok "
@@ -714,8 +764,9 @@ class Causes:
         upstream?) and the history's invokes before the listing (its attempts). It is a
         violation when the ledger has none, the history has at least one attempt, and no
         attempt overlaps an ``excused`` span (widened by ``RECORD_LIFE`` after the attempt
-        was answered). Reported once per key and generation: the first listing, the
-        attempts and their completions.
+        was answered, or by ``LET_GO`` after a connection the gateway let go of).
+        Reported once per key and generation: the first listing, the attempts and their
+        completions.
 
         Why the join is sound. The gateway stamps every write it forwards with the
         record's job and generation (``Fencing-Job``, ``Fencing-Generation``) and its key,
@@ -782,8 +833,62 @@ class Causes:
         """Whether an excused span overlaps the time the gateway may have had the write."""
         completion = self.completion.get(id(attempt))
         end = max(attempt.time, completion.time if completion is not None else attempt.time)
-        end += RECORD_LIFE
+        let_go = None
+        if completion is not None and completion.type == "info" and completion.reason:
+            let_go = LET_GO.get(completion.reason)
+        end += RECORD_LIFE if let_go is None else let_go
         return any(start <= end and attempt.time <= stop for start, stop in excused)
+
+
+GRANT_MARGIN: Final = 0.1
+"""Seconds a claim ``ok`` must come before an older lease's certain end to show that lease
+was current when the job was granted again (15): one machine's clock, and the lease core
+dates a lease after its call was invoked; this only absorbs rounding."""
+
+
+def granted_while_current(
+    history: Iterable[HistoryEvent], in_skew: Callable[[float], bool]
+) -> Iterable[Violation]:
+    """15: per job of the gateway's own leases, no generation granted while an older one's
+    lease was certainly current (its latest claim or renew ``ok``'s invoke plus its
+    ``ttl``), unless that lease was completed first or a clock was skewed."""
+    outstanding: dict[str, HistoryEvent] = {}
+    # job -> generation -> (the lease's certain end, the grant that gives it)
+    ends: dict[str, dict[int, tuple[float, HistoryEvent]]] = defaultdict(dict)
+    completed: dict[tuple[str, int], float] = {}  # a complete's invoke, per lease
+    for event in history:
+        if event.holder is not None:
+            continue
+        if event.type == "invoke":
+            outstanding[event.process] = event
+            if event.f == "complete" and event.generation is not None:
+                completed.setdefault((event.job, event.generation), event.time)
+            continue
+        invoke = outstanding.pop(event.process, None)
+        if event.type != "ok" or event.f not in ("claim", "renew") or invoke is None:
+            continue
+        if event.generation is None or event.ttl is None:
+            continue
+        if event.f == "claim":
+            for generation, (end, grant) in sorted(ends[event.job].items()):
+                if generation >= event.generation or end - GRANT_MARGIN <= event.time:
+                    continue
+                if completed.get((event.job, generation), float("inf")) <= invoke.time:
+                    continue
+                if in_skew(event.time) or in_skew(grant.time):
+                    continue
+                yield Violation(
+                    15,
+                    event.job,
+                    f"generation {event.generation} granted {end - event.time:.2f} s before "
+                    f"generation {generation}'s lease could end (its {grant.f} ok, ttl "
+                    f"{grant.ttl:g} s)",
+                    (grant, invoke, event),
+                )
+        end = invoke.time + event.ttl
+        known = ends[event.job].get(event.generation)
+        if known is None or end > known[0]:
+            ends[event.job][event.generation] = (end, event)
 
 
 def liveness(history: Iterable[HistoryEvent], report: Report) -> Iterable[Violation]:
@@ -814,6 +919,7 @@ def check_files(
     skewed: Sequence[tuple[float, float]] = (),
     unknowns: str | Path | None = None,
     excused: Sequence[tuple[float, float]] = (),
+    refreshed: Sequence[Refresh] = (),
 ) -> Report:
     """Read the files (``UnreadableFile``) and check them; ``unknowns``: an
     ``unknowns.jsonl`` for invariant 13 (None: not judged)."""
@@ -825,7 +931,15 @@ def check_files(
         skewed=skewed,
         held=None if unknowns is None else read_unknowns(unknowns),
         excused=excused,
+        refreshed=refreshed,
     )
+
+
+def _refresh(text: str) -> Refresh:
+    prefix, _, span = text.partition(",")
+    if not prefix:
+        raise argparse.ArgumentTypeError(f"PREFIX,FROM,TO, not {text!r}")
+    return (prefix, *_span(span))
 
 
 def _span(text: str) -> tuple[float, float]:
@@ -903,6 +1017,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "to the upstream, the upstream's 5xx): invariant 13 leaves the writes it overlaps "
         "alone (repeatable)",
     )
+    parser.add_argument(
+        "--lease-refresh",
+        type=_refresh,
+        action="append",
+        default=[],
+        metavar="PREFIX,FROM,TO",
+        help="a lease source's store down from FROM and back at TO (time.time() seconds), "
+        "giving the leases of the jobs under PREFIX it held then their TTL again, as etcd "
+        "does when a leader takes over: invariant 11 counts them so (repeatable)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
@@ -914,6 +1038,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             skewed=args.clock_skew,
             unknowns=args.unknowns,
             excused=args.excused,
+            refreshed=args.lease_refresh,
         )
     except UnreadableFile as exc:
         print(f"verify check: unreadable: {exc}", file=sys.stderr)

@@ -34,10 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import shutil
 import socket
-import time
+from typing import Any, Protocol
 
 import aiohttp
 import redis
@@ -47,9 +46,11 @@ from redis.exceptions import RedisError
 from fencegate_client import protocol as p
 from fencegate_client.redis_lock import VALUE, AsyncRedisLock
 from verify.cluster import free_port
+from verify.etcd_locks import SOURCE as ETCD_SOURCE
+from verify.etcd_locks import EtcdError, EtcdLock
 from verify.events import Type, sha256_hex
-from verify.procs import Child, Children, StartError
-from verify.worker import History
+from verify.procs import Child, Children
+from verify.worker import History, SourceWorker
 
 SOURCE = "locks"  # the lease source's name at the gateway: tokens "locks:<lock>:<value>"
 LOCKS = 4
@@ -66,9 +67,9 @@ RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 MAX_SENDS = 20
 
 
-def job_of(lock: str) -> str:
+def job_of(lock: str, source: str = SOURCE) -> str:
     """The job the gateway forwards for a lock of the source (``Fencing-Job``)."""
-    return f"{SOURCE}/{lock}"
+    return f"{source}/{lock}"
 
 
 def holder_of(value: str) -> str:
@@ -76,6 +77,93 @@ def holder_of(value: str) -> str:
     match = VALUE.fullmatch(value)
     assert match is not None, value
     return match.group(2)
+
+
+class Lock(Protocol):
+    """One attempt at a lock, as the workers hold it: Redis's (``AsyncRedisLock``) or
+    etcd's (``verify.etcd_locks.EtcdLock``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def ttl_ms(self) -> int: ...
+    @property
+    def fence(self) -> int: ...
+    @property
+    def token(self) -> str: ...
+
+    async def acquire(self) -> bool: ...
+    async def extend(self) -> bool: ...
+    async def release(self) -> bool: ...
+
+
+class Kind(Protocol):
+    """Where a worker's locks are held: the lease source's name at the gateway, how a
+    lock is made, who holds it (``holder`` of the history) and the errors that leave an
+    operation's outcome unknown. ``lapse``: what lets a holding's lock go once its extends
+    stop (nothing where the lock has a TTL; ZooKeeper's lives as long as its session).
+    ``lapse_past``: how long past a lapsed lock's TTL its holder waits before it writes
+    again (the store's own delay in letting it go, and the gateway's cache of a held lock,
+    fit in it)."""
+
+    source: str
+    errors: tuple[type[BaseException], ...]
+    lapse_past: tuple[float, float]
+
+    def make(self, name: str, ttl_seconds: float) -> Lock: ...
+    def holder(self, lock: Any) -> str: ...
+    async def lapse(self, lock: Any) -> None: ...
+    async def close(self) -> None: ...
+
+
+class RedisKind:
+    """Fencegate's Redis lock recipe on the run's ``redis-server``."""
+
+    source = SOURCE
+    errors: tuple[type[BaseException], ...] = (RedisError, OSError)
+    lapse_past = LAPSE_PAST
+
+    def __init__(self, url: str) -> None:
+        self.redis = redis.asyncio.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=1)
+
+    def make(self, name: str, ttl_seconds: float) -> Lock:
+        return AsyncRedisLock(self.redis, name, ttl_seconds=ttl_seconds, source=SOURCE)
+
+    def holder(self, lock: Any) -> str:
+        assert lock.value is not None
+        return holder_of(lock.value)
+
+    async def lapse(self, lock: Any) -> None:
+        """Nothing: the lock's TTL runs out once the extends stop."""
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class EtcdKind:
+    """etcd's lock recipe on the run's ``etcd`` (``verify.etcd_locks``). etcd lets a
+    lapsed lease go up to half a second late, and the gateway believes a lock it read as
+    held for half a second more (``cache_seconds``): its lapses wait a second longer."""
+
+    source = ETCD_SOURCE
+    errors: tuple[type[BaseException], ...] = (EtcdError,)
+    lapse_past = (LAPSE_PAST[0] + 1.0, LAPSE_PAST[1] + 1.0)
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.session = aiohttp.ClientSession()
+
+    def make(self, name: str, ttl_seconds: float) -> Lock:
+        return EtcdLock(self.session, self.url, name, ttl_seconds, ETCD_SOURCE)
+
+    def holder(self, lock: Any) -> str:
+        return str(lock.holder)
+
+    async def lapse(self, lock: Any) -> None:
+        """Nothing: the lease's TTL runs out once the keep-alives stop."""
+
+    async def close(self) -> None:
+        await self.session.close()
 
 
 def lock_body(lock: str, holder: str, step: int) -> bytes:
@@ -103,11 +191,7 @@ class LockStore:
             "--protected-mode", "no",
         ]  # fmt: skip
         self.child = self.children.spawn("redis", argv)
-        deadline = time.monotonic() + timeout
-        while not self.answers():
-            if not self.child.alive() or time.monotonic() > deadline:
-                raise StartError(f"redis-server did not start:\n{self.child.tail()}")
-            time.sleep(0.05)
+        self.child.until(self.answers, timeout)
 
     def answers(self) -> bool:
         try:
@@ -117,7 +201,7 @@ class LockStore:
         except OSError:
             return False
 
-    def flush(self) -> None:
+    def lose(self) -> None:
         """``FLUSHALL``: every lock and every fence counter gone at once."""
         with redis.Redis.from_url(self.url, socket_timeout=2) as client:
             client.flushall()
@@ -135,34 +219,28 @@ class LockStore:
 class Holding:
     """One lock held: its job, generation and holder, as the history records them."""
 
-    def __init__(self, lock: AsyncRedisLock) -> None:
+    def __init__(self, lock: Lock, kind: Kind) -> None:
         self.lock = lock
-        self.job = job_of(lock.name)
+        self.job = job_of(lock.name, kind.source)
         self.generation = lock.fence
-        assert lock.value is not None
-        self.holder = holder_of(lock.value)
+        self.holder = kind.holder(lock)
         self.lost = False
         self.lapsing = False  # extends stop at the renewer's next turn
 
 
-class LockWorker:
+class LockWorker(SourceWorker):
     """The lock workload of one worker process (see the module's doc)."""
 
     def __init__(
-        self, worker_name: str, seed: str, history: History, url: str, gateways: list[str]
+        self, worker_name: str, seed: str, history: History, kind: Kind, gateways: list[str]
     ) -> None:
-        self.name = worker_name
-        self.random = random.Random(f"{seed}/{worker_name}/locks")
-        self.history = history
-        self.redis = redis.asyncio.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=1)
-        self.gateways = [g.rstrip("/") for g in gateways]
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        super().__init__(worker_name, seed, history, gateways, kind.source)
+        self.kind = kind
         self.locks = [f"lock-{i}" for i in range(LOCKS)]
 
     async def close(self) -> None:
-        await self.session.close()
-        await self.redis.aclose()
-        self.history.writer.close()
+        await self.kind.close()
+        await super().close()
 
     async def run(self) -> None:
         again: str | None = None
@@ -170,7 +248,7 @@ class LockWorker:
             lapse = again is None and self.random.random() < LAPSE_SHARE
             name = again or (f"lock-{self.name}" if lapse else self.random.choice(self.locks))
             ttl = round(self.random.uniform(1.0, 3.0), 2)
-            lock = AsyncRedisLock(self.redis, name, ttl_seconds=ttl, source=SOURCE)
+            lock = self.kind.make(name, ttl)
             holding = await self.acquire(lock)
             if holding is None:
                 again = None
@@ -183,18 +261,18 @@ class LockWorker:
                 outcome = await self.hold(holding, gateway)
             again = name if outcome == "stale-generation" else None
 
-    async def acquire(self, lock: AsyncRedisLock) -> Holding | None:
+    async def acquire(self, lock: Lock) -> Holding | None:
         process, history = self.name, self.history
-        history.invoke(process, "claim", job_of(lock.name))
+        history.invoke(process, "claim", job_of(lock.name, self.kind.source))
         try:
             got = await lock.acquire()
-        except (RedisError, OSError) as error:
+        except self.kind.errors as error:
             history.complete(process, "info", reason=type(error).__name__)
             return None
         if not got:
             history.complete(process, "fail", reason="lock-held")
             return None
-        holding = Holding(lock)
+        holding = Holding(lock, self.kind)
         history.complete(
             process,
             "ok",
@@ -233,7 +311,8 @@ class LockWorker:
 
     async def lapse(self, holding: Holding, gateway: str) -> str:
         """A holding of the worker's own lock that lapses: one step, then the extends stop
-        (at the renewer's next turn, so none is left of unknown outcome) and the worker
+        (at the renewer's next turn, so none is left of unknown outcome), the kind lets
+        the lock go where a TTL does not (``Kind.lapse``), and the worker
         waits the lock's TTL and ``LAPSE_PAST`` more, so the lock has lapsed in Redis
         before it sends its remaining steps, once each; nobody else takes this lock, so
         the gateway sees a token whose lock is simply gone. Released only when the first
@@ -248,7 +327,9 @@ class LockWorker:
                 return outcome
             holding.lapsing = True
             await renewer
-            await asyncio.sleep(holding.lock.ttl_ms / 1000 + self.random.uniform(*LAPSE_PAST))
+            await self.kind.lapse(holding.lock)
+            past = self.random.uniform(*self.kind.lapse_past)
+            await asyncio.sleep(holding.lock.ttl_ms / 1000 + past)
             for step in range(1, steps):
                 outcome = await self.write(holding, gateway, step, once=True)
                 if outcome == "down":
@@ -274,7 +355,7 @@ class LockWorker:
             history.invoke(process, "renew", holding.job, holding.generation, holder=holding.holder)
             try:
                 extended = await lock.extend()
-            except (RedisError, OSError) as error:
+            except self.kind.errors as error:
                 history.complete(process, "info", reason=type(error).__name__)
                 continue
             if not extended:
@@ -288,7 +369,7 @@ class LockWorker:
         history.invoke(process, "complete", holding.job, holding.generation, holder=holding.holder)
         try:
             released = await holding.lock.release()
-        except (RedisError, OSError) as error:
+        except self.kind.errors as error:
             history.complete(process, "info", reason=type(error).__name__)
             return
         if released:

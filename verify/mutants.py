@@ -10,6 +10,8 @@ to the first violation, killed or survived, the invariants broken) and writes
 ``mutants.json`` in ``--out``, where each run's files stay (``<mutant>-<db>-<seed>/``).
 Exit 0: every mutant killed on every seed and the baseline clean; 1: a mutant survived or
 the baseline had a violation; 2: a mutant no longer applies or a run could not start.
+A mutant with ``run_args`` runs with those ``verify run`` arguments (``--resolving``: a
+workload that masks other mutants), and so does a baseline of its own (``none+resolving``).
 A mutant that names no database is one the verification cannot reach (the workload does
 not exercise its layer, or another layer masks it): it is listed, not run.
 
@@ -82,7 +84,13 @@ def copy_tree(source: Path, dest: Path) -> int:
     return count
 
 
-def verify_argv(options: argparse.Namespace, db: str, seed: int, out: Path) -> list[str]:
+def verify_argv(
+    options: argparse.Namespace, db: str, seed: int, out: Path, extra: tuple[str, ...] = ()
+) -> list[str]:
+    return [*_argv(options, db, seed, out), *extra]
+
+
+def _argv(options: argparse.Namespace, db: str, seed: int, out: Path) -> list[str]:
     return [
         sys.executable, "-m", "verify", "run",
         "--db", db,
@@ -95,11 +103,23 @@ def verify_argv(options: argparse.Namespace, db: str, seed: int, out: Path) -> l
     ]  # fmt: skip
 
 
+def baseline_name(extra: tuple[str, ...]) -> str:
+    """The unmutated tree's name in the rows: ``none``, or with the run arguments some
+    mutants need (``none+resolving``)."""
+    return BASELINE + "".join(f"+{arg.lstrip('-')}" for arg in extra)
+
+
 def run_one(
-    options: argparse.Namespace, mutant: Mutant | None, db: str, seed: int, out: Path
+    options: argparse.Namespace,
+    mutant: Mutant | None,
+    db: str,
+    seed: int,
+    out: Path,
+    extra: tuple[str, ...] = (),
 ) -> Outcome:
-    """A verification of the tree with ``mutant`` applied (None: the baseline)."""
-    name = mutant.name if mutant else BASELINE
+    """A verification of the tree with ``mutant`` applied (None: the baseline), with the
+    ``verify run`` arguments ``extra`` (the mutant's ``run_args``)."""
+    name = mutant.name if mutant else baseline_name(extra)
     outcome = Outcome(name, mutant.rule if mutant else "-", db, seed, "error", out=str(out))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"fencegate-mutant-{name}-") as tmp:
@@ -112,7 +132,7 @@ def run_one(
         with open(out / "verify.log", "w", encoding="utf-8") as log:
             try:
                 code = subprocess.run(
-                    verify_argv(options, db, seed, out),
+                    verify_argv(options, db, seed, out, extra),
                     cwd=tree,
                     env=env,
                     stdout=log,
@@ -204,7 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in MUTANTS:
             dbs = ",".join(sorted(m.databases))
             dbs = "pending" if m.pending else dbs or "unreached"
-            print(f"{m.name:<28} {m.rule:<17} {dbs:<10} {'fast' if m.fast else '':<5} {m.why}")
+            needs = f"(verify run {' '.join(m.run_args)}) " if m.run_args else ""
+            print(
+                f"{m.name:<28} {m.rule:<17} {dbs:<10} {'fast' if m.fast else '':<5} {needs}{m.why}"
+            )
         return 0
     databases = [d.strip() for d in options.db.split(",") if d.strip()]
     try:
@@ -220,11 +243,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     blind = [m for m in mutants if not m.databases]
-    plan: list[tuple[Mutant | None, str, int]] = []
+    plan: list[tuple[Mutant | None, str, int, tuple[str, ...]]] = []
     for db in databases:
+        running = [m for m in mutants if db in m.databases]
+        # One baseline per set of run arguments the mutants run with (the workload
+        # differs: each mutant is judged against the unmutated tree under its own).
+        extras = sorted({m.run_args for m in running}) or [()]
         if not options.no_baseline:
-            plan += [(None, db, seed) for seed in seeds]
-        plan += [(m, db, seed) for m in mutants if db in m.databases for seed in seeds]
+            plan += [(None, db, seed, extra) for extra in extras for seed in seeds]
+        plan += [(m, db, seed, m.run_args) for m in running for seed in seeds]
     print(
         f"mutants: {len(mutants)} mutant(s), {len(plan)} run(s) of --seconds "
         f"{options.seconds:g} --nemesis {options.nemesis} on {', '.join(databases)}, seeds "
@@ -233,10 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(HEADER, flush=True)
     outcomes: list[Outcome] = []
-    for index, (mutant, db, seed) in enumerate(plan, start=1):
-        name = mutant.name if mutant else BASELINE
+    for index, (mutant, db, seed, extra) in enumerate(plan, start=1):
+        name = mutant.name if mutant else baseline_name(extra)
         try:
-            outcome = run_one(options, mutant, db, seed, out / f"{name}-{db}-{seed}")
+            outcome = run_one(options, mutant, db, seed, out / f"{name}-{db}-{seed}", extra)
         except MutationError as error:
             print(f"verify mutants: {name} no longer applies: {error}")
             return 2
@@ -248,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dumps([asdict(o) for o in outcomes], indent=2) + "\n", encoding="utf-8"
     )
     killed = sum(o.verdict == "killed" for o in outcomes)
-    runs = sum(o.mutant != BASELINE for o in outcomes)
+    runs = sum(o.rule != "-" for o in outcomes)
     survived = [f"{o.mutant} ({o.db}, seed {o.seed})" for o in outcomes if o.verdict == "survived"]
     violated = [f"{o.db}, seed {o.seed}" for o in outcomes if o.verdict == "violated"]
     print(f"summary: {killed} of {runs} mutant run(s) killed")

@@ -58,6 +58,9 @@ class Mutant:
     why: str  # the plausible bug it models
     fast: bool = False  # in the fast subset that CI runs on SQLite
     killed_by: str = ""  # an existing test that fails under it (its node id)
+    # ``verify run`` arguments its runs need, and its baseline's (the same workload): a
+    # layer only such a workload exercises, which another would mask for other mutants
+    run_args: tuple[str, ...] = ()
     pending: str = ""
     """The change whose text the edits replace, when it is not in the tree yet: until it
     is, ``apply`` refuses the mutant, its tests skip it and ``verify mutants`` lists it
@@ -72,8 +75,9 @@ _COMMON = "lease_core/sql/common.sql"
 _POSTGRES = "lease_core/sql/postgresql.sql"
 _FENCE = "gateway/fencing/fence.py"
 _HANDLER = "gateway/proxy/handler.py"
-_MACHINE = "gateway/fencing/request.py"
+_MACHINE = "gateway/fencing/machine.py"
 _STORE = "gateway/records/store.py"
+_ZOOKEEPER = "gateway/sources/zookeeper.py"
 
 # Issue 44: the gateway binds (source, lock, generation) to the first holder admitted,
 # in the conflict clause of ``admit_external`` (lease_core/sql/common.sql), and refuses
@@ -123,8 +127,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 _FENCE,
-                "    if fence is not None and fence > generation:",
-                "    if fence is not None and fence > generation + 1:",
+                "    if superseded(generation, fence):",
+                "    if superseded(generation + 1, fence):",
             ),
         ),
         why=(
@@ -135,8 +139,11 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "::test_woken_after_a_newer_generation_was_admitted fails too). For the "
             "gateway's own leases two layers mask it in a verification: the barrier "
             "makes g+1 wait for g until g's deadline, and past that deadline the stalled "
-            "replica does not send g at all (ordering-timeout); 3 runs on PostgreSQL with "
-            "the freeze nemesis did not see it."
+            "replica does not send g at all (ordering-timeout). When it does send g after "
+            "g+1 was admitted, g still reaches the upstream before every write of g+1 (g+1 "
+            "waits for it), which no history tells from a correct replica frozen right "
+            "after its last look (docs/verification.md, 'What the harness still cannot "
+            "see'; issue 53 found no sound invariant for it)."
         ),
         killed_by="tests/unit/test_send_verdict.py::test_send_verdict",
     ),
@@ -147,9 +154,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 _MACHINE,
-                "        facts.in_order = UNKNOWN if admission.older_in_flight else True\n",
+                "        facts.older_settled = UNKNOWN if admission.older_in_flight else True\n",
                 "        quick = answered - asked < FRESH_ADMISSION\n"
-                "        facts.in_order = UNKNOWN if admission.older_in_flight and not quick"
+                "        facts.older_settled = UNKNOWN if admission.older_in_flight and not quick"
                 " else True\n",
             ),
         ),
@@ -238,6 +245,30 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         fast=True,
         killed_by=(
             "tests/integration/test_gateway_fencing.py::test_lease_expired_when_nobody_newer"
+        ),
+    ),
+    Mutant(
+        name="expiry-claim-early",
+        rule="expiry",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _COMMON,
+                "{job}.claimable_at IS NOT NULL AND {job}.claimable_at <= {now}\n",
+                "{job}.claimable_at IS NOT NULL AND {job}.claimable_at <= {now} + 0.5\n",
+            ),
+        ),
+        why=(
+            "A queue's claim takes a job half a second before it is claimable (found by an "
+            "independent review's mutant, issue 53), so a lease is handed to the next "
+            "generation while the old holder's is still current: the gateway still fences "
+            "the old holder off, so only the lease's own promise breaks. The workers' solo "
+            "rounds (a job of a queue of their own, left to lapse and claimed again as soon "
+            "as the queue gives it) reach it, invariant 15."
+        ),
+        killed_by=(
+            "tests/integration/test_lease_api.py"
+            "::test_expired_lease_is_reclaimed_with_a_higher_generation"
         ),
     ),
     Mutant(
@@ -342,8 +373,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 _HANDLER,
-                '            retry=upstream.unknown_outcome == "retry",',
-                '            retry=upstream.unknown_outcome != "resolve",',
+                "            retry=upstream.unknown_outcome == UnknownOutcome.RETRY,",
+                "            retry=upstream.unknown_outcome != UnknownOutcome.RESOLVE,",
             ),
         ),
         why=(
@@ -405,16 +436,49 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "that was never sent is given back only when the database failed. A write "
             "waiting behind an older generation when its replica stops is cancelled past "
             "the grace with its claim kept: after the restart it is an unknown outcome to "
-            "resolve, though it never left."
+            "resolve, though it never left (invariant 13: the shutdown nemesis sends its "
+            "SIGTERM once the replica's /metrics shows a write waiting behind an older "
+            "generation's, with an ordering wait of 1 s when shutdown runs alone). Killed "
+            "reliably under --nemesis shutdown; under all only on some seeds (few "
+            "shutdowns, and the other faults excuse much)."
         ),
         killed_by=(
             "tests/integration/test_truthful_answers.py::test_a_cancelled_wait_gives_its_claim_back"
         ),
     ),
+    # Found while reading a failure of CI's verification (seed 17807807): a request
+    # cancelled while its admission waited for SQLite's lock; the admission committed
+    # the claim after.
+    Mutant(
+        name="admission-claim-orphaned",
+        rule="unknown-outcomes",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _HANDLER,
+                "        admission = await self.releases.admit("
+                "leases.admit(self.store, incoming, write), key)",
+                "        admission = await leases.admit(self.store, incoming, write)",
+            ),
+        ),
+        why=(
+            "As before the fix: a request cancelled while its admission is in the database "
+            "(a shutdown past its grace while another replica holds SQLite's lock) stops "
+            "waiting for it, but the admission still commits its claim, which nobody knows "
+            "of: the write, never sent, is left to turn into an unknown outcome (invariant "
+            "13). Verify reaches it only when a shutdown's grace ends during an admission "
+            "that waits for the lock, which few seeds do; the fault test does every time."
+        ),
+        killed_by=(
+            "tests/faults/test_cancelled_admission.py"
+            "::test_an_admission_cancelled_by_shutdown_gives_its_claim_back"
+        ),
+    ),
     Mutant(
         name="resolver-window-sign",
         rule="resolver",
-        databases=UNREACHABLE,
+        databases=BOTH,
+        run_args=("--resolving",),
         edits=(
             Edit(
                 "gateway/fencing/deadlines.py",
@@ -425,8 +489,12 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "The resolver's window adds the upstream's timeout and the margin instead of "
             "taking them off, so it re-sends a held write after the upstream has forgotten "
-            'its key and the write is applied twice; verify\'s upstream is "hold", so its '
-            "workload never runs the resolver."
+            "its key and the write is applied twice (invariant 4, or 3 once an operator "
+            "settles it): with verify run --resolving, the upstream dedup (unknown_outcome "
+            '= "resolve", a key kept 4 s) gets a share of the jobs, some of whose keys are '
+            "cut at every send, so the resolver re-sends them until its window closes. "
+            "Only there: a resolving gateway judges every write again before the send, "
+            "which masks barrier-quick-admission."
         ),
         killed_by=(
             "tests/unit/test_request_machine.py::test_the_resolver_re_sends_only_inside_the_window"
@@ -435,7 +503,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         name="source-fence-off-by-one",
         rule="lease-source",
-        databases=UNREACHABLE,
+        databases=BOTH,
+        fast=True,
         edits=(
             Edit(
                 _COMMON,
@@ -446,9 +515,11 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         why=(
             "The admission of another source's lease accepts a generation one below the "
             "job's fence and lowers the fence to it, so a signed token of generation 1 "
-            "writes after generation 2 wrote; the judgement before the admission "
-            "(external_lease) still refuses it, so verify's lock workers do not reach it "
-            "(none was found in 60 s under lock-loss and pause), only the sources' tests."
+            "writes after generation 2 wrote. The judgement before the admission "
+            "(external_lease) refuses a token already below the fence, so verify's signed "
+            "workers (verify/signed.py) reach it with a stalled upload: the token judged "
+            "and 100 Continue answered, the next generation signed and written, then the "
+            "body sent; generation 1 is then applied after 2 (invariants 1, 2, 6)."
         ),
         killed_by=(
             "tests/integration/test_source_jwt.py"
@@ -491,6 +562,137 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         killed_by=(
             "tests/integration/test_source_holders.py::"
             "test_redis_a_regrown_counter_reissues_a_generation_and_its_holder_is_refused"
+        ),
+    ),
+    Mutant(
+        name="upstream-bytes-outlive-the-exchange",
+        rule="resolver",
+        databases=BOTH,
+        run_args=("--resolving",),
+        edits=(
+            Edit(
+                "gateway/upstream/connection.py",
+                'RESET_ON_CLOSE = struct.pack("ii", 1, 0)',
+                'RESET_ON_CLOSE = struct.pack("ii", 0, 0)',
+            ),
+            Edit(
+                "gateway/upstream/connection.py",
+                'USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", None)',
+                "USER_TIMEOUT = None",
+            ),
+        ),
+        why=(
+            "As before the fix CI's verification found: an upstream connection the gateway "
+            "drops mid-exchange closes gracefully, and nothing bounds its unacknowledged "
+            "bytes, so the kernel keeps retransmitting a request the gateway let go of (its "
+            "timeout, its process killed or frozen) and a partition that heals delivers it "
+            "late: after the next generation's writes (invariants 1, 2, 6), or, a re-send "
+            "of the resolver, past the upstream's deduplication window (applied twice)."
+        ),
+        killed_by=(
+            "tests/faults/test_partitioned_send.py::"
+            "test_a_write_cut_off_never_reaches_the_upstream_after_the_gateway_let_go"
+        ),
+    ),
+    Mutant(
+        name="source-token-never-expires",
+        rule="lease-source",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "gateway/sources/signed.py",
+                '            expires_at=float(claims["exp"]) + self.settings.leeway_seconds,',
+                "            expires_at=None,",
+            ),
+        ),
+        why=(
+            "A signed token's exp is not passed to the admission (found by an independent "
+            "review's mutant, issue 53), so an expired token writes on until a newer "
+            "generation writes: the signed workers' lapse holdings (a token of 2 s, written "
+            "with again past its exp, nothing newer signed meanwhile) break invariant 11."
+        ),
+        killed_by="tests/integration/test_source_jwt.py::test_expired_tokens_by_the_database_clock",
+    ),
+    Mutant(
+        name="source-etcd-cache-forever",
+        rule="lease-source",
+        databases=BOTH,
+        fast=True,
+        run_args=("--etcd-lock-workers", "3"),
+        edits=(
+            Edit(
+                "gateway/sources/etcd.py",
+                "        if cached is not None and cached[0] > time.monotonic():",
+                "        if cached is not None:",
+            ),
+        ),
+        why=(
+            "An etcd lock once read as held is believed "
+            "until the cache evicts it instead of for cache_seconds, so a holder whose "
+            "lease lapsed or was revoked writes on while nobody newer has written: the "
+            "etcd lock workers' lapsing holdings (their own lock, left to lapse, then "
+            "written with) break invariant 11."
+        ),
+        killed_by=(
+            "tests/integration/test_source_etcd.py::"
+            "test_a_lock_read_as_held_is_believed_only_for_cache_seconds"
+        ),
+    ),
+    Mutant(
+        name="source-zookeeper-held-remembered",
+        rule="lease-source",
+        databases=BOTH,
+        run_args=("--zk-lock-workers", "3"),
+        edits=(
+            Edit(
+                _ZOOKEEPER,
+                "        self.client: KazooClient | None = None\n",
+                "        self.client: KazooClient | None = None\n"
+                "        self.held: dict[str, ExternalLease] = {}\n",
+            ),
+            Edit(
+                _ZOOKEEPER,
+                "        job_id = namespaced(self.name, path)\n"
+                "        if job_id is None:\n"
+                "            return None\n",
+                "        job_id = namespaced(self.name, path)\n"
+                "        if job_id is None:\n"
+                "            return None\n"
+                "        if token in self.held:\n"
+                "            return self.held[token]\n",
+            ),
+            Edit(
+                _ZOOKEEPER,
+                "                return ExternalLease(\n"
+                "                    self.name,\n"
+                "                    job_id,\n"
+                "                    int(stat.czxid),",
+                "                self.held[token] = ExternalLease(\n"
+                "                    self.name,\n"
+                "                    job_id,\n"
+                "                    int(stat.czxid),",
+            ),
+            Edit(
+                _ZOOKEEPER,
+                "                    reissued=COUNTER_LOST,\n"
+                "                )\n"
+                "            # Present, not the lowest",
+                "                    reissued=COUNTER_LOST,\n"
+                "                )\n"
+                "                return self.held[token]\n"
+                "            # Present, not the lowest",
+            ),
+        ),
+        why=(
+            "A ZooKeeper lock once read as held is remembered and believed ever after (a "
+            "cache of held locks, as etcd's source has, without its cache_seconds), so a "
+            "holder whose session expired or whose node was released writes on while "
+            "nobody newer has written: the ZooKeeper lock workers' lapsing holdings (their "
+            "own lock, its node released or its session lost, then written with) break "
+            "invariant 11."
+        ),
+        killed_by=(
+            "tests/integration/test_source_zookeeper.py::test_two_workers_take_the_lock_in_turn"
         ),
     ),
 )

@@ -24,7 +24,7 @@ the table, so a new nemesis is a new entry:
   clock decides expiry) the running replica's clock moves (libfaketime reads its offset
   from a file, ``verify.stack.live_clock``), and while it is behind the workers send
   lapsed jobs' late writes to it (``Stack.steer``); on SQLite the replica is restarted
-  under ``faketime -f`` at both ends.
+  under libfaketime (``FAKETIME=±Nm``) at both ends.
 - ``failover`` (Patroni): the primary gives way, by ``patronictl switchover`` or by a
   kill -9 of its postmaster (Patroni promotes a synchronous standby); the fault ends once
   the cluster is whole again (every standby synchronous), so each failover starts from a
@@ -35,6 +35,17 @@ the table, so a new nemesis is a new entry:
   every fence counter, by ``FLUSHALL`` or by a kill -9 of the ``redis-server`` (no
   persistence), started again after 0.3-2 s; at any moment, so before, while (a share of
   the lock workers' writes is held at the upstream) and after writes of the holders.
+- ``etcd-loss`` (the etcd lock workers' etcd, ``verify.etcd_locks``; not in ``all``,
+  named on its own): etcd loses every lock at once (every lease revoked: each key goes
+  with its lease, as an operator's revoke or a lease lapsed in a long pause does), or is
+  killed -9 and comes back on its data after 0.3-2 s (locks and revisions kept, each
+  lease given its TTL again once it is back).
+- ``zk-loss`` (the ZooKeeper lock workers' ZooKeeper, ``verify.zk_locks``; not in ``all``,
+  named on its own): ZooKeeper is paused (SIGSTOP) past the holders' session timeout, and
+  expires their sessions, and their lock nodes with them, when it wakes (the holders are
+  not told and write on); or it is killed -9 and started again on its data after longer
+  than the session timeout, which loses nothing: it gives every session its timeout
+  again from its start, and the holders' clients reconnect within it.
 - ``store`` (SQLite and PostgreSQL; ``verify.outages``): the database breaks in the middle
   of requests: another process holds SQLite's write lock past the gateway's busy timeout
   by 0.2-1 s; on PostgreSQL the replicas' connections are terminated and new ones refused
@@ -62,10 +73,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from verify import netns, outages
+from verify.etcd_locks import etcd_binary
 from verify.events import JsonlWriter
 from verify.locks import redis_binary
 from verify.procs import Child, StartError
 from verify.stack import Replica, Stack, live_clock
+from verify.zk_locks import SESSION_SECONDS, ZkStore, zk_binary
 
 MAX_TTL = 3.0
 REST = 0.5  # seconds a target rests after a fault, unless its kind says otherwise
@@ -212,6 +225,12 @@ class Nemesis:
     def note_killed(self, fault: Fault, seconds: float) -> None:
         """A replica that a SIGTERM did not end: it was killed (it lost what it held)."""
         self._note("killed", fault, after_seconds=round(seconds, 3))
+
+    def note_waiter(self, fault: Fault, seconds: float | None) -> None:
+        """A shutdown's SIGTERM: how long it looked for a write waiting behind an older
+        generation's (None: none came)."""
+        waited = None if seconds is None else round(seconds, 3)
+        self._note("waiter", fault, found=seconds is not None, after_seconds=waited)
 
     def _note(self, phase: str, fault: Fault, **extra: Any) -> None:
         self.log.write({"phase": phase, "time": time.time(), **fault.to_json(), **extra})
@@ -407,11 +426,17 @@ def _draw_upstream(rng: random.Random, pick: Callable[[], str], span: float, db:
     return pick(), span, {"mode": mode, "probability": probability}
 
 
-def _draw_lock_loss(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
-    if rng.random() < 0.5:
-        return pick(), 0.5, {"how": "flush"}
-    down = round(rng.uniform(0.3, 2.0), 2)
-    return pick(), down, {"how": "restart"}
+def _draw_store_loss(lose: str) -> Draw:
+    """A lock store losing its locks: half the time at once (``lose``: Redis's ``flush``,
+    etcd's ``revoke``), else a kill -9 and a start again after 0.3-2 s (``restart``)."""
+
+    def draw(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+        if rng.random() < 0.5:
+            return pick(), 0.5, {"how": lose}
+        down = round(rng.uniform(0.3, 2.0), 2)
+        return pick(), down, {"how": "restart"}
+
+    return draw
 
 
 async def _stop_worker(n: Nemesis, fault: Fault) -> None:
@@ -471,6 +496,8 @@ async def _cut_network(n: Nemesis, fault: Fault) -> None:
     replica = n.replica(fault.target)
     assert replica.namespace is not None and n.stack.upstream is not None
     ports = [n.stack.upstream.port]
+    if n.stack.resolving_port is not None:  # the resolver's upstream (--resolving) too
+        ports.append(n.stack.resolving_port)
     if fault.params["to"] == "database":
         ports = n.stack.database_ports()
     n.partitions += 1
@@ -517,24 +544,47 @@ async def _upstream_healthy(n: Nemesis, fault: Fault) -> None:
     await n.stack.upstream.set_faults("none")
 
 
-async def _lose_locks(n: Nemesis, fault: Fault) -> None:
-    store = n.stack.lock_store
-    assert store is not None
-    if fault.params["how"] == "flush":
-        await asyncio.to_thread(store.flush)
-    else:
-        await asyncio.to_thread(store.kill)
+def _draw_zk_loss(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
+    """ZooKeeper paused for the session timeout and 1-3 s more (``lose``: the sessions
+    expire as it wakes), or killed and started again after the session timeout and
+    0.5-2 s more (``restart``: the sessions are kept)."""
+    if rng.random() < 0.5:
+        return pick(), round(SESSION_SECONDS + rng.uniform(1.0, 3.0), 2), {"how": "pause"}
+    return pick(), round(SESSION_SECONDS + rng.uniform(0.5, 2.0), 2), {"how": "restart"}
 
 
-async def _locks_back(n: Nemesis, fault: Fault) -> None:
-    store = n.stack.lock_store
-    assert store is not None
+async def _zk_back(n: Nemesis, fault: Fault) -> None:
+    store = n.stack.lock_store_of(fault.target)
+    assert isinstance(store, ZkStore)
     if fault.params["how"] == "restart":
         await asyncio.to_thread(store.start)
+    else:
+        await asyncio.to_thread(store.resume)
+
+
+async def _lose_store(n: Nemesis, fault: Fault) -> None:
+    store = n.stack.lock_store_of(fault.target)
+    if fault.params["how"] == "restart":
+        await asyncio.to_thread(store.kill)
+    else:
+        await asyncio.to_thread(store.lose)
+
+
+async def _store_back(n: Nemesis, fault: Fault) -> None:
+    if fault.params["how"] == "restart":
+        await asyncio.to_thread(n.stack.lock_store_of(fault.target).start)
 
 
 def _no_redis() -> str | None:
     return None if redis_binary() else "no redis-server on PATH (apt-get install redis-server)"
+
+
+def _no_etcd() -> str | None:
+    return None if etcd_binary() else "no etcd on PATH (apt-get install etcd-server)"
+
+
+def _no_zookeeper() -> str | None:
+    return None if zk_binary() else "no zkServer.sh (apt-get install zookeeper)"
 
 
 def _no_faketime() -> str | None:
@@ -547,6 +597,13 @@ NEEDS = {
     for need in (
         Need("netns", netns.unavailable, "{kind} is not available here: {why}", True),
         Need("redis-server", _no_redis, "{kind} needs the lock workers' Redis: {why}", True),
+        Need("etcd", _no_etcd, "{kind} needs the etcd lock workers' etcd: {why}", True),
+        Need(
+            "zookeeper",
+            _no_zookeeper,
+            "{kind} needs the ZooKeeper lock workers' ZooKeeper: {why}",
+            True,
+        ),
         Need("faketime", _no_faketime, "the {kind} nemesis needs libfaketime: {why}", False),
     )
 }
@@ -600,8 +657,20 @@ KINDS: dict[str, NemesisKind] = {
         ),
         NemesisKind(
             "lock-loss", "Redis loses every lock and fence counter (FLUSHALL or kill -9)",
-            "redis", "lock-loss", _draw_lock_loss, _lose_locks, _locks_back,
+            "redis", "lock-loss", _draw_store_loss("flush"), _lose_store, _store_back,
             needs=("redis-server",),
+        ),
+        NemesisKind(
+            "etcd-loss", "etcd loses every lock (every lease revoked), or is killed -9 and "
+            "comes back on its data after 0.3-2 s", "etcd", "etcd-loss",
+            _draw_store_loss("revoke"), _lose_store, _store_back, needs=("etcd",),
+            in_all=frozenset(),
+        ),
+        NemesisKind(
+            "zk-loss", "ZooKeeper paused past the holders' session timeout (their sessions "
+            "expire as it wakes), or killed -9 and started again on its data after longer "
+            "than it (sessions kept)", "zookeeper", "zk-loss", _draw_zk_loss, _lose_store,
+            _zk_back, needs=("zookeeper",), in_all=frozenset(),
         ),
         NemesisKind(
             "store", "the database breaks mid-request: SQLite's write lock held past the "
@@ -626,6 +695,10 @@ DATABASE_NEMESES = {
 }
 # The nemeses of the lock workers' Redis (verify.locks): they need redis-server.
 LOCK_NEMESES = frozenset(k.name for k in KINDS.values() if "redis-server" in k.needs)
+# The nemeses of the etcd lock workers' etcd (verify.etcd_locks).
+ETCD_NEMESES = frozenset(k.name for k in KINDS.values() if "etcd" in k.needs)
+# The nemeses of the ZooKeeper lock workers' ZooKeeper (verify.zk_locks).
+ZK_NEMESES = frozenset(k.name for k in KINDS.values() if "zookeeper" in k.needs)
 # Seconds a target rests after a fault of this kind before the plan gives it another (a
 # failover's cluster needs about ten to be whole again).
 AFTER = {k.name: k.rest for k in KINDS.values()}

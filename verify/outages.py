@@ -16,8 +16,10 @@ with writes waiting behind an older generation's. Their entries are in
   takes it (a ``db-restart`` may be under way).
 - ``shutdown``: the upstream answers every write 0.2-0.9 s late for a moment (so older
   generations' writes stay in flight and newer ones wait behind them), then SIGTERM to a
-  replica, which has ``SHUTDOWN_GRACE_UNDER_NEMESIS`` (0.2 s, under the ordering wait) to
-  finish; it is started again 0.5-3 s after it exited. A replica still running 5 s after
+  replica as soon as its ``/metrics`` shows a write waiting behind an older
+  generation's (or after 4 s more without one: ``waiter``), which has
+  ``SHUTDOWN_GRACE_UNDER_NEMESIS`` (0.2 s, under the ordering wait) to finish; it is
+  started again 0.5-3 s after it exited. A replica still running 5 s after
   the SIGTERM is killed (SIGKILL), and the fault log says so (``phase: killed``):
   invariant 13 excuses what such a replica lost.
 """
@@ -29,6 +31,8 @@ import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any
+
+import aiohttp
 
 from lease_core.direct_sqlite import BUSY_TIMEOUT_MS
 from verify.procs import wait_for_line
@@ -51,6 +55,10 @@ LOCKER = (
     "time.sleep(3600)\n"
 )
 STOP_WAIT = 5.0  # seconds after the SIGTERM before a replica is killed
+# shutdown: how long past the slow answers' delay a waiter is looked for, and how often
+WAITER_SEARCH = 4.0
+WAITER_POLL = 0.02
+WAITING = re.compile(r'^fencegate_gateway_waiting_requests\{wait="older"\} (\S+)$', re.MULTILINE)
 # While the store is broken, the upstream answers after this many seconds and cuts this
 # share of its answers after applying the write.
 CUT_DELAY = (0.2, 0.5)
@@ -121,7 +129,8 @@ async def heal_store(n: Nemesis, fault: Fault) -> None:
 
 
 async def shut_down(n: Nemesis, fault: Fault) -> None:
-    """Slow answers for a moment, then SIGTERM to the replica; wait for it to end."""
+    """Slow answers for a moment, then SIGTERM to the replica as soon as a write waits
+    there behind an older generation's (``waiter``); wait for it to end."""
     replica = n.replica(fault.target)
     upstream = n.stack.upstream
     assert upstream is not None
@@ -129,7 +138,9 @@ async def shut_down(n: Nemesis, fault: Fault) -> None:
     n.slowing += 1
     try:
         await upstream.set_knobs(delay=[slow / 2, slow])
-        await asyncio.sleep(slow)  # older generations' writes in flight, newer ones waiting
+        # older generations' writes in flight, newer ones waiting
+        waited = await waiter(replica.control, n.stack.admin_token, slow + WAITER_SEARCH)
+        n.note_waiter(fault, waited)
         started = time.monotonic()
         ended = await asyncio.to_thread(replica.stop, STOP_WAIT)
         if not ended:
@@ -138,6 +149,30 @@ async def shut_down(n: Nemesis, fault: Fault) -> None:
         n.slowing -= 1
         if not n.slowing:
             await upstream.set_knobs(delay=[0.0, 0.0])
+
+
+async def waiter(control: str, token: str, seconds: float) -> float | None:
+    """Seconds until the replica had a write waiting behind an older generation's
+    (``fencegate_gateway_waiting_requests{wait="older"}`` above 0, looked at every
+    ``WAITER_POLL`` s), or None when none came within ``seconds``. A waiter caught at
+    once has most of its wait (the ordering wait, 1 s under this nemesis) ahead of it,
+    longer than the grace (0.2 s): the SIGTERM then finds it waiting, which only a
+    moment's luck gave before (issue 53: the mutant release-only-on-store-unavailable
+    survived)."""
+    started = time.monotonic()
+    headers = {"Authorization": f"Bearer {token}"}
+    timeout = aiohttp.ClientTimeout(total=1.0)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while time.monotonic() - started < seconds:
+            try:
+                async with session.get(f"{control}/metrics", headers=headers) as resp:
+                    found = WAITING.search(await resp.text())
+            except (aiohttp.ClientError, TimeoutError):
+                found = None
+            if found is not None and float(found[1]) > 0:
+                return time.monotonic() - started
+            await asyncio.sleep(WAITER_POLL)
+    return None
 
 
 async def restart(n: Nemesis, fault: Fault) -> None:

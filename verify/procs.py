@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 FENCEGATE = str(Path(sys.executable).with_name("fencegate"))
@@ -61,16 +61,45 @@ class Child:
             self.popen.wait(timeout)
 
     def stop(self, timeout: float = 5.0) -> bool:
-        """SIGTERM, then SIGKILL after ``timeout``; whether it ended before the SIGKILL."""
+        """SIGTERM to the group, then SIGKILL after ``timeout``; whether every process of
+        the group ended before the SIGKILL. The group, not only the process started: a
+        wrapper may die of the SIGTERM at once while the command it forked still shuts
+        down (``faketime`` does), and a SIGKILL then would cut that shutdown short."""
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             return False
-        self.signal(signal.SIGKILL)  # whatever is left of its group
+        while self.group_alive():
+            if time.monotonic() > deadline:
+                self.kill()
+                return False
+            time.sleep(0.02)
         return True
+
+    def group_alive(self) -> bool:
+        """Whether a process of its group still runs (a zombie does not: nobody may reap
+        an orphan's)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) == self.pid and fields[0] != "Z":
+                return True
+        return False
+
+    def until(self, ready: Callable[[], bool], timeout: float, every: float = 0.05) -> None:
+        """Block until ``ready()`` (a service started: it answers); ``StartError`` with
+        its output's tail when it exits first or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if not self.alive() or time.monotonic() > deadline:
+                raise StartError(f"{self.name} did not start:\n{self.tail()}")
+            time.sleep(every)
 
     def output(self) -> str:
         try:

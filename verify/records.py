@@ -4,9 +4,9 @@ its list of unknown outcomes (``tests/faults``).
 
 - ``completed_jobs``: every job the database says completed had each of its steps
   applied exactly once;
-- ``acknowledged``: every 2xx a worker got for a key (forwarded or replayed) is the
-  upstream's first answer to it, status and body (``verify.check``'s invariant 5 compares
-  the bodies' hashes only);
+- ``acknowledged``: every 2xx a worker got for a key (forwarded or replayed, a write
+  ``ok`` of the history) is the upstream's first answer to it, status and body's hash
+  (``verify.check``'s invariant 5 compares the bodies' hashes only);
 - ``received_in_order``: per job, the upstream never received a generation lower than
   one it had received before: every write received counts, applied or not (a duplicate
   at a deduplicating upstream, a write cut before it was applied);
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gateway.fencing.fence import is_anonymous
-from verify.events import LedgerEntry
+from verify.events import HistoryEvent, LedgerEntry, sha256_hex
 
 Step = tuple[str, str]
 
@@ -58,20 +58,24 @@ def completed_jobs(
     ]
 
 
-def acknowledged(
-    answers: Iterable[tuple[str, str, int, bytes]], ledger: Sequence[LedgerEntry]
-) -> list[str]:
-    """``answers``: (job, key, status, body) of each 2xx a worker got."""
+def acknowledged(history: Iterable[HistoryEvent], ledger: Sequence[LedgerEntry]) -> list[str]:
+    """Each write ``ok`` of ``history`` (a 2xx a worker got, forwarded or replayed): its
+    status and the sha256 of its body are the upstream's first answer to its key's."""
     first = first_applied(ledger)
     problems = []
-    for job, key, status, body in answers:
-        entry = first.get((job, key))
+    for event in history:
+        if not event.acknowledged:
+            continue
+        job, key, status = event.job, event.key, event.status
+        entry = first.get((job, str(key)))
         if entry is None:
             problems.append(f"job {job}: key {key} answered {status}, never applied")
-        elif (status, body) != answer_of(entry):
+            continue
+        upstream_status, upstream_body = answer_of(entry)
+        if (status, event.body_sha256) != (upstream_status, sha256_hex(upstream_body)):
             problems.append(
-                f"job {job}: key {key} answered {status} {body!r}; the upstream answered "
-                f"{answer_of(entry)!r}"
+                f"job {job}: key {key} answered {status} (body sha256 "
+                f"{event.body_sha256}); the upstream answered {answer_of(entry)!r}"
             )
     return problems
 

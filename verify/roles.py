@@ -11,6 +11,15 @@ gateway gave up on it (TCP retransmits it once the path is back), so "not in the
 is only true once the network has been whole for longer than a retransmission takes.
 Every key it sees held unknown goes to ``unknowns.jsonl`` (once per generation, with the
 time of the listing) before it settles any: invariant 13 judges them.
+
+The keys of the upstream whose unknown outcomes the gateway resolves itself
+(``verify.worker.RESOLVING``) that the gateway may still re-send (``resolvable``) are
+the gateway's: the operator leaves each alone for ``RESOLVER_HANDS_OFF`` seconds from
+when it first saw it, until the upstream has forgotten the key and a re-send begun
+before then has ended (the upstream's window, its timeout and twice the resolver's
+margin). An operator who settled them at once would leave the resolver nothing to
+re-send, and a resolver that re-sends outside the window (applying a write twice) would
+go unseen.
 """
 
 from __future__ import annotations
@@ -25,12 +34,15 @@ from typing import Any
 
 import aiohttp
 
+from gateway.fencing.deadlines import RESOLVE_MARGIN
 from verify.events import JsonlWriter
-from verify.stack import Replica
+from verify.stack import DEDUP_WINDOW, UPSTREAM_TIMEOUT, Replica
+from verify.worker import RESOLVING
 
 QUEUE = "verify"
 UNKNOWN_MIN_AGE = 3.0  # seconds a key stays unknown before "not applied" is said
 NETWORK_QUIET = 12.0  # seconds since the last partition healed before "not applied"
+RESOLVER_HANDS_OFF = DEDUP_WINDOW + UPSTREAM_TIMEOUT + 2 * RESOLVE_MARGIN
 
 
 class Tail:
@@ -162,6 +174,11 @@ def resolution(job: str, key: str, entry: dict[str, Any] | None) -> dict[str, An
     return body
 
 
+def gateways(item: dict[str, Any]) -> bool:
+    """Whether a listed unknown outcome is one the gateway may re-send itself."""
+    return item.get("upstream") == RESOLVING and bool(item.get("resolvable"))
+
+
 class Operator:
     """Settles unknown outcomes from the ledger, every second."""
 
@@ -199,6 +216,8 @@ class Operator:
                 continue  # being re-sent: not ours to judge
             step = (item["job_id"], item["key"])
             seen = self.first_seen.setdefault(step, now)
+            if gateways(item) and now - seen < RESOLVER_HANDS_OFF:
+                continue  # the gateway's to re-send for now
             entry = self.applied.get(step)
             body = resolution(step[0], step[1], entry)
             if entry is None and (

@@ -21,14 +21,23 @@ from pathlib import Path
 from typing import Any
 
 from verify import netns
-from verify.check import Report, Violation, check, check_files
+from verify.check import Refresh, Report, Violation, check, check_files
 from verify.cluster import PG_BIN, ClusterError
+from verify.etcd_locks import SOURCE as ETCD_SOURCE
 from verify.events import HistoryEvent, JsonlWriter, LedgerEntry, UnreadableFile, read_history
 from verify.nemesis import KINDS, NEEDS, Nemesis, plan
 from verify.patroni import PATRONI
 from verify.procs import Child, StartError
 from verify.roles import Control, Feeder, Observer, Operator, Tail
-from verify.stack import SHUTDOWN_GRACE, SHUTDOWN_GRACE_UNDER_NEMESIS, Stack
+from verify.stack import (
+    ORDERING_WAIT,
+    ORDERING_WAIT_UNDER_SHUTDOWN,
+    SHUTDOWN_ALONE,
+    SHUTDOWN_GRACE,
+    SHUTDOWN_GRACE_UNDER_NEMESIS,
+    Stack,
+)
+from verify.zk_locks import SOURCE as ZK_SOURCE
 
 TAIL_SECONDS = 15.0
 PROGRESS_EVERY = 5.0
@@ -55,6 +64,10 @@ class Options:
     tail: float = TAIL_SECONDS
     stop_on_violation: bool = False
     lock_workers: int = 0
+    etcd_lock_workers: int = 0
+    zk_lock_workers: int = 0
+    signed_workers: int = 0
+    resolving: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -106,15 +119,27 @@ async def run(options: Options) -> int:
         seed=options.seed,
         use_netns=await asyncio.to_thread(netns.unavailable) is None,
         locks=options.lock_workers > 0,
+        etcd=options.etcd_lock_workers > 0,
+        zookeeper=options.zk_lock_workers > 0,
         shutdown_grace=(
             SHUTDOWN_GRACE_UNDER_NEMESIS if "shutdown" in options.nemesis else SHUTDOWN_GRACE
         ),
+        signed=options.signed_workers > 0,
+        ordering_wait=(
+            ORDERING_WAIT_UNDER_SHUTDOWN
+            if "shutdown" in options.nemesis and set(options.nemesis) <= SHUTDOWN_ALONE
+            else ORDERING_WAIT
+        ),
+        resolving=options.resolving,
     )
     nemesis: Nemesis | None = None
     helpers: list[asyncio.Task[None]] = []
     names = [f"w{i}" for i in range(options.workers)]
     lock_names = [f"l{i}" for i in range(options.lock_workers)]
-    names += lock_names
+    etcd_names = [f"e{i}" for i in range(options.etcd_lock_workers)]
+    zk_names = [f"z{i}" for i in range(options.zk_lock_workers)]
+    signed_names = [f"s{i}" for i in range(options.signed_workers)]
+    names += lock_names + etcd_names + zk_names + signed_names
     operator: Operator | None = None
     window_opened = time.time()
     try:
@@ -127,7 +152,9 @@ async def run(options: Options) -> int:
             f"started: {len(stack.replicas)} replica(s) on {options.db}"
             f"{' in network namespaces' if stack.namespaces else ' on 127.0.0.1'}, "
             f"upstream on port {stack.upstream.port if stack.upstream else '?'}"
-            + (f", Redis on port {stack.lock_store.port}" if stack.lock_store else ""),
+            + (f", Redis on port {stack.lock_store.port}" if stack.lock_store else "")
+            + (f", etcd on port {stack.etcd_store.port}" if stack.etcd_store else "")
+            + (f", ZooKeeper on port {stack.zk_store.port}" if stack.zk_store else ""),
             flush=True,
         )
         control = Control(stack.replicas, stack.admin_token)
@@ -139,7 +166,15 @@ async def run(options: Options) -> int:
             print(f"verify: {error}")
             return 2
         workers = {
-            n: stack.spawn_worker(n, options.seed, options.direct, lock=n in lock_names)
+            n: stack.spawn_worker(
+                n,
+                options.seed,
+                options.direct,
+                lock=n in lock_names,
+                signed=n in signed_names,
+                etcd=n in etcd_names,
+                zookeeper=n in zk_names,
+            )
             for n in names
         }
         faults = plan(
@@ -257,7 +292,7 @@ def _violation_so_far(out: Path, db: str, names: list[str]) -> tuple[float, Viol
     ledger = [LedgerEntry.from_json(obj) for obj in Tail(out / "ledger.jsonl").read()]
     ledger = [entry for entry in ledger if entry.time <= read_at]
     events = sorted((e for e in events if e.time <= read_at), key=lambda event: event.time)
-    report = check(events, ledger, skewed=skew_windows(out, db))
+    report = check(events, ledger, skewed=skew_windows(out, db), refreshed=lease_refreshes(out))
     # A violation whose records are all older than a write's longest wait for its answer:
     # an answer that would excuse it (``GAVE_UP``) has come by then.
     settled = [(at, v) for at, v in _safety(report) if at <= read_at - SETTLED_AFTER]
@@ -345,43 +380,20 @@ def failover_figures(out: Path, failovers: list[dict[str, Any]]) -> dict[str, An
     }
 
 
-def skew_windows(out: Path, db: str) -> list[tuple[float, float]]:
-    """The spans in which a replica ran under a skewed clock (``faults.jsonl``'s clock
-    faults, start to end), where the replicas judge leases by their own clock (SQLite):
-    invariant 11 does not judge expiry there. On PostgreSQL the database's clock decides,
-    so a replica's skew excuses nothing."""
-    if db != "sqlite":
-        return []
-    started: dict[int, float] = {}
-    spans: list[tuple[float, float]] = []
-    for line in Tail(out / "faults.jsonl").read():
-        if line.get("kind") != "clock" or "time" not in line:
-            continue
-        if line.get("phase") == "start":
-            started[int(line["index"])] = float(line["time"])
-        elif line.get("phase") == "end" and int(line["index"]) in started:
-            spans.append((started.pop(int(line["index"])), float(line["time"])))
-    spans += [(begun, float("inf")) for begun in started.values()]  # never ended
-    return spans
+@dataclass(frozen=True)
+class FaultSpan:
+    """One fault of ``faults.jsonl``, start to end (``inf``: it never ended); ``killed``:
+    the SIGTERM that ended it had to be followed by a SIGKILL (a ``killed`` line)."""
+
+    kind: str
+    params: dict[str, Any]
+    start: float
+    end: float
+    killed: bool
 
 
-EXCUSING = frozenset({"kill", "freeze"})
-STOPPING = frozenset({"shutdown", "clock"})  # faults that stop a replica with SIGTERM
-STORE_DOWN = frozenset({"store", "db-restart", "failover"})
-
-
-def excused_windows(out: Path) -> list[tuple[float, float]]:
-    """The spans in which a write could be lost without the gateway knowing whether it
-    left, or knowing it and unable to say so (``faults.jsonl``, start to end; invariant 13
-    does not judge the keys whose writes they overlap): a replica killed (``kill``, or a
-    SIGTERM that had to be followed by a SIGKILL: a ``killed`` line), stopped
-    (``freeze``), or ended by a SIGTERM while its database was out of reach (``store``,
-    ``db-restart``, ``failover``, a partition to the database: it could not give back
-    its claims, and exiting loses them as a crash does); a partition between a replica
-    and the upstream (a request sent can be lost on the way); and the upstream answering
-    503 without applying (``upstream`` in ``5xx`` mode: received, not in the ledger).
-    Every fault of those kinds, on any replica: the history does not say which replica
-    a write went through."""
+def fault_spans(out: Path) -> list[FaultSpan]:
+    """Every fault the nemesis started, as its start, end and ``killed`` lines say."""
     faults: dict[int, dict[str, Any]] = {}
     for line in Tail(out / "faults.jsonl").read():
         if "time" not in line:
@@ -394,19 +406,70 @@ def excused_windows(out: Path) -> list[tuple[float, float]]:
             fault["killed"] = True
         elif line.get("phase") == "end":
             fault["end"] = float(line["time"])
-    faults = {i: f for i, f in faults.items() if "start" in f}
+    return [FaultSpan(**f) for f in faults.values() if "start" in f]
 
-    def store_down(fault: dict[str, Any]) -> bool:
-        kind, params = fault["kind"], fault["params"]
-        return kind in STORE_DOWN or (kind == "partition" and params.get("to") == "database")
 
-    outages = [(f["start"], f["end"]) for f in faults.values() if store_down(f)]
+def skew_windows(out: Path, db: str) -> list[tuple[float, float]]:
+    """The spans in which a replica ran under a skewed clock (the clock faults), where
+    the replicas judge leases by their own clock (SQLite): invariant 11 does not judge
+    expiry there. On PostgreSQL the database's clock decides, so a replica's skew
+    excuses nothing."""
+    if db != "sqlite":
+        return []
+    return [(f.start, f.end) for f in fault_spans(out) if f.kind == "clock"]
+
+
+ETCD_PREFIX = ETCD_SOURCE + "/"  # the etcd lock workers' jobs
+ZK_PREFIX = ZK_SOURCE + "/"  # the ZooKeeper lock workers' jobs
+# The faults after which a lock store gives the leases it held their TTL again: etcd's
+# restarts, and ZooKeeper's restarts and pauses (every session it holds gets its timeout
+# again from the moment it serves; a session it expires as it wakes has lost its lock,
+# and what is refused then needs no excuse).
+REFRESHING = {"etcd-loss": (ETCD_PREFIX, {"restart"}), "zk-loss": (ZK_PREFIX, {"restart", "pause"})}
+
+
+def lease_refreshes(out: Path) -> list[Refresh]:
+    """The lock stores' restarts and pauses that refresh leases (``REFRESHING``, start to
+    end): back, the store gave every lease it held its TTL again
+    (``verify.check.Refresh``)."""
+    spans: list[Refresh] = []
+    for fault in fault_spans(out):
+        refreshing = REFRESHING.get(fault.kind)
+        if refreshing is not None and fault.params.get("how") in refreshing[1]:
+            spans.append((refreshing[0], fault.start, fault.end))
+    return spans
+
+
+EXCUSING = frozenset({"kill", "freeze"})
+STOPPING = frozenset({"shutdown", "clock"})  # faults that stop a replica with SIGTERM
+STORE_DOWN = frozenset({"store", "db-restart", "failover"})
+
+
+def excused_windows(out: Path) -> list[tuple[float, float]]:
+    """The spans in which a write could be lost without the gateway knowing whether it
+    left, or knowing it and unable to say so (invariant 13 does not judge the keys whose
+    writes they overlap): a replica killed (``kill``, or a SIGTERM that had to be
+    followed by a SIGKILL), stopped (``freeze``), or ended by a SIGTERM while its
+    database was out of reach (``store``, ``db-restart``, ``failover``, a partition to
+    the database: it could not give back its claims, and exiting loses them as a crash
+    does); a partition between a replica and the upstream (a request sent can be lost on
+    the way); and the upstream answering 503 without applying (``upstream`` in ``5xx``
+    mode: received, not in the ledger). Every fault of those kinds, on any replica: the
+    history does not say which replica a write went through."""
+    faults = fault_spans(out)
+
+    def store_down(fault: FaultSpan) -> bool:
+        return fault.kind in STORE_DOWN or (
+            fault.kind == "partition" and fault.params.get("to") == "database"
+        )
+
+    outages = [(f.start, f.end) for f in faults if store_down(f)]
     spans: list[tuple[float, float]] = []
-    for fault in faults.values():
-        kind, params, start, end = fault["kind"], fault["params"], fault["start"], fault["end"]
+    for fault in faults:
+        kind, params, start, end = fault.kind, fault.params, fault.start, fault.end
         excusing = (
             kind in EXCUSING
-            or fault["killed"]
+            or fault.killed
             or (kind == "partition" and params.get("to") == "upstream")
             or (kind == "upstream" and params.get("mode") == "5xx")
             or (
@@ -436,6 +499,7 @@ def finish(
             skewed=skew_windows(out, options.db),
             unknowns=out / "unknowns.jsonl" if (out / "unknowns.jsonl").exists() else None,
             excused=excused_windows(out),
+            refreshed=lease_refreshes(out),
         )
     except UnreadableFile as error:
         print(f"verify check: unreadable: {error}")

@@ -26,9 +26,15 @@ import aiohttp
 
 from verify import netns
 from verify.cluster import ClusterError, PgCluster, execute, free_port
+from verify.etcd_locks import SOURCE as ETCD_SOURCE
+from verify.etcd_locks import EtcdStore, etcd_binary
 from verify.locks import SOURCE, LockStore, redis_binary
 from verify.patroni import PatroniCluster
 from verify.procs import FENCEGATE, Child, Children, StartError, child_env, wait_for_line
+from verify.signed import SigningKey
+from verify.worker import RESOLVING
+from verify.zk_locks import SOURCE as ZK_SOURCE
+from verify.zk_locks import ZkStore, zk_binary
 
 REPO = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"fencegate listening: .*?control=([\w.:\[\]-]+).*?proxy=([\w.:\[\]-]+)")
@@ -43,9 +49,37 @@ PURGE_INTERVAL = 1.0
 UPSTREAM_TIMEOUT = 1.0
 UPSTREAM_CONNECT_TIMEOUT = 0.3
 SHUTDOWN_GRACE = 2.0
+# The upstream whose unknown outcomes the gateway resolves itself (``unknown_outcome =
+# "resolve"``): the recording upstream's ``/dedupe/`` paths, which keep a key for
+# DEDUP_WINDOW seconds after its application (``verify.upstream --dedup-window``). The
+# gateway's resolver re-sends a held write only while it is younger than the window less
+# the upstream's timeout and its margin (``gateway.fencing.deadlines.resolve_window``:
+# 4 - 1 - 1 = 2 s), every RESOLVE_INTERVAL, at most RESOLVE_ATTEMPTS times. A share of
+# the workers' jobs write there (``verify.worker.RESOLVING``). Only with ``--resolving``:
+# a gateway with such an upstream judges every write once more right before the send
+# (the resolver may claim an older write after the admission's snapshot), which masks
+# the barrier's mutants. It is reached on a port of its own (``Stack.resolving_port``),
+# which the partition nemesis cuts with the other: a request the gateway let go of
+# cannot arrive after its exchange's deadline (the gateway resets the connection and
+# bounds its unacknowledged bytes, ``gateway.upstream.connection``), so a re-send made
+# inside the window is not applied past it. Before that fix, with a window of 4 s, a
+# re-send arrived seconds late after a partition healed and was applied twice (issue 53's
+# runs), and this upstream was left out of the partitions' reach.
+DEDUP_WINDOW = 4.0
+RESOLVE_INTERVAL = 0.5
+RESOLVE_ATTEMPTS = 10
 # With the shutdown nemesis: a grace shorter than the ordering wait, so that a SIGTERM
 # finds writes waiting behind an older generation's and the grace ends before their wait.
 SHUTDOWN_GRACE_UNDER_NEMESIS = 0.2
+# With the shutdown nemesis: a longer ordering wait, so that the nemesis, which looks at
+# a replica's /metrics for a write waiting behind an older generation's and then sends
+# the SIGTERM (verify.outages.waiter), finds the write still waiting with more than the
+# grace left (the look itself takes a tenth of a second or more on a loaded machine).
+# Only where shutdown comes alone (or with store, as in .ci/run's own run of the two):
+# under ``all`` the longer wait made the barrier's mutant barrier-quick-admission take
+# 58 s to die on seed 2 (9 s with 0.3 s), next to the fast set's 60 s.
+ORDERING_WAIT_UNDER_SHUTDOWN = 1.0
+SHUTDOWN_ALONE = frozenset({"shutdown", "store"})
 
 
 # libfaketime as the ``faketime`` command preloads it (``$LIB``: the loader's own folder)
@@ -54,7 +88,7 @@ FAKETIME_LIBRARY = "/usr/$LIB/faketime/libfaketime.so.1"
 
 def live_clock(db: str) -> bool:
     """Whether the replicas' clocks move while they run (the clock nemesis writes each
-    one's offset to its file) rather than by a restart under ``faketime -f``. Only where
+    one's offset to its file) rather than by a restart under libfaketime. Only where
     the database's clock decides expiry (PostgreSQL): on SQLite the replica's clock is the
     authority, and a jump in a running replica would reorder its own claims."""
     return db != "sqlite" and shutil.which("faketime") is not None
@@ -93,13 +127,19 @@ class Replica:
         return self.child is not None and self.child.alive()
 
     async def start(self, skew: str | None = None, timeout: float = 60.0) -> None:
-        """Start it (under ``faketime -f SKEW`` when given, or under libfaketime reading
+        """Start it (under libfaketime with the offset ``SKEW`` when given, or reading
         ``clock_file``) and wait until it answers."""
         argv = [FENCEGATE, "serve", "--config", str(self.config), "--log-format", "json"]
         env = child_env()
         if skew is not None:
-            argv = ["faketime", "-f", skew, *argv]
-            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"  # timers stay real: only the wall clock
+            # libfaketime preloaded as ``faketime -f SKEW`` does, without its wrapper
+            # process (it forks the command and dies of a SIGTERM at once: the replica
+            # itself is the process started, and its graceful stop is its own).
+            env |= {
+                "LD_PRELOAD": FAKETIME_LIBRARY,
+                "FAKETIME": skew,
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1",  # timers stay real: only the wall clock
+            }
         elif self.clock_file is not None:
             if not self.clock_file.exists():
                 self.clock_file.write_text("+0\n")
@@ -219,6 +259,8 @@ async def start_upstream(
     seed: int | None = None,
     received: Path | None = None,
     name: str = "upstream",
+    dedup_window: float | None = None,
+    second_port: int | None = None,
 ) -> Upstream:
     """``python -m verify.upstream`` as a child, once it listens (``port`` 0: a free one)."""
     argv = [
@@ -229,6 +271,10 @@ async def start_upstream(
         argv += ["--seed", str(seed)]
     if received is not None:
         argv += ["--received", str(received)]
+    if dedup_window is not None:
+        argv += ["--dedup-window", f"{dedup_window:g}"]
+    if second_port is not None:
+        argv += ["--second-port", str(second_port)]
     child = children.spawn(name, argv, env=python_env())
     port = int((await wait_for_line(child, UPSTREAM_LISTENING, 30))[1])
     return Upstream(child, port, f"http://127.0.0.1:{port}", ledger=ledger, received=received)
@@ -269,12 +315,26 @@ class Stack:
         seed: int,
         use_netns: bool,
         locks: bool = False,
+        etcd: bool = False,
+        zookeeper: bool = False,
         shutdown_grace: float = SHUTDOWN_GRACE,
+        signed: bool = False,
+        ordering_wait: float = ORDERING_WAIT,
+        resolving: bool = False,
     ) -> None:
         self.out = out
+        # The upstream whose unknown outcomes the gateway resolves, on its own port.
+        self.resolving_port = free_port() if resolving else None
+        self.ordering_wait = ordering_wait
+        # The signed tokens' key pair (verify.signed), when signed workers run.
+        self.signing = SigningKey(out / "signing.pem") if signed else None
         self.shutdown_grace = shutdown_grace
         self.locks = locks
         self.lock_store: LockStore | None = None
+        self.etcd = etcd  # the etcd lock workers' etcd (verify.etcd_locks)
+        self.etcd_store: EtcdStore | None = None
+        self.zookeeper = zookeeper  # the ZooKeeper lock workers' (verify.zk_locks)
+        self.zk_store: ZkStore | None = None
         self.db = db
         self.count = replicas
         self.seed = seed
@@ -292,7 +352,7 @@ class Stack:
 
     async def start(self) -> None:
         if self.use_netns:
-            base = 1 + (os.getpid() % 60) * 4  # apart from another run's, most likely
+            base = 1 + (os.getpid() % 55) * 4  # 1..220: apart from another run's, most likely
             self.namespaces = [
                 netns.Namespace(f"{netns.PREFIX}-{os.getpid()}-{i}", base + i)
                 for i in range(self.count)
@@ -307,6 +367,20 @@ class Stack:
             hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
             self.lock_store = LockStore(binary, self.children, hosts)
             await asyncio.to_thread(self.lock_store.start)
+        if self.etcd:
+            etcd = etcd_binary()
+            if etcd is None:
+                raise StartError("the etcd lock workers need etcd: apt-get install etcd-server")
+            hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
+            self.etcd_store = EtcdStore(etcd, self.children, hosts)
+            await asyncio.to_thread(self.etcd_store.start)
+        if self.zookeeper:
+            script = zk_binary()
+            if script is None:
+                raise StartError("the ZooKeeper lock workers need apt-get install zookeeper")
+            hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
+            self.zk_store = ZkStore(script, self.children, hosts)
+            await asyncio.to_thread(self.zk_store.start)
         upstream_port = free_port()
         self.replicas = [self._replica(i, url, upstream_port) for i, url in enumerate(urls)]
         upstream_task = asyncio.ensure_future(self._upstream(upstream_port))
@@ -349,9 +423,26 @@ class Stack:
             bind, upstream_host = "127.0.0.1", "127.0.0.1"
             proxy_port, control_port = free_port(), free_port()
         config = self.out / f"{name}.toml"
-        sources = ""
+        sources = self.signing.source_config() if self.signing is not None else ""
+        if self.etcd_store is not None:
+            sources += (
+                "[[lease_sources]]\n"
+                f'name = "{ETCD_SOURCE}"\n'
+                'kind = "etcd"\n'
+                f'endpoints = ["{self.etcd_store.url_for(upstream_host)}"]\n'
+                "timeout_seconds = 1\n"
+            )
+        if self.zk_store is not None:
+            sources += (
+                "[[lease_sources]]\n"
+                f'name = "{ZK_SOURCE}"\n'
+                'kind = "zookeeper"\n'
+                f'hosts = ["{self.zk_store.hosts_for(upstream_host)}"]\n'
+                "timeout_seconds = 1\n"
+                "session_timeout_seconds = 4\n"
+            )
         if self.lock_store is not None:
-            sources = (
+            sources += (
                 "[[lease_sources]]\n"
                 f'name = "{SOURCE}"\n'
                 'kind = "redis"\n'
@@ -370,21 +461,33 @@ class Stack:
             "max_ttl_seconds = 600\n"
             "default_max_attempts = 1000\n"
             "[gateway]\n"
-            f"ordering_wait_seconds = {ORDERING_WAIT}\n"
+            f"ordering_wait_seconds = {self.ordering_wait}\n"
             f"shutdown_timeout_seconds = {self.shutdown_grace}\n"
             f"purge_interval_seconds = {PURGE_INTERVAL}\n"
+            f"resolve_interval_seconds = {RESOLVE_INTERVAL}\n"
+            f"resolve_max_attempts = {RESOLVE_ATTEMPTS}\n"
             "[[upstreams]]\n"
             'name = "pay"\n'
             f'url = "http://{upstream_host}:{upstream_port}"\n'
             'unknown_outcome = "hold"\n'
             f"timeout_seconds = {UPSTREAM_TIMEOUT}\n"
-            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n" + sources,
+            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n"
+            + self._resolving_upstream(upstream_host)
+            + sources,
             encoding="utf-8",
         )
         replica = Replica(name, config, bind, proxy_port, control_port, namespace, self.children)
         if live_clock(self.db):
             replica.clock_file = self.out / f"clock-{name}.rc"
         return replica
+
+    def lock_store_of(self, target: str) -> LockStore | EtcdStore | ZkStore:
+        """The lock store a ``lock-loss`` (``redis``), ``etcd-loss`` (``etcd``) or
+        ``zk-loss`` (``zookeeper``) fault targets."""
+        stores = {"redis": self.lock_store, "etcd": self.etcd_store, "zookeeper": self.zk_store}
+        store = stores.get(target)
+        assert store is not None, f"no {target} in this run"
+        return store
 
     @property
     def steer_file(self) -> Path:
@@ -396,14 +499,48 @@ class Stack:
         index = "" if replica is None else str(self.replicas.index(replica))
         self.steer_file.write_text(index, encoding="utf-8")
 
+    def _resolving_upstream(self, host: str) -> str:
+        """The ``[[upstreams]]`` table of ``RESOLVING`` (none without ``--resolving``)."""
+        if self.resolving_port is None:
+            return ""
+        return (
+            "[[upstreams]]\n"
+            f'name = "{RESOLVING}"\n'
+            f'url = "http://{host}:{self.resolving_port}/dedupe"\n'
+            'unknown_outcome = "resolve"\n'
+            f"timeout_seconds = {UPSTREAM_TIMEOUT}\n"
+            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n"
+            "[upstreams.dedup]\n"
+            'header = "Idempotency-Key"\n'
+            f"window_seconds = {DEDUP_WINDOW}\n"
+            'final_statuses = ["2xx"]\n'
+        )
+
     async def _upstream(self, port: int) -> Upstream:
         hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]
         return await start_upstream(
-            self.children, self.out / "ledger.jsonl", port=port, hosts=hosts, seed=self.seed
+            self.children,
+            self.out / "ledger.jsonl",
+            port=port,
+            hosts=hosts,
+            seed=self.seed,
+            dedup_window=DEDUP_WINDOW,
+            second_port=self.resolving_port,
         )
 
-    def spawn_worker(self, name: str, seed: int, direct: bool, lock: bool = False) -> Child:
-        """A worker of the queue's jobs, or (``lock``) of the Redis locks (verify.locks)."""
+    def spawn_worker(
+        self,
+        name: str,
+        seed: int,
+        direct: bool,
+        lock: bool = False,
+        signed: bool = False,
+        etcd: bool = False,
+        zookeeper: bool = False,
+    ) -> Child:
+        """A worker of the queue's jobs, or (``lock``) of the Redis locks (verify.locks),
+        or (``etcd``) of etcd's, or (``zookeeper``) of ZooKeeper's, or (``signed``) of
+        signed tokens (verify.signed)."""
         assert self.upstream is not None
         argv = [
             sys.executable, "-m", "verify.worker", "--id", name,
@@ -413,9 +550,20 @@ class Stack:
             "--seed", str(seed), "--token", self.worker_token,
             "--steer", str(self.steer_file),
         ]  # fmt: skip
+        if self.resolving_port is not None:
+            argv += ["--resolving"]
         if lock:
             assert self.lock_store is not None
             argv += ["--redis", self.lock_store.url]
+        elif etcd:
+            assert self.etcd_store is not None
+            argv += ["--etcd", self.etcd_store.url]
+        elif zookeeper:
+            assert self.zk_store is not None
+            argv += ["--zookeeper", self.zk_store.hosts]
+        elif signed:
+            assert self.signing is not None
+            argv += ["--signed", str(self.signing.path)]
         elif direct:
             argv += ["--direct", self.upstream.url]
         return self.children.spawn(name, argv, env=python_env(), log=f"worker-{name}")

@@ -17,7 +17,15 @@ host only).
 
 Paths under ``/dedupe/`` deduplicate by (``Fencing-Job``, ``Idempotency-Key``), as an
 upstream behind the gateway's ``retry`` unknown-outcome policy must: a key applied
-already is answered with its first answer and not applied again. ``--received FILE``
+already is answered with its first answer and not applied again. ``--dedup-window S``:
+a key is remembered S seconds from its application, then forgotten (a request with it
+afterwards is applied again), as a payment API's key expires; the gateway's resolver
+(``unknown_outcome = "resolve"``) must re-send a held write only inside that window.
+Behind such an upstream the gateway sends its own key (``upstream_key(job, key)``, a
+digest) in ``Idempotency-Key``; a write that also carries ``Verify-Key: K`` (the worker's
+key) with that digest for K is recorded in the ledger under K, so the ledger's keys are
+the history's (a digest that is not K's stays the ledger's key: a write nobody sent
+under it). ``--received FILE``
 keeps every write received, in the order received, applied or not: the ledger's fields
 and ``event``, ``applied``, ``duplicate`` (``/dedupe/``, not applied again) or ``dropped``
 (cut before applying).
@@ -62,6 +70,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.fencing.profiles import upstream_key
 from verify.events import JsonlWriter, LedgerEntry, sha256_hex
 
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -125,13 +134,21 @@ def _forced(text: str) -> tuple[str, float] | None:
 
 
 class Upstream:
-    def __init__(self, ledger: JsonlWriter, seed: int | None, received: JsonlWriter | None) -> None:
+    def __init__(
+        self,
+        ledger: JsonlWriter,
+        seed: int | None,
+        received: JsonlWriter | None,
+        dedup_window: float | None = None,
+    ) -> None:
         self.ledger = ledger
         self.received = received
         self.faults = Faults()
         self.random = random.Random(seed)
         self.seq = 0
-        self.first: dict[tuple[str, str], str] = {}  # /dedupe/: (job, key) -> first answer
+        self.dedup_window = dedup_window  # /dedupe/: seconds a key is kept (None: forever)
+        # /dedupe/: (job, key) -> the first answer and when it was applied
+        self.first: dict[tuple[str, str], tuple[str, float]] = {}
         self.counts: dict[str, int] = {"applied": 0, "cut": 0, "slow": 0, "5xx": 0}
         self.handling = 0  # writes received and not yet answered (or cut)
 
@@ -186,7 +203,7 @@ class Upstream:
             self.counts["5xx"] += 1
             return web.json_response({"error": "try again later"}, status=503)
         key = request.headers.get("Idempotency-Key", "")
-        first = self.first.get((job, key)) if request.path.startswith("/dedupe/") else None
+        first = self.remembered(job, key) if request.path.startswith("/dedupe/") else None
         answer = first or json.dumps(
             {"seq": self.seq + 1, "job": job, "key": key, "generation": generation},
             separators=(",", ":"),
@@ -195,7 +212,7 @@ class Upstream:
             time=time.time(),
             job=job,
             generation=generation,
-            key=key,
+            key=_worker_key(job, key, request.headers.get("Verify-Key")),
             body_sha256=sha256_hex(body),
             answer_sha256=sha256_hex(answer.encode()),
             extra={
@@ -214,11 +231,21 @@ class Upstream:
             self.note("duplicate", entry)
         else:
             self.seq += 1
-            self.first.setdefault((job, key), answer)
+            self.first[job, key] = (answer, entry.time)
             self.ledger.write(entry)
             self.note("applied", entry)
             self.counts["applied"] += 1
         return await self.answer(request, fault, wait, answer)
+
+    def remembered(self, job: str, key: str) -> str | None:
+        """``/dedupe/``: the first answer to (job, key), while the key is kept."""
+        first = self.first.get((job, key))
+        if first is None:
+            return None
+        answer, applied = first
+        if self.dedup_window is not None and time.time() - applied > self.dedup_window:
+            return None  # forgotten: the next request with it is applied again
+        return answer
 
     async def answer(
         self, request: web.Request, fault: str, wait: float, answer: str
@@ -272,6 +299,14 @@ class Upstream:
         return web.json_response(self.state())
 
 
+def _worker_key(job: str, key: str, named: str | None) -> str:
+    """The ledger's key: the worker's (``Verify-Key``) when the gateway's digest in
+    ``Idempotency-Key`` is that key's, else ``Idempotency-Key`` as received."""
+    if named and key == upstream_key(job, named):
+        return named
+    return key
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m verify.upstream", description=__doc__.splitlines()[0]
@@ -283,6 +318,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--received", default=None, help="every write received, applied or not (appended to)"
     )
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--second-port",
+        type=int,
+        default=None,
+        help="also listen on this port (the same upstream; verify's resolving upstream "
+        "is reached there, out of the partition nemesis's reach)",
+    )
+    parser.add_argument(
+        "--dedup-window",
+        type=float,
+        default=None,
+        help="/dedupe/: seconds a key is kept after its application (default: forever)",
+    )
     return parser.parse_args(argv)
 
 
@@ -290,7 +338,7 @@ async def serve(args: argparse.Namespace) -> None:
     with contextlib.ExitStack() as files:
         ledger = files.enter_context(JsonlWriter(args.ledger))
         received = files.enter_context(JsonlWriter(args.received)) if args.received else None
-        upstream = Upstream(ledger, args.seed, received)
+        upstream = Upstream(ledger, args.seed, received, args.dedup_window)
         app = web.Application(client_max_size=16 * 1024 * 1024)
         app.router.add_get("/__state", upstream.get_state)
         app.router.add_post("/__faults", upstream.set_faults)
@@ -300,6 +348,8 @@ async def serve(args: argparse.Namespace) -> None:
         try:
             for host in args.hosts.split(","):
                 await web.TCPSite(runner, host.strip(), args.port, backlog=1024).start()
+                if args.second_port:
+                    await web.TCPSite(runner, host.strip(), args.second_port).start()
             print(f"upstream listening on {args.port or runner.addresses[0][1]}", flush=True)
             await asyncio.Event().wait()
         finally:

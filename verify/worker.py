@@ -1,7 +1,8 @@
 """One worker of a verification run, run as its own process::
 
     python -m verify.worker --id w3 --control URL[,URL...] --gateway URL[,URL...]
-        --history FILE --seed S --token T [--direct UPSTREAM_URL | --redis URL]
+        --history FILE --seed S --token T
+        [--direct UPSTREAM_URL | --redis URL | --etcd URL | --zookeeper HOSTS]
 
 Until SIGTERM it claims jobs from the queue with the project's worker client
 (``fencegate_client.LeaseClient``, a TTL drawn from 1-3 s), renews the lease in the
@@ -33,10 +34,27 @@ lease is failed with a short retry delay) until the operator resolves the key.
 while it names one: the clock nemesis's replica whose clock is behind (``verify.stack``).
 
 ``--redis URL``: the worker holds Redis locks instead of the queue's jobs
-(``verify.locks.LockWorker``, the ``lock-loss`` nemesis's workload).
+(``verify.locks.LockWorker``, the ``lock-loss`` nemesis's workload); ``--etcd URL``:
+etcd's locks (the same worker, ``verify.etcd_locks``; the ``etcd-loss`` nemesis's);
+``--zookeeper HOSTS``: ZooKeeper's (``verify.zk_locks``; the ``zk-loss`` nemesis's).
+
+``--signed KEYFILE``: the worker signs tokens of its own job and writes with them
+instead (``verify.signed.SignedWorker``).
+
+Both write through the replicas' proxy only, with no lease API: what they share (the
+worker's name, its random, history, gateways and session) is ``SourceWorker``'s.
 
 ``--direct``: the same steps go straight to the upstream with ``Fencing-Job``,
 ``Fencing-Generation`` and ``Idempotency-Key`` and no gateway: the baseline.
+
+A lapsed job (``Conduct.lapse``) writes after its stall as process ``{id}/late`` and ends
+with its complete, sent once without the client's look at the lease: the gateway must
+refuse every one of them.
+
+The fault suite (``tests/faults/harness.py`` ``Run``) runs the same ``Worker`` in its own
+process against its replicas, with hooks of the constructor: the (lease API, proxy)
+pairs, a second upstream for a share of the jobs, a fixed conduct (its zombies lapse every
+job), how long a parked job waits, a number of jobs to work.
 
 Every claim, renew, write and complete is recorded in ``--history`` as an invoke and its
 completion (``verify.events``). The client's own renewer has no hook, so the worker runs
@@ -55,7 +73,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,12 +87,29 @@ from verify.events import F, HistoryEvent, JsonlWriter, Type, sha256_hex
 
 if TYPE_CHECKING:
     from verify.locks import LockWorker
+    from verify.signed import SignedWorker
 
 QUEUE = "verify"
 UPSTREAM = "pay"  # the upstream's name at the gateway
+# The upstream whose unknown outcomes the gateway resolves itself (``unknown_outcome =
+# "resolve"``, ``verify.stack``; only with ``--resolving``): a share of the jobs write
+# there, with their own key in ``Verify-Key`` (the gateway sends the upstream a digest of
+# it), and every request of a share of their keys is applied (once: the upstream
+# deduplicates) and cut without an answer (``Verify-Fault: cut``), the resolver's
+# re-sends too: held until the upstream forgets the key, which only an operator may
+# settle then.
+RESOLVING = "dedup"
+RESOLVING_SHARE = 0.25
+ALWAYS_CUT_SHARE = 0.15
 WRITE_TIMEOUT = 5.0
 CONTROL_TIMEOUT = 3.0
 PARK_RETRY_SECONDS = 2.0
+PARKED = "parked: outcome-unknown"  # the error a parked job's lease is failed with
+# A job parked on a key of ``RESOLVING``: the gateway re-sends such a key itself while
+# the job's next generation has not written (a newer generation's write stops the
+# re-sends), so the job waits out the resolver's part, as a worker that leaves those
+# keys to the gateway would (``verify.roles.RESOLVER_HANDS_OFF``, 7 s, and a little more).
+PARK_RESOLVING_SECONDS = 8.0
 # Answers after which the same request is simply sent again, with the same key (a
 # worker never makes a new key: each step's key is fixed, so after a ``maybe`` answer,
 # upstream-timeout or upstream-connection-lost, the retry is the same request, and the
@@ -90,6 +125,13 @@ RETRYABLE = frozenset(
         "gateway-overloaded",
     }
 )
+# Of a worker's rounds: a solo round (``Worker.solo``): a job of a queue of the worker's
+# own, claimed and left to lapse without a renewal, then claimed again from that queue
+# every SOLO_POLL seconds as soon as the queue gives it (invariant 15: not before the
+# first lease could end). Drawn from a random of its own, so the rest of a seed's
+# workload is drawn as before.
+SOLO_SHARE = 0.1
+SOLO_POLL = 0.05
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_SENDS = 40
 # Of the jobs: worked recklessly (no look at the lease before a write, a zombie after a
@@ -109,6 +151,28 @@ REBUILT_SHARE = 0.15
 IN_FLIGHT_LEAD = 0.25
 APPLY_DELAY = 0.7
 APPLY_DELAY_HEADER = "Verify-Apply-Delay"
+
+
+def _share_of(text: str) -> float:
+    """A number in [0, 1) fixed by ``text``."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32
+
+
+def upstream_of(job: str, other: str = RESOLVING) -> str:
+    """The upstream a job's writes go to, fixed per job: ``other`` for a share of the jobs
+    (``RESOLVING_SHARE``), ``UPSTREAM`` for the rest."""
+    return other if _share_of(f"{job}/upstream") < RESOLVING_SHARE else UPSTREAM
+
+
+def always_cut(job: str, key: str) -> bool:
+    """Whether every request under this key of a job of ``RESOLVING`` is cut."""
+    return upstream_of(job) == RESOLVING and _share_of(f"{job}/{key}/cut") < ALWAYS_CUT_SHARE
+
+
+def parked_for(upstream: str) -> float:
+    """Seconds a job of ``upstream`` parked on an unknown outcome waits before its next
+    claim."""
+    return PARK_RESOLVING_SECONDS if upstream == RESOLVING else PARK_RETRY_SECONDS
 
 
 def steps_of(job: str) -> int:
@@ -233,6 +297,27 @@ class History:
         self.writer.write(event)
 
 
+class SourceWorker:
+    """What the workers whose leases come from a lease source, not the queue, share
+    (``--redis``, ``--signed``): the worker's name, its random (seeded with the run's
+    seed, the name and ``workload``), its history, the replicas' proxy URLs and a session
+    that opens a connection per request (as ``Worker``'s, for the reason given there).
+    ``close`` closes the session, then the history."""
+
+    def __init__(
+        self, worker_name: str, seed: str, history: History, gateways: list[str], workload: str
+    ) -> None:
+        self.name = worker_name
+        self.random = random.Random(f"{seed}/{worker_name}/{workload}")
+        self.history = history
+        self.gateways = [g.rstrip("/") for g in gateways]
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+    async def close(self) -> None:
+        await self.session.close()
+        self.history.writer.close()
+
+
 @dataclass
 class Target:
     """One gateway replica: its lease API (a client) and where writes go."""
@@ -242,16 +327,42 @@ class Target:
 
 
 class Worker:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.name: str = args.id
-        self.direct: bool = args.direct is not None
-        self.random = random.Random(f"{args.seed}/{args.id}")
-        self.history = History(args.history)
-        self.steer: str | None = args.steer
-        controls = args.control.split(",")
-        gateways = args.gateway.split(",") if args.gateway else controls
-        if len(controls) == 1:
-            controls *= len(gateways)
+    """One worker of the queue's jobs: ``run`` until cancelled. ``pairs``: each replica's
+    lease API and where its writes go (its proxy, or the upstream in ``direct`` mode),
+    one drawn per job. In a process of its own (``from_args``) or in-process (the fault
+    suite's ``Run``), with the hooks a scripted test needs: ``second``, the upstream a
+    share of the jobs write to (``upstream_of``; ``RESOLVING`` with ``--resolving``, none:
+    every job writes to ``UPSTREAM``); ``conduct``, one ``Conduct`` for every job instead
+    of a draw; ``park``, seconds a parked job waits before its next claim instead of
+    ``parked_for``'s; ``rounds``, the jobs worked before ``run`` returns (None: no end)."""
+
+    def __init__(
+        self,
+        name: str,
+        history: History,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        seed: str = "0",
+        token: str | None = None,
+        direct: bool = False,
+        steer: str | None = None,
+        second: str | None = None,
+        conduct: Conduct | None = None,
+        park: float | None = None,
+        rounds: int | None = None,
+    ) -> None:
+        self.name = name
+        self.direct = direct
+        self.random = random.Random(f"{seed}/{name}")
+        self.solo_random = random.Random(f"{seed}/{name}/solo")
+        self.solos = 0
+        self.history = history
+        self.steer = steer
+        self.second = second
+        self.fixed_conduct = conduct
+        self.park = park
+        self.rounds = rounds
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         # A connection per request: a kept-alive connection that a replica closed (killed,
         # restarted, idle) while this worker was stopped fails at once without sending a
         # byte, so a paused worker's late write would never reach the gateway; a fresh
@@ -260,16 +371,35 @@ class Worker:
         self.targets = [
             Target(
                 LeaseClient(
-                    c,
-                    gateway_url=g,
-                    token=args.token,
+                    control,
+                    gateway_url=writes_to if not direct else None,
+                    token=token,
                     timeout=CONTROL_TIMEOUT,
                     session=self.session,
                 ),
-                args.direct.rstrip("/") if self.direct else g.rstrip("/"),
+                writes_to.rstrip("/"),
             )
-            for c, g in zip(controls, gateways, strict=True)
+            for control, writes_to in pairs
         ]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Worker:
+        """The worker ``python -m verify.worker`` runs."""
+        controls = args.control.split(",")
+        gateways = args.gateway.split(",") if args.gateway else controls
+        if len(controls) == 1:
+            controls *= len(gateways)
+        pairs = zip(controls, gateways, strict=True)
+        return cls(
+            args.id,
+            History(args.history),
+            [(c, args.direct if args.direct is not None else g) for c, g in pairs],
+            seed=args.seed,
+            token=args.token,
+            direct=args.direct is not None,
+            steer=args.steer,
+            second=RESOLVING if args.resolving else None,
+        )
 
     async def close(self) -> None:
         for target in self.targets:
@@ -278,21 +408,37 @@ class Worker:
         self.history.writer.close()
 
     async def run(self) -> None:
-        while True:
+        worked = 0
+        while self.rounds is None or worked < self.rounds:
+            if self.solo_random.random() < SOLO_SHARE:
+                await self.solo(self.solo_random.choice(self.targets))
+                continue
             target = self.random.choice(self.targets)
             lease = await self.claim(target)
             if lease is None:
                 await asyncio.sleep(self.random.uniform(0.05, 0.15))
                 continue
             outcome = await self.work(target, lease, self.conduct())
+            worked += 1
             if outcome == "park":
                 with contextlib.suppress(exc.LeaseError, aiohttp.ClientError, TimeoutError):
-                    await lease.fail(error="parked: outcome-unknown", retry_in=PARK_RETRY_SECONDS)
+                    retry_in = self.park
+                    if retry_in is None:
+                        retry_in = parked_for(self.upstream_for(lease.job_id))
+                    await lease.fail(error=PARKED, retry_in=retry_in)
             elif outcome not in ("completed", "lost"):
                 await asyncio.sleep(self.random.uniform(0.1, 0.3))
 
+    def upstream_for(self, job: str) -> str:
+        """Where a job's writes go: the second upstream for a share of the jobs
+        (``upstream_of``) when there is one (``RESOLVING`` with ``--resolving``), else
+        ``UPSTREAM``."""
+        return upstream_of(job, self.second) if self.second else UPSTREAM
+
     def conduct(self) -> Conduct:
-        """How the next job is worked, drawn from this worker's seed."""
+        """How the next job is worked, drawn from this worker's seed (or the one given)."""
+        if self.fixed_conduct is not None:
+            return self.fixed_conduct
         reckless = self.random.random() < RECKLESS_SHARE
         shape = self.random.random()
         return Conduct(
@@ -316,11 +462,44 @@ class Worker:
 
     # -- the lease ------------------------------------------------------------------------
 
-    async def grant(self, job: str, asking: Awaitable[Lease | None]) -> tuple[Lease | None, str]:
+    async def solo(self, target: Target) -> None:
+        """A solo round: a job of the queue ``solo-<worker>``, claimed with a TTL of 1-2 s
+        and left to lapse (no renewal, no write), then claimed again from that queue by
+        ``<worker>/next`` every ``SOLO_POLL`` s until it is granted (the second lease is
+        completed) or twice the TTL and 2 s have passed. Nothing else is in that queue
+        but earlier rounds' jobs, so the queue hands the job out the moment it is
+        claimable: a lease core that hands it out before the first lease could end breaks
+        invariant 15."""
+        queue = f"solo-{self.name}"
+        self.solos += 1
+        try:
+            await target.client.enqueue(
+                queue=queue, job_id=f"{queue}-{self.solos}", max_attempts=1000
+            )
+        except (exc.LeaseError, aiohttp.ClientError, TimeoutError):
+            return
+        ttl = round(self.solo_random.uniform(1.0, 2.0), 2)
+        first, _ = await self.grant("", target.client.claim(queue, owner=self.name, ttl=ttl))
+        if first is None:
+            return
+        until = time.monotonic() + 2 * ttl + 2.0
+        process = f"{self.name}/next"
+        while time.monotonic() < until:
+            await asyncio.sleep(SOLO_POLL)
+            asking = target.client.claim(queue, owner=process, ttl=ttl)
+            second, _ = await self.grant("", asking, process=process)
+            if second is not None:
+                await self.complete(target, second, process=process)
+                return
+
+    async def grant(
+        self, job: str, asking: Awaitable[Lease | None], *, process: str | None = None
+    ) -> tuple[Lease | None, str]:
         """One claim from the queue or acquire of a named ``job`` (``""``: a queue's),
-        recorded as a ``claim``: the lease, or None and why (the refusal's reason,
-        ``connection-refused``, ``unknown`` when no answer came, ``nothing`` on a 204)."""
-        process, history = self.name, self.history
+        recorded as a ``claim`` (by ``process``, the worker's own by default): the lease,
+        or None and why (the refusal's reason, ``connection-refused``, ``unknown`` when no
+        answer came, ``nothing`` on a 204)."""
+        process, history = process or self.name, self.history
         history.invoke(process, "claim", job)
         try:
             lease = await asking
@@ -380,8 +559,8 @@ class Worker:
             if history.outstanding(process):  # cancelled while renewing
                 history.complete(process, "info", reason="abandoned")
 
-    async def complete(self, target: Target, lease: Lease) -> str:
-        process, history = self.name, self.history
+    async def complete(self, target: Target, lease: Lease, *, process: str | None = None) -> str:
+        process, history = process or self.name, self.history
         for _ in range(5):
             if not lease.held:
                 return "lost"
@@ -414,20 +593,54 @@ class Worker:
     ) -> str:
         """The job's steps, then its completion. A ``reckless`` worker that learns it lost
         the lease goes on with the remaining steps, each sent once (a zombie), and ends
-        there; a ``lapse`` stops renewing after the first step and works past the TTL."""
+        there; a ``lapse`` stops renewing after the first step and works past the TTL, as
+        process ``{id}/late``, and ends with its complete, sent once whatever it knows
+        (``late_complete``)."""
         lost = False
-        writes_to = target
+        writes_to, process = target, self.name
         for step in range(steps_of(lease.job_id)):
             if conduct.lapse and step == 1:
                 await _cancel(renewer)
                 await asyncio.sleep(_valid_for(lease) + self.random.uniform(0.3, 1.5))
-                writes_to = self.steered(target)
-            outcome = await self.step(writes_to, lease, step, self.name, conduct.reckless, lost)
+                writes_to, process = self.steered(target), f"{self.name}/late"
+            outcome = await self.step(writes_to, lease, step, process, conduct.reckless, lost)
             if outcome == "lost" and conduct.reckless:
                 lost = True
             elif outcome != "ok" and not lost:
                 return outcome
+        if conduct.lapse:
+            return await self.late_complete(target, lease, process)
         return "lost" if lost else await self.complete(target, lease)
+
+    async def late_complete(self, target: Target, lease: Lease, process: str) -> str:
+        """A lapsed job's complete: sent once with the lease's token, without the client's
+        look at the lease (which would not send it), as a process that stalled past its
+        lease and did not look does; the gateway refuses it (``completed``: it did not)."""
+        history, job = self.history, lease.job_id
+        call = p.complete_call(lease.token, {"by": self.name})
+        history.invoke(process, "complete", job, lease.generation)
+        try:
+            async with self.session.post(
+                target.client.control_url + call.path,
+                json=call.body,
+                headers=self.auth,
+                timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT),
+            ) as resp:
+                raw, status = await resp.read(), resp.status
+                content_type = resp.headers.get("Content-Type", "")
+        except aiohttp.ClientConnectorError:
+            history.complete(process, "fail", reason="connection-refused")
+            return "down"
+        except (aiohttp.ClientError, TimeoutError) as error:
+            history.complete(process, "info", reason=type(error).__name__)
+            return "gave-up"
+        problem = p.problem_of(content_type, raw)
+        reason = str(problem["reason"]) if problem else None
+        if 200 <= status <= 299:
+            history.complete(process, "ok", status=status)
+            return "completed"
+        history.complete(process, "fail", status=status, reason=reason)
+        return "lost"
 
     def steered(self, target: Target) -> Target:
         """Where a lapsed job's late writes go: the replica whose clock the clock nemesis
@@ -604,7 +817,12 @@ class Worker:
                 p.IDEMPOTENCY_KEY: key,
             }
             return f"{target.writes_to}/charges", headers
-        url = f"{target.writes_to}/{UPSTREAM}/charges"
+        upstream = self.upstream_for(lease.job_id)
+        url = f"{target.writes_to}/{upstream}/charges"
+        if upstream == RESOLVING:
+            headers["Verify-Key"] = key
+            if always_cut(lease.job_id, key):
+                headers["Verify-Fault"] = "cut"
         if reckless:
             return url, headers | {p.FENCING_TOKEN: lease.token, p.IDEMPOTENCY_KEY: key}
         return url, lease.fence_headers(headers, key=key)
@@ -742,18 +960,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--redis", default=None, metavar="URL", help="work Redis locks (verify.locks) instead"
     )
+    parser.add_argument(
+        "--etcd",
+        default=None,
+        metavar="URL",
+        help="work etcd locks (verify.locks, verify.etcd_locks) instead",
+    )
+    parser.add_argument(
+        "--zookeeper",
+        default=None,
+        metavar="HOSTS",
+        help="work ZooKeeper locks (verify.locks, verify.zk_locks) instead",
+    )
+    parser.add_argument(
+        "--resolving",
+        action="store_true",
+        help=f"the replicas have the upstream {RESOLVING}: a share of the jobs write there",
+    )
+    parser.add_argument(
+        "--signed",
+        default=None,
+        metavar="KEYFILE",
+        help="write with signed tokens of this private key (verify.signed) instead",
+    )
     return parser.parse_args(argv)
 
 
 async def amain(args: argparse.Namespace) -> None:
-    worker: Worker | LockWorker
-    if args.redis:
-        from verify.locks import LockWorker
+    worker: Worker | LockWorker | SignedWorker
+    if args.redis or args.etcd or args.zookeeper:
+        from verify.locks import EtcdKind, Kind, LockWorker, RedisKind
 
         history = History(args.history)
-        worker = LockWorker(args.id, args.seed, history, args.redis, args.gateway.split(","))
+        kind: Kind
+        if args.zookeeper:
+            from verify.zk_locks import ZkKind
+
+            kind = ZkKind(args.zookeeper, identifier=args.id)
+        else:
+            kind = RedisKind(args.redis) if args.redis else EtcdKind(args.etcd)
+        worker = LockWorker(args.id, args.seed, history, kind, args.gateway.split(","))
+    elif args.signed:
+        from verify.signed import SignedWorker
+
+        history = History(args.history)
+        worker = SignedWorker(args.id, args.seed, history, args.signed, args.gateway.split(","))
     else:
-        worker = Worker(args)
+        worker = Worker.from_args(args)
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)

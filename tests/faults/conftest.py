@@ -1,5 +1,6 @@
 """Fixtures of the fault suite: our own PostgreSQL cluster, a fresh database per test,
-and a process group that always ends what a test started.
+a process group that always ends what a test started, and the history of a test's
+scripted writes.
 
 ``FENCEGATE_FAULTS_LONG=1`` selects the long local mode (more workers, jobs and time);
 the default is the short CI mode. See README.md.
@@ -16,8 +17,9 @@ import pytest
 
 from tests.support import IN_CI
 from verify.cluster import ClusterError, PgCluster
+from verify.worker import History
 
-from .harness import ProcessGroup, migrate
+from .harness import ProcessGroup, migrate, scripted
 
 LONG = os.environ.get("FENCEGATE_FAULTS_LONG", "").lower() not in ("", "0", "false")
 TEMPLATE = "fg_template"
@@ -63,3 +65,14 @@ def group(tmp_path: Path) -> Iterator[ProcessGroup]:
         yield processes
     finally:
         processes.cleanup()
+
+
+@pytest.fixture
+def script(group: ProcessGroup) -> Iterator[History]:
+    """The history of the test's scripted writes (``harness.raw_write``), beside its
+    workers'; closed at the end."""
+    history = scripted(group)
+    try:
+        yield history
+    finally:
+        history.writer.close()

@@ -1,25 +1,26 @@
 """The fault suite's harness: real ``fencegate serve`` replicas and ``verify``'s recording
 upstream (``verify.upstream``, keeping every write received), each a process of
-``verify.procs``, and workers (asyncio tasks in the test process) that claim jobs and
-write their steps through the gateway.
+``verify.procs``, and ``verify``'s workers (``verify.worker.Worker``, asyncio tasks in the
+test process) that claim jobs and write their steps through the gateway.
 
-Everything a worker sees is kept as an ``Attempt`` (and each lease granted as a
-``Grant``); ``check_run`` turns them into ``verify.check``'s history and holds it against
-the upstream's ledger, and holds the gateway's database and its list of unknown outcomes
-against the upstream's record (``verify.records``).
+The workers, and the test's scripted writes (``raw_write``), record what they see as
+``verify.events`` history (``history-NAME.jsonl`` in the test's folder); ``check_run``
+holds it against the upstream's ledger with ``verify.check``, and holds the gateway's
+database and its list of unknown outcomes against the upstream's record
+(``verify.records``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
-import random
 import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,36 +29,23 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from fencegate_client import FencedResponse, Lease, LeaseClient, RemoteError, step_key
-from fencegate_client import errors as exc
+from fencegate_client import step_key
 from gateway.records.schema import requests
 from lease_core.schema import jobs
 from verify import records as account
 from verify import stack
 from verify.check import check
 from verify.cluster import free_port
-from verify.events import HistoryEvent, LedgerEntry, read_ledger, sha256_hex
+from verify.events import HistoryEvent, LedgerEntry, read_history, read_ledger, sha256_hex
 from verify.procs import FENCEGATE, Child, Children, child_env
 from verify.roles import resolution
 from verify.stack import migrate
+from verify.worker import PARKED, QUEUE, UPSTREAM, Conduct, History, Worker, steps_of, upstream_of
+from verify.worker import step_key as worker_key
 
 __all__ = ["FENCEGATE", "UpstreamProc", "child_env", "migrate"]  # the failover tests' too
 
 PROBLEM = "application/problem+json"
-
-# Gateway answers after which the same request may simply be sent again.
-RETRYABLE = frozenset(
-    {
-        "request-in-progress",
-        "ordering-timeout",
-        "store-unavailable",
-        "upstream-unavailable",
-        "upstream-timeout",
-        "gateway-overloaded",
-    }
-)
-PARKED = "parked: an unknown outcome holds a step"
-PARK_SECONDS = 86400.0
 
 
 class BugReproduced(AssertionError):
@@ -311,80 +299,12 @@ async def unknown_outcomes(
     return items
 
 
-# -- what workers saw ---------------------------------------------------------------------
-
-
-@dataclass
-class Attempt:
-    """One write (or, with ``step`` ``complete``, one complete) a worker tried, and what
-    came back."""
-
-    worker: str
-    job: str
-    step: str
-    key: str
-    generation: int
-    via: str  # the replica's name
-    status: int | None = None  # None: no HTTP answer (connection error, timeout)
-    reason: str | None = None  # the gateway's problem reason, when it answered itself
-    replayed: bool = False
-    body: bytes | None = None
-    error: str | None = None
-    zombie: bool = False
-    after_stall: bool = False
-    sent: float | None = None  # time.time() when it was sent; None: never sent
-    answered: float | None = None  # time.time() when its answer (or error) came
-    request_sha256: str | None = None  # the body sent
-
-    @property
-    def ok(self) -> bool:
-        return self.status is not None and 200 <= self.status < 300
-
-    def events(self, process: str) -> list[HistoryEvent]:
-        """Its invoke and completion in ``verify.check``'s history."""
-        assert self.sent is not None
-        f = "complete" if self.step == "complete" else "write"
-        common: dict[str, Any] = {
-            "process": process,
-            "f": f,
-            "job": self.job,
-            "generation": self.generation,
-            "key": self.key if f == "write" else None,
-        }
-        sha = self.request_sha256 if f == "write" else None
-        invoke = HistoryEvent(time=self.sent, type="invoke", body_sha256=sha, **common)
-        done = self.answered if self.answered is not None else self.sent
-        if self.status is None:
-            return [invoke, HistoryEvent(time=done, type="info", **common)]
-        answer = sha256_hex(self.body) if self.body is not None and f == "write" else None
-        end = HistoryEvent(
-            time=done,
-            type="ok" if self.ok else "fail",
-            status=self.status,
-            reason=self.reason,
-            body_sha256=answer,
-            **common,
-        )
-        return [invoke, end]
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A lease a worker was granted: asked for at ``asked``, granted by ``at``."""
-
-    job: str
-    generation: int
-    owner: str
-    asked: float
-    at: float = field(default_factory=time.time)
-
-
-def steps_of(job: str, steps: int) -> list[str]:
-    return [f"s{i}" for i in range(steps)]
+# -- scripted writes ------------------------------------------------------------------
 
 
 def step_body(job: str, step: str) -> dict[str, Any]:
-    """The same request every time this step is tried (so a repeat is a duplicate)."""
+    """A scripted write's body: the same request every time this step is tried (so a
+    repeat is a duplicate)."""
     return {"job": job, "step": step, "amount": sum(map(ord, job + step)) % 997}
 
 
@@ -394,59 +314,172 @@ def step_bytes(job: str, step: str) -> bytes:
 
 
 JSON = {"Content-Type": "application/json"}
+_SCRIPTED = itertools.count()
 
 
-# -- a run of workers ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Written:
+    """A scripted write's answer (``answer`` None: none came, ``error`` says why)."""
+
+    answer: Answer | None
+    error: str | None = None
+
+    @property
+    def status(self) -> int | None:
+        return None if self.answer is None else self.answer.status
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.answer is None else self.answer.reason
+
+    @property
+    def replayed(self) -> bool:
+        return self.answer is not None and self.answer.replayed
+
+    @property
+    def body(self) -> bytes | None:
+        return None if self.answer is None else self.answer.body
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status <= 299
+
+
+def scripted(group: ProcessGroup) -> History:
+    """The history of a test's scripted writes (``raw_write``), beside its workers'."""
+    return History(str(group.folder / "history-scripted.jsonl"))
+
+
+async def raw_write(
+    session: aiohttp.ClientSession,
+    name: str,
+    lease: dict[str, Any],
+    gateway: Replica,
+    upstream: str,
+    step: str,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10.0,
+    history: History | None = None,
+) -> Written:
+    """One step's write with plain HTTP (no client-side lease check); recorded in
+    ``history`` (``verify.events``: an invoke and its completion, as a process of its own)
+    when given."""
+    job = lease["job_id"]
+    key = step_key(job, step)
+    body = step_bytes(job, step)
+    process = f"{name}#{next(_SCRIPTED)}"
+    if history is not None:
+        history.invoke(process, "write", job, lease["generation"], key, sha256_hex(body))
+    try:
+        answer = await http(
+            session,
+            "POST",
+            f"{gateway.proxy}/{upstream}/charges",
+            data=body,
+            headers={
+                **JSON,
+                **(headers or {}),
+                "Fencing-Token": lease["lease_token"],
+                "Idempotency-Key": key,
+            },
+            timeout=timeout,
+        )
+    except (aiohttp.ClientError, TimeoutError) as error:
+        if history is not None:
+            history.complete(process, "info", reason=type(error).__name__)
+        return Written(None, f"{type(error).__name__}: {error}")
+    written = Written(answer)
+    if history is not None:
+        history.complete(
+            process,
+            "ok" if written.ok else "fail",
+            status=answer.status,
+            reason=answer.reason,
+            body_sha256=sha256_hex(answer.body),
+            replayed=answer.replayed if written.ok else None,
+        )
+    return written
+
+
+def events_of(*histories: History) -> list[HistoryEvent]:
+    """What ``histories`` recorded so far, as ``verify.check`` reads it, in time order."""
+    events = [e for h in histories for e in read_history(h.writer.path)]
+    return sorted(events, key=lambda e: e.time)
+
+
+# -- a run of verify's workers ------------------------------------------------------------
 
 
 @dataclass
 class Scale:
     jobs: int
-    steps: int
     workers: int
     zombies: int = 0
-    ttl: float = 2.0
     run_timeout: float = 60.0
 
 
+# A stalled worker: no look at the lease, renewals stop after the first step, then it
+# writes past its lease as ``{id}/late`` and completes (``verify.worker.Worker.do_job``).
+LAPSE = Conduct(reckless=True, lapse=True, overlap=False)
+CAREFUL = Conduct(reckless=False, lapse=False, overlap=False)
+# A job parked on an unknown outcome stays parked until the operator resolves its key.
+PARK_SECONDS = 86400.0
+
+
 class Run:
-    """N jobs of ``steps`` steps each on one queue, and the workers that do them."""
+    """N jobs on verify's queue, and verify's workers (``verify.worker.Worker``) that do
+    them, in this process: each through a (lease API, proxy) pair of the replicas drawn
+    per job, with every pair of ``replicas`` and ``write_via`` (default: ``replicas``),
+    their history in ``history-NAME.jsonl`` of the test's folder."""
 
     def __init__(
         self,
+        group: ProcessGroup,
         replicas: Sequence[Replica],
         database_url: str,
         scale: Scale,
         *,
         upstreams: Sequence[str] = ("pay",),
-        queue: str = "faults",
-        write_timeout: float = 4.0,
         seed: int = 0,
         write_via: Sequence[Replica] | None = None,
     ) -> None:
+        self.folder = group.folder
         self.replicas = list(replicas)
-        self.gateways = list(write_via or replicas)
+        self.pairs = [(c.control, g.proxy) for c in replicas for g in (write_via or replicas)]
         self.scale = scale
-        self.upstreams = list(upstreams)
-        self.queue = queue
-        self.write_timeout = write_timeout
+        self.second = upstreams[1] if len(upstreams) > 1 else None
+        self.seed = seed
+        self.queue = QUEUE
         self.jobs = [f"job-{i:04d}" for i in range(scale.jobs)]
-        self.attempts: list[Attempt] = []
-        self.random = random.Random(seed)
         self.engine: AsyncEngine = create_async_engine(database_url, pool_size=2, max_overflow=2)
-        self.stop = asyncio.Event()
+        self.workers: dict[str, Worker] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.zombies: list[asyncio.Task[None]] = []
-        self.grants: list[Grant] = []
-
-    def steps(self, job: str) -> list[str]:
-        return steps_of(job, self.scale.steps)
 
     def keys(self, job: str) -> list[str]:
-        return [step_key(job, s) for s in self.steps(job)]
+        """The keys of a job's steps (``verify.worker``)."""
+        return [worker_key(job, step) for step in range(steps_of(job))]
 
-    def upstream_of(self, step: str) -> str:
-        return self.upstreams[int(step[1:]) % len(self.upstreams)]
+    def upstream_of(self, job: str) -> str:
+        return upstream_of(job, self.second) if self.second else UPSTREAM
+
+    def worker(self, name: str, **hooks: Any) -> Worker:
+        worker = Worker(
+            name,
+            History(str(self.folder / f"history-{name}.jsonl")),
+            self.pairs,
+            seed=str(self.seed),
+            second=self.second,
+            park=PARK_SECONDS,
+            **hooks,
+        )
+        self.workers[name] = worker
+        return worker
+
+    def history(self) -> list[HistoryEvent]:
+        """Every worker's history so far, in time order."""
+        return events_of(*(w.history for w in self.workers.values()))
 
     async def enqueue(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -460,16 +493,15 @@ class Run:
                 assert answer.status == 201, answer
 
     def diagnostics(self) -> str:
-        """Workers that died, and the last attempts: for failure messages."""
+        """Workers that died, and the last events: for failure messages."""
         lines = []
         for task in self.tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 lines.append(f"{task.get_name()} died: {task.exception()!r}")
-        lines += [repr(a) for a in self.attempts[-15:]]
+        lines += [repr(e) for e in self.history()[-15:]]
         return "\n".join(lines)
 
     async def stop_workers(self) -> None:
-        self.stop.set()
         for task in self.tasks:
             task.cancel()
         for task in self.tasks:
@@ -479,6 +511,9 @@ class Run:
 
     async def close(self) -> None:
         await self.stop_workers()
+        for worker in self.workers.values():
+            with contextlib.suppress(Exception):
+                await worker.close()
         await self.engine.dispose()
 
     # -- progress -----------------------------------------------------------------------
@@ -510,245 +545,56 @@ class Run:
             if completed + parked == len(self.jobs):
                 break
             await asyncio.sleep(0.2)
-        self.stop.set()
         return completed, parked
 
     # -- workers --------------------------------------------------------------------------
 
-    def spawn(self, coro: Any, name: str) -> None:
-        self.tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
+    def spawn(self, worker: Worker) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(worker.run(), name=worker.name)
+        self.tasks.append(task)
+        return task
 
     def start_workers(self, count: int | None = None, prefix: str = "w") -> None:
+        """verify's workers, each job's conduct drawn as in a verification run."""
         for i in range(self.scale.workers if count is None else count):
-            self.spawn(self.worker(f"{prefix}{i}", i), f"{prefix}{i}")
+            self.spawn(self.worker(f"{prefix}{i}"))
 
-    def start_zombies(self, stall: float, rounds: int = 1) -> None:
+    def start_zombies(self, rounds: int = 1) -> None:
+        """Workers whose every job lapses (``LAPSE``), ``rounds`` jobs each."""
         for i in range(self.scale.zombies):
-            self.spawn(self.zombie(f"zombie{i}", i, stall, rounds), f"zombie{i}")
-            self.zombies.append(self.tasks[-1])
+            self.zombies.append(self.spawn(self.worker(f"zombie{i}", conduct=LAPSE, rounds=rounds)))
 
     async def zombies_done(self, timeout: float = 30) -> None:
         """Wait for every zombie to wake up and finish what it does."""
         if self.zombies:
             await asyncio.wait_for(asyncio.gather(*self.zombies), timeout)
 
-    def pairs(self, index: int) -> Iterator[tuple[Replica, Replica]]:
-        """(control, gateway) replicas a worker uses: rotating, and often mixed."""
-        turn = index
-        while True:
-            yield (
-                self.replicas[turn % len(self.replicas)],
-                self.gateways[(turn + index) % len(self.gateways)],
-            )
-            turn += 1
-
-    async def worker(self, name: str, index: int) -> None:
-        clients: dict[tuple[str, str], LeaseClient] = {}
-        try:
-            for control, gateway in self.pairs(index):
-                if self.stop.is_set():
-                    return
-                pair = (control.name, gateway.name)
-                if pair not in clients:
-                    clients[pair] = LeaseClient(
-                        control.control,
-                        gateway_url=gateway.proxy,
-                        timeout=self.write_timeout,
-                    )
-                client = clients[pair]
-                try:
-                    asked = time.time()
-                    async with client.claim(self.queue, owner=name, ttl=self.scale.ttl) as lease:
-                        if lease is None:
-                            await asyncio.sleep(0.05 + self.random.random() * 0.1)
-                            continue
-                        self.grants.append(Grant(lease.job_id, lease.generation, name, asked))
-                        await self.do_job(name, lease, gateway)
-                except (exc.LeaseError, aiohttp.ClientError, TimeoutError, ValueError):
-                    await asyncio.sleep(0.1 + self.random.random() * 0.2)
-        finally:
-            for client in clients.values():
-                await client.close()
-
-    async def do_job(self, name: str, lease: Lease, gateway: Replica) -> str:
-        for step in self.steps(lease.job_id):
-            outcome = await self.do_step(name, lease, gateway, step)
-            if outcome == "held":
-                with contextlib.suppress(exc.LeaseError, aiohttp.ClientError, TimeoutError):
-                    await lease.fail(error=PARKED, retry_in=PARK_SECONDS)
-                return "parked"
-            if outcome != "ok":
-                return outcome
-        for _ in range(20):
-            attempt = Attempt(name, lease.job_id, "complete", "", lease.generation, gateway.name)
-            attempt.sent = time.time()
-            self.attempts.append(attempt)
-            try:
-                await lease.complete({"by": name})
-                attempt.status = 200
-                return "completed"
-            except exc.LeaseLost as error:
-                attempt.status, attempt.reason = 409, error.reason
-                return "lost"
-            except (exc.LeaseError, aiohttp.ClientError, TimeoutError) as error:
-                attempt.error = f"{type(error).__name__}: {error}"
-                await asyncio.sleep(0.2)
-            finally:
-                attempt.answered = time.time()
-        return "gave-up"
-
-    async def do_step(self, name: str, lease: Lease, gateway: Replica, step: str) -> str:
-        job = lease.job_id
-        path = f"/{self.upstream_of(step)}/charges"
-        for _ in range(30):
-            attempt = Attempt(name, job, step, step_key(job, step), lease.generation, gateway.name)
-            if not lease.held:  # the client's own check: it would not send
-                attempt.error = "lapsed locally, not sent"
-                self.attempts.append(attempt)
-                return "lost"
-            body = step_bytes(job, step)
-            attempt.sent, attempt.request_sha256 = time.time(), sha256_hex(body)
-            try:
-                answer: FencedResponse = await lease.http.post(
-                    path, step=step, data=body, headers=JSON, timeout=self.write_timeout
-                )
-            except exc.LeaseLost as error:
-                if error.detail.startswith("the lease lapsed"):
-                    attempt.error, attempt.sent = "lapsed locally, not sent", None
-                else:
-                    attempt.status, attempt.reason = 409, error.reason
-                    attempt.answered = time.time()
-                self.attempts.append(attempt)
-                return "lost"
-            except (aiohttp.ClientError, TimeoutError) as error:
-                attempt.error = f"{type(error).__name__}: {error}"
-                attempt.answered = time.time()
-                self.attempts.append(attempt)
-                await asyncio.sleep(0.1 + self.random.random() * 0.2)
-                continue
-            attempt.answered = time.time()
-            problem = answer.problem
-            attempt.status, attempt.body, attempt.replayed = (
-                answer.status,
-                answer.body,
-                answer.replayed,
-            )
-            attempt.reason = str(problem["reason"]) if problem else None
-            self.attempts.append(attempt)
-            if attempt.ok:
-                return "ok"
-            if attempt.reason == "outcome-unknown":
-                return "held"
-            if attempt.reason in RETRYABLE:
-                await asyncio.sleep(0.1 + self.random.random() * 0.2)
-                continue
-            return "gave-up"
-        return "gave-up"
-
-    # -- zombies: stall past the lease, then keep writing (raw HTTP: no local check) ------
-
-    async def zombie(self, name: str, index: int, stall: float, rounds: int) -> None:
-        async with aiohttp.ClientSession() as session:
-            done = 0
-            for control, gateway in self.pairs(index):
-                if self.stop.is_set() or done >= rounds:
-                    return
-                asked = time.time()
-                try:
-                    answer = await http(
-                        session,
-                        "POST",
-                        f"{control.control}/v1/queues/{self.queue}/claim",
-                        json_body={"owner": name, "ttl_seconds": self.scale.ttl},
-                    )
-                except (aiohttp.ClientError, TimeoutError):
-                    await asyncio.sleep(0.1)
-                    continue
-                if answer.status != 200:
-                    await asyncio.sleep(0.05)
-                    continue
-                lease = json.loads(answer.body)
-                self.grants.append(Grant(lease["job_id"], lease["generation"], name, asked))
-                steps = self.steps(lease["job_id"])
-                before = self.random.randint(1, max(len(steps) - 1, 1))
-                for step in steps[:before]:
-                    await self.raw_write(session, name, lease, gateway, step, after_stall=False)
-                await asyncio.sleep(stall)  # a GC pause, a stopped VM: no renewal
-                for step in steps:
-                    await self.raw_write(session, name, lease, gateway, step, after_stall=True)
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    sent = time.time()
-                    end = await http(
-                        session,
-                        "POST",
-                        f"{control.control}/v1/leases/complete",
-                        json_body={"lease_token": lease["lease_token"]},
-                    )
-                    # Recorded as a write-less attempt, so the test can check it was refused.
-                    self.attempts.append(
-                        Attempt(
-                            name,
-                            lease["job_id"],
-                            "complete",
-                            "",
-                            lease["generation"],
-                            control.name,
-                            status=end.status,
-                            reason=end.reason,
-                            zombie=True,
-                            after_stall=True,
-                            sent=sent,
-                            answered=time.time(),
-                        )
-                    )
-                done += 1
-
-    async def raw_write(
-        self,
-        session: aiohttp.ClientSession,
-        name: str,
-        lease: dict[str, Any],
-        gateway: Replica,
-        step: str,
-        *,
-        after_stall: bool,
-    ) -> Attempt:
-        attempt = await raw_write(
-            session,
-            name,
-            lease,
-            gateway,
-            self.upstream_of(step),
-            step,
-            timeout=self.write_timeout,
-            zombie=True,
-            after_stall=after_stall,
-        )
-        self.attempts.append(attempt)
-        return attempt
-
-    # -- after the faults: an operator, then one last worker ----------------------------
+    # -- after the faults: one last worker ------------------------------------------------
 
     async def finish(self, replica: Replica, timeout: float = 60) -> None:
-        """Acquire every job that is not completed by name and do it (parked ones too)."""
+        """Acquire every job that is not completed by name and do it (parked ones too),
+        carefully, through ``replica``."""
+        finisher = Worker(
+            "finisher",
+            History(str(self.folder / "history-finisher.jsonl")),
+            [(replica.control, replica.proxy)],
+            seed=str(self.seed),
+            second=self.second,
+        )
+        self.workers[finisher.name] = finisher
+        target = finisher.targets[0]
         deadline = time.monotonic() + timeout
-        async with LeaseClient(
-            replica.control, gateway_url=replica.proxy, timeout=self.write_timeout
-        ) as client:
-            while time.monotonic() < deadline:
-                rows = await self.job_rows()
-                left = [j for j in self.jobs if rows[j]["state"] != "completed"]
-                if not left:
-                    return
-                for job in left:
-                    asked = time.time()
-                    try:
-                        async with client.acquire(job, owner="finisher", ttl=30) as lease:
-                            assert lease is not None
-                            self.grants.append(Grant(job, lease.generation, "finisher", asked))
-                            await self.do_job("finisher", lease, replica)
-                    except (exc.LeaseError, RemoteError, aiohttp.ClientError, TimeoutError):
-                        await asyncio.sleep(0.2)
+        while time.monotonic() < deadline:
+            rows = await self.job_rows()
+            left = [j for j in self.jobs if rows[j]["state"] != "completed"]
+            if not left:
+                return
+            for job in left:
+                lease = await finisher.acquire(target, job, deadline=10)
+                if lease is None:
+                    await asyncio.sleep(0.2)
+                    continue
+                await finisher.work(target, lease, CAREFUL)
         rows = await self.job_rows()
         left = {j: dict(rows[j]) for j in self.jobs if rows[j]["state"] != "completed"}
         pytest.fail(f"jobs not finished after the faults: {left}")
@@ -778,58 +624,6 @@ async def resolve_unknowns(
             assert answer.status == 200, answer
             done.append((item["job_id"], item["key"], found is not None))
     return done
-
-
-async def raw_write(
-    session: aiohttp.ClientSession,
-    name: str,
-    lease: dict[str, Any],
-    gateway: Replica,
-    upstream: str,
-    step: str,
-    *,
-    headers: dict[str, str] | None = None,
-    timeout: float = 10.0,
-    zombie: bool = False,
-    after_stall: bool = False,
-) -> Attempt:
-    """One step's write with plain HTTP (no client-side lease check), as an Attempt."""
-    job = lease["job_id"]
-    key = step_key(job, step)
-    body = step_bytes(job, step)
-    attempt = Attempt(
-        name,
-        job,
-        step,
-        key,
-        lease["generation"],
-        gateway.name,
-        zombie=zombie,
-        after_stall=after_stall,
-        sent=time.time(),
-        request_sha256=sha256_hex(body),
-    )
-    try:
-        answer = await http(
-            session,
-            "POST",
-            f"{gateway.proxy}/{upstream}/charges",
-            data=body,
-            headers={
-                **JSON,
-                **(headers or {}),
-                "Fencing-Token": lease["lease_token"],
-                "Idempotency-Key": key,
-            },
-            timeout=timeout,
-        )
-    except (aiohttp.ClientError, TimeoutError) as error:
-        attempt.error = f"{type(error).__name__}: {error}"
-    else:
-        attempt.status, attempt.body = answer.status, answer.body
-        attempt.reason, attempt.replayed = answer.reason, answer.replayed
-    attempt.answered = time.time()
-    return attempt
 
 
 # -- the database, read directly --------------------------------------------------------
@@ -871,45 +665,31 @@ async def wait_no_live_in_flight(engine: AsyncEngine, timeout: float = 30) -> No
 # -- the checks ---------------------------------------------------------------------------
 
 
-def history(attempts: Iterable[Attempt], grants: Iterable[Grant] = ()) -> list[HistoryEvent]:
-    """What the workers saw as ``verify.check``'s history, in time order: each lease
-    granted and each write or complete sent an operation of a process of its own (one
-    worker may have several outstanding)."""
-    events: list[HistoryEvent] = []
-    for n, grant in enumerate(grants):
-        common: dict[str, Any] = {"process": f"{grant.owner}#c{n}", "f": "claim", "job": grant.job}
-        events.append(HistoryEvent(time=grant.asked, type="invoke", **common))
-        events.append(HistoryEvent(time=grant.at, type="ok", generation=grant.generation, **common))
-    for n, attempt in enumerate(attempts):
-        if attempt.sent is not None:
-            events += attempt.events(f"{attempt.worker}#{n}")
-    return sorted(events, key=lambda e: (e.time, e.type != "invoke"))
-
-
 async def check_run(
     engine: AsyncEngine,
     replica: Replica,
     upstream: UpstreamProc,
     *,
-    attempts: Sequence[Attempt],
-    grants: Sequence[Grant] = (),
+    history: Sequence[HistoryEvent],
     jobs: dict[str, Any] | None = None,
     keys_of: Callable[[str], list[str]] = lambda job: [],
 ) -> list[str]:
     """Every problem of a run, as sentences (call it once nothing is in flight any more):
 
-    - ``verify.check``'s invariants 1-6 and 8-12 on the workers' history and the
-      upstream's ledger: each key applied at most once, and exactly once when a worker
-      got a 2xx; generations in order at the upstream; every 2xx the upstream's first
-      answer; no write applied that was refused, or sent after a newer grant, or never
-      sent with that body. Liveness (7) is the tests' own, stricter: every job ends.
+    - ``verify.check``'s invariants on the workers' ``history`` (``verify.events``, as
+      verify's workers and ``raw_write`` recorded it) and the upstream's ledger: each key
+      applied at most once, and exactly once when a worker got a 2xx; generations in
+      order at the upstream; every 2xx the upstream's first answer; no write applied that
+      was refused, or sent after a newer grant or its lease's end, or never sent with
+      that body; no lease granted while an older one could be current. Liveness (7) is
+      the tests' own, stricter: every job ends.
     - ``verify.records``: every job the database says completed had each step
       (``keys_of``) applied once; every 2xx the upstream's first answer, status and
       body; per job, no lower generation received after a higher one (applied or not);
       the records and ``replica``'s list of unknown outcomes.
     """
     applied = ledger(upstream)
-    found = problems(attempts, grants, applied, upstream.events(), jobs or {}, keys_of)
+    found = problems(history, applied, upstream.events(), jobs or {}, keys_of)
     rows, now = await records(engine)
     async with aiohttp.ClientSession() as session:
         listed = await unknown_outcomes(session, replica)
@@ -917,8 +697,7 @@ async def check_run(
 
 
 def problems(
-    attempts: Sequence[Attempt],
-    grants: Sequence[Grant],
+    history: Sequence[HistoryEvent],
     applied: Sequence[LedgerEntry],
     received: Sequence[dict[str, Any]],
     jobs: Mapping[str, Mapping[str, Any]],
@@ -926,28 +705,35 @@ def problems(
 ) -> list[str]:
     """``check_run``'s checks that need no database: ``verify.check`` (but 7) and
     ``verify.records``' completed jobs, answers acknowledged and order of receipt."""
-    report = check(history(attempts, grants), applied)
+    report = check(sorted(history, key=lambda e: e.time), applied)
     found = [
         f"[{v.invariant} {v.name}] job {v.job!r}: {v.message}: {v.events}"
         for v in report.violations
         if v.invariant != 7
     ]
     found += account.completed_jobs(jobs, keys_of, applied)
-    acks = [(a.job, a.key, int(a.status or 0), a.body or b"") for a in attempts if a.ok and a.key]
-    found += account.acknowledged(acks, applied)
+    found += account.acknowledged(history, applied)
     return found + account.received_in_order(received)
 
 
-def summary(events: Sequence[dict[str, Any]], attempts: Sequence[Attempt]) -> str:
+def answers(history: Iterable[HistoryEvent]) -> Counter[str]:
+    """How the writes and completes of ``history`` were answered: reason, status (with
+    ``replayed``) or ``no answer``."""
+    seen: Counter[str] = Counter()
+    for event in history:
+        if event.type == "invoke" or event.f not in ("write", "complete"):
+            continue
+        replayed = " replayed" if event.replayed else ""
+        status = f"{event.status}{replayed}" if event.status else ""
+        seen[event.reason or status or "no answer"] += 1
+    return seen
+
+
+def summary(events: Sequence[dict[str, Any]], history: Sequence[HistoryEvent]) -> str:
     """One line about the run, for the test's output."""
     kinds = Counter(e["event"] for e in events)
     faults = Counter(e["fault"] for e in events)
-    answers: Counter[str] = Counter()
-    for attempt in attempts:
-        replayed = " replayed" if attempt.replayed else ""
-        status = f"{attempt.status}{replayed}" if attempt.status else ""
-        answers[attempt.reason or status or "no answer"] += 1
+    seen = answers(history)
     return (
-        f"upstream: {dict(kinds)} faults {dict(faults)}; "
-        f"workers saw: {dict(sorted(answers.items()))}"
+        f"upstream: {dict(kinds)} faults {dict(faults)}; workers saw: {dict(sorted(seen.items()))}"
     )

@@ -1,5 +1,6 @@
-"""The checks of the fault suite (``verify.check`` on the workers' history, and
-``verify.records``): each violation they exist to catch is caught (no processes here).
+"""The checks of the fault suite (``verify.check`` on the workers' history, as
+``verify.events`` records it, and ``verify.records``): each violation they exist to catch
+is caught (no processes here).
 
 A checker that passes everything would make every fault test pass; these cases keep it
 honest.
@@ -10,13 +11,25 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from verify.events import LedgerEntry, sha256_hex
+from verify.events import HistoryEvent, LedgerEntry, sha256_hex
 from verify.records import stored_records
 
-from .harness import Attempt, Grant, problems, step_bytes
+from .harness import problems, step_bytes
 
 KEYS = {"job-1": ["k0", "k1"]}
-GRANTS = [Grant("job-1", 1, "w1", 0.0, 1.0), Grant("job-1", 2, "w2", 14.0, 15.0)]
+
+
+def granted(asked: float, at: float, generation: int) -> list[HistoryEvent]:
+    """Worker ``w{generation}``'s claim of job-1, granted at ``at`` (no TTL: untimed)."""
+    common: dict[str, Any] = {"process": f"w{generation}#claim", "f": "claim", "job": "job-1"}
+    return [
+        HistoryEvent(time=asked, type="invoke", **common),
+        HistoryEvent(time=at, type="ok", generation=generation, status=200, **common),
+    ]
+
+
+GRANTS = [*granted(0.0, 1.0, 1), *granted(14.0, 15.0, 2)]
+SENT_COUNT = iter(range(1_000_000))
 
 
 def answer(key: str, generation: int, seq: int) -> str:
@@ -41,24 +54,51 @@ def received(applied: list[LedgerEntry], event: str = "applied") -> list[dict[st
     return [{**e.to_json(), "event": event} for e in applied]
 
 
-def saw(t: float, key: str, generation: int, body: bytes | None, **answer: Any) -> Attempt:
-    """A write of ``key`` sent at ``t`` and answered at once."""
-    status = answer.pop("status", 201 if body is not None else None)
-    return Attempt(
-        f"w{generation}", "job-1", key, key, generation, "a", status=status, body=body,
-        sent=t, answered=t + 0.5, request_sha256=sha256_hex(step_bytes("job-1", key)), **answer,
-    )  # fmt: skip
+def saw(
+    t: float,
+    key: str,
+    generation: int,
+    body: bytes | None,
+    *,
+    status: int | None = None,
+    reason: str | None = None,
+    replayed: bool = False,
+) -> list[HistoryEvent]:
+    """A write of ``key`` sent at ``t`` and answered (``body``; None: no answer) at
+    ``t + 0.5``, as a process of its own."""
+    common: dict[str, Any] = {
+        "process": f"w{generation}#{next(SENT_COUNT)}",
+        "f": "write",
+        "job": "job-1",
+        "generation": generation,
+        "key": key,
+    }
+    sent = sha256_hex(step_bytes("job-1", key))
+    invoke = HistoryEvent(time=t, type="invoke", body_sha256=sent, **common)
+    if body is None:
+        return [invoke, HistoryEvent(time=t + 0.5, type="info", **common)]
+    status = 201 if status is None else status
+    ok = 200 <= status <= 299
+    end = HistoryEvent(
+        time=t + 0.5,
+        type="ok" if ok else "fail",
+        status=status,
+        reason=reason,
+        body_sha256=sha256_hex(body),
+        replayed=replayed if ok else None,
+        **common,
+    )
+    return [invoke, end]
 
 
 def check(
-    attempts: list[Attempt],
+    writes: list[list[HistoryEvent]],
     applied: list[LedgerEntry],
     state: str = "completed",
     got: list[dict[str, Any]] | None = None,
 ) -> list[str]:
     return problems(
-        attempts,
-        GRANTS,
+        [*GRANTS, *(e for w in writes for e in w)],
         applied,
         received(applied) if got is None else got,
         {"job-1": {"state": state}},

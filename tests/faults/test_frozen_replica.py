@@ -25,20 +25,22 @@ import pytest
 import sqlalchemy as sa
 
 from verify.cluster import PgCluster
+from verify.worker import History
 
 from .conftest import LONG
 from .harness import (
     ORDERING_WAIT,
     PAY,
     SLOW,
-    Attempt,
     ProcessGroup,
     Replica,
     Run,
     Scale,
+    Written,
     acquire,
     check_run,
     database,
+    events_of,
     http,
     raw_write,
     start_stack,
@@ -51,23 +53,20 @@ from .harness import (
 pytestmark = pytest.mark.postgres
 
 SCALE = (
-    Scale(jobs=300, steps=4, workers=10, ttl=1.5, run_timeout=300)
+    Scale(jobs=300, workers=10, run_timeout=300)
     if LONG
-    else Scale(jobs=10, steps=3, workers=3, ttl=1.5, run_timeout=40)
+    else Scale(jobs=10, workers=3, run_timeout=40)
 )
 DEADLINE = PAY.deadline(ORDERING_WAIT)
 TTL = 2.0  # the stalled worker's leases: long enough to be admitted, short of the deadline
 
 
-async def until(
-    attempts: list[Attempt], write: Any, done: set[str | None], allowed: set[str | None]
-) -> Attempt:
+async def until(write: Any, done: set[str | None], allowed: set[str | None]) -> Written:
     """Send ``write()`` again until its reason is in ``done`` (2xx: ``None``); every other
     answer on the way must be in ``allowed``."""
     deadline = time.monotonic() + DEADLINE + 15
     while True:
-        attempt: Attempt = await write()
-        attempts.append(attempt)
+        attempt: Written = await write()
         if attempt.reason in done and attempt.status is not None:
             return attempt
         assert attempt.reason in allowed and attempt.status is not None, attempt
@@ -75,17 +74,15 @@ async def until(
         await asyncio.sleep(0.25)
 
 
-async def in_progress_then_held(attempts: list[Attempt], write: Any) -> None:
+async def in_progress_then_held(write: Any) -> None:
     """Generation 2 of a job whose generation-1 write of s0 is in flight at the frozen
     replica, through the other replica: s0 is in progress; s1 waits for the older write
     (``ordering-timeout``) until that one's deadline passes, then goes out; s0 is then an
     unknown outcome, held."""
     early = await write("s0")
-    attempts.append(early)
     assert (early.status, early.reason) == (409, "request-in-progress"), early
-    await until(attempts, lambda: write("s1"), {None}, {"ordering-timeout"})
+    await until(lambda: write("s1"), {None}, {"ordering-timeout"})
     held = await write("s0")
-    attempts.append(held)
     assert (held.status, held.reason) == (409, "outcome-unknown"), held
 
 
@@ -95,13 +92,12 @@ async def healthy(session: aiohttp.ClientSession, replica: Replica) -> bool:
 
 
 @pytest.mark.timeout(300 if LONG else 90)
-async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
+async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str, script: History) -> None:
     upstream, (a, b) = await start_stack(group, fault_db, [PAY], delay=[0, 0.02])
     # Workers claim through both replicas and write through B, so that what is in flight
     # at A when it freezes is exactly the forwards below.
-    run = Run([a, b], fault_db, SCALE, upstreams=("pay",), write_via=[b], write_timeout=3.0)
+    run = Run(group, [a, b], fault_db, SCALE, upstreams=("pay",), write_via=[b])
     frozen_jobs = [f"frozen-{i}" for i in range(6 if LONG else 2)]
-    attempts: list[Attempt] = []
     try:
         async with aiohttp.ClientSession() as session:
             await run.enqueue()
@@ -118,6 +114,7 @@ async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
                         "pay",
                         "s0",
                         headers={"Verify-Fault": "delay=2"},
+                        history=script,
                     )
                 )
                 for lease in leases
@@ -133,16 +130,16 @@ async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
                 assert taker["generation"] == 2
 
                 def write(step: str) -> Any:
-                    return raw_write(session, "taker", taker, b, "pay", step)
+                    return raw_write(session, "taker", taker, b, "pay", step, history=script)
 
-                await in_progress_then_held(attempts, write)
+                await in_progress_then_held(write)
 
             await asyncio.gather(*(take_over(job) for job in frozen_jobs))
             listed = await unknown_outcomes(session, b)
             assert {i["job_id"] for i in listed} >= set(frozen_jobs)
 
             a.thaw()
-            attempts += await asyncio.gather(*late)
+            await asyncio.gather(*late)
             assert a.proc.alive() and await healthy(session, a)
             completed, parked = await run.until_settled()
             assert completed + parked == len(run.jobs), run.diagnostics()
@@ -152,39 +149,33 @@ async def test_frozen_mid_forward(group: ProcessGroup, fault_db: str) -> None:
             await wait_no_live_in_flight(engine)
             events = upstream.events()
             jobs = await run.job_rows()
+            history = [*run.history(), *events_of(script)]
             problems = await check_run(
-                engine,
-                b,
-                upstream,
-                attempts=[*run.attempts, *attempts],
-                grants=run.grants,
-                jobs=jobs,
-                keys_of=run.keys,
+                engine, b, upstream, history=history, jobs=jobs, keys_of=run.keys
             )
         assert not problems, "\n".join(problems)
         for job in frozen_jobs:  # generation 1 once (before the freeze), then generation 2
             assert [e["generation"] for e in events if e["job"] == job] == [1, 2]
-        print(summary(events, [*run.attempts, *attempts]))
+        print(summary(events, history))
     finally:
         await run.close()
 
 
 @pytest.mark.timeout(90)
 async def test_frozen_between_admission_and_forward(
-    group: ProcessGroup, fault_db: str, pg_cluster: PgCluster
+    group: ProcessGroup, fault_db: str, script: History, pg_cluster: PgCluster
 ) -> None:
     upstream, (a, b) = await start_stack(group, fault_db, [PAY])
     dbname = sa.make_url(fault_db).database
     assert dbname is not None
     job = "paused-after-admission"
-    attempts: list[Attempt] = []
     async with aiohttp.ClientSession() as session:
         first = await acquire(session, b, job, "worker-1", ttl=TTL)
         expired_by = time.monotonic() + TTL + 0.1
         try:
             await pg_cluster.hold_commits()
             late = asyncio.ensure_future(
-                raw_write(session, "worker-1", first, a, "pay", "s0", timeout=60)
+                raw_write(session, "worker-1", first, a, "pay", "s0", timeout=60, history=script)
             )
             deadline = time.monotonic() + 10
             while await pg_cluster.held_commits(dbname) == 0:  # A's admission, committing
@@ -199,31 +190,31 @@ async def test_frozen_between_admission_and_forward(
         assert second["generation"] == 2
 
         def write(step: str) -> Any:
-            return raw_write(session, "worker-2", second, b, "pay", step)
+            return raw_write(session, "worker-2", second, b, "pay", step, history=script)
 
-        await in_progress_then_held(attempts, write)
+        await in_progress_then_held(write)
         assert [(e["job"], e["generation"]) for e in upstream.events()] == [(job, 2)]
 
         a.thaw()
-        attempts.append(await late)
+        woken = await late
         await asyncio.sleep(0.5)
         events = upstream.events()
-        print(f"A's late answer: {attempts[-1]}; upstream: {events}")
+        print(f"A's late answer: {woken}; upstream: {events}")
         async with database(fault_db) as engine:
             await wait_no_live_in_flight(engine)
-            problems = await check_run(engine, b, upstream, attempts=attempts)
+            problems = await check_run(engine, b, upstream, history=events_of(script))
         with symptom():
             assert not problems, "\n".join(problems)
             # Generation 1's write is never forwarded: on waking, A judges its claim again
             # before the first byte and finds generation 2 admitted (and its claim past
             # its deadline).
             assert [e["generation"] for e in events] == [2]
-            assert (attempts[-1].status, attempts[-1].reason) == (409, "stale-generation")
+            assert (woken.status, woken.reason) == (409, "stale-generation"), woken
 
 
 @pytest.mark.timeout(90)
 async def test_woken_after_a_newer_generation_was_admitted(
-    group: ProcessGroup, fault_db: str, pg_cluster: PgCluster
+    group: ProcessGroup, fault_db: str, script: History, pg_cluster: PgCluster
 ) -> None:
     """A is frozen between its admission's commit and the forward, for less than the
     claim's deadline; meanwhile generation 2 of the job is granted and admitted through B
@@ -235,13 +226,12 @@ async def test_woken_after_a_newer_generation_was_admitted(
     dbname = sa.make_url(fault_db).database
     assert dbname is not None
     job = "woken-after-g2"
-    attempts: list[Attempt] = []
     async with aiohttp.ClientSession() as session:
         first = await acquire(session, b, job, "worker-1", ttl=120)
         try:
             await pg_cluster.hold_commits()
             late = asyncio.ensure_future(
-                raw_write(session, "worker-1", first, a, "slow", "s0", timeout=60)
+                raw_write(session, "worker-1", first, a, "slow", "s0", timeout=60, history=script)
             )
             deadline = time.monotonic() + 10
             while await pg_cluster.held_commits(dbname) == 0:
@@ -255,25 +245,22 @@ async def test_woken_after_a_newer_generation_was_admitted(
         assert second["generation"] == 2
 
         def write(step: str) -> Any:
-            return raw_write(session, "worker-1", second, b, "slow", step)
+            return raw_write(session, "worker-1", second, b, "slow", step, history=script)
 
         held = await write("s1")  # admitted (the fence is 2 now), then held back by A's s0
-        attempts.append(held)
         assert (held.status, held.reason) == (503, "ordering-timeout"), held
         # A's claim is still in flight and (unless this machine is very slow) inside its
         # deadline: judging the deadline alone, A would send on waking.
         a.thaw()
         woken = await late
-        attempts.append(woken)
         assert (woken.status, woken.reason) == (409, "stale-generation"), woken
         assert upstream.events() == []
         for step in ("s1", "s0"):  # the key A held is free again
             sent = await write(step)
-            attempts.append(sent)
             assert sent.ok and not sent.replayed, sent
         events = upstream.events()
         assert [(e["job"], e["generation"]) for e in events] == [(job, 2), (job, 2)]
         async with database(fault_db) as engine:
             await wait_no_live_in_flight(engine)
-            problems = await check_run(engine, b, upstream, attempts=attempts)
+            problems = await check_run(engine, b, upstream, history=events_of(script))
         assert not problems, "\n".join(problems)

@@ -15,6 +15,8 @@ import signal
 import aiohttp
 import pytest
 
+from verify.worker import History
+
 from .harness import (
     PAY,
     SLOW,
@@ -22,6 +24,7 @@ from .harness import (
     acquire,
     check_run,
     database,
+    events_of,
     raw_write,
     records,
     start_stack,
@@ -32,14 +35,21 @@ pytestmark = pytest.mark.postgres
 
 @pytest.mark.timeout(60)
 async def test_sigterm_lets_the_forward_in_flight_finish(
-    group: ProcessGroup, fault_db: str
+    group: ProcessGroup, fault_db: str, script: History
 ) -> None:
     upstream, (a, b) = await start_stack(group, fault_db, [PAY, SLOW], shutdown_timeout=10)
     async with aiohttp.ClientSession() as session:
         lease = await acquire(session, a, "graceful", "worker-1", ttl=300)
         in_flight = asyncio.ensure_future(
             raw_write(
-                session, "worker-1", lease, a, "slow", "s0", headers={"Verify-Fault": "delay=1"}
+                session,
+                "worker-1",
+                lease,
+                a,
+                "slow",
+                "s0",
+                headers={"Verify-Fault": "delay=1"},
+                history=script,
             )
         )
         event = await upstream.wait_received(lambda e: e["job"] == "graceful")
@@ -50,7 +60,7 @@ async def test_sigterm_lets_the_forward_in_flight_finish(
         assert await asyncio.to_thread(a.proc.popen.wait, 20) == 0, a.proc.output()
         assert "fencegate stopping" in a.proc.output()
 
-        duplicate = await raw_write(session, "worker-1", lease, b, "slow", "s0")
+        duplicate = await raw_write(session, "worker-1", lease, b, "slow", "s0", history=script)
         assert duplicate.ok and duplicate.replayed, duplicate
         assert duplicate.body == answer.body
     assert len(upstream.events()) == 1
@@ -62,5 +72,5 @@ async def test_sigterm_lets_the_forward_in_flight_finish(
             "completed",
             201,
         )
-        problems = await check_run(engine, b, upstream, attempts=[answer, duplicate])
+        problems = await check_run(engine, b, upstream, history=events_of(script))
     assert not problems, "\n".join(problems)

@@ -17,6 +17,9 @@ from collections import Counter
 import aiohttp
 import pytest
 
+from fencegate_client import step_key
+from verify.worker import History
+
 from .harness import (
     DEDUPE,
     ORDERING_WAIT,
@@ -25,6 +28,7 @@ from .harness import (
     acquire,
     check_run,
     database,
+    events_of,
     raw_write,
     start_stack,
     unknown_outcomes,
@@ -36,7 +40,7 @@ pytestmark = pytest.mark.postgres
 
 @pytest.mark.timeout(90)
 async def test_a_killed_replicas_forwards_become_unknown(
-    group: ProcessGroup, fault_db: str
+    group: ProcessGroup, fault_db: str, script: History
 ) -> None:
     upstream, (a, b) = await start_stack(group, fault_db, [PAY, DEDUPE])
     async with aiohttp.ClientSession() as session:
@@ -45,10 +49,12 @@ async def test_a_killed_replicas_forwards_become_unknown(
         slow = {"Verify-Fault": "delay=3"}
         in_flight = [
             asyncio.ensure_future(
-                raw_write(session, "worker-1", hold, a, "pay", "s0", headers=slow)
+                raw_write(session, "worker-1", hold, a, "pay", "s0", headers=slow, history=script)
             ),
             asyncio.ensure_future(
-                raw_write(session, "worker-2", retry, a, "dedupe", "s0", headers=slow)
+                raw_write(
+                    session, "worker-2", retry, a, "dedupe", "s0", headers=slow, history=script
+                )
             ),
         ]
         for job in ("killed-hold", "killed-retry"):
@@ -60,8 +66,7 @@ async def test_a_killed_replicas_forwards_become_unknown(
         assert all(x.status is None for x in attempts), attempts  # the clients lost A
 
         # Within the deadline the other replica says: in progress, come back later.
-        early = await raw_write(session, "worker-1", hold, b, "pay", "s0")
-        attempts.append(early)
+        early = await raw_write(session, "worker-1", hold, b, "pay", "s0", history=script)
         assert (early.status, early.reason) == (409, "request-in-progress"), early
 
         # Past the deadline both are unknown outcomes, listed for an operator.
@@ -78,9 +83,8 @@ async def test_a_killed_replicas_forwards_become_unknown(
         }
 
         # hold: the key stays held. retry: forwarded again with the same key.
-        held = await raw_write(session, "worker-1", hold, b, "pay", "s0")
-        again = await raw_write(session, "worker-2", retry, b, "dedupe", "s0")
-        attempts += [held, again]
+        held = await raw_write(session, "worker-1", hold, b, "pay", "s0", history=script)
+        again = await raw_write(session, "worker-2", retry, b, "dedupe", "s0", history=script)
         assert (held.status, held.reason) == (409, "outcome-unknown"), held
         assert again.ok and not again.replayed, again
         events = upstream.events()
@@ -89,10 +93,10 @@ async def test_a_killed_replicas_forwards_become_unknown(
             ("killed-retry", "applied"): 1,
             ("killed-retry", "duplicate"): 1,
         }
-        assert (events[-1]["key"], events[-1]["generation"]) == (again.key, 1)
+        assert (events[-1]["key"], events[-1]["generation"]) == (step_key("killed-retry", "s0"), 1)
         assert [i["job_id"] for i in await unknown_outcomes(session, b)] == ["killed-hold"]
 
     async with database(fault_db) as engine:
         await wait_no_live_in_flight(engine)
-        problems = await check_run(engine, b, upstream, attempts=attempts)
+        problems = await check_run(engine, b, upstream, history=events_of(script))
     assert not problems, "\n".join(problems)

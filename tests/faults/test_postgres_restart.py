@@ -26,6 +26,7 @@ import pytest
 import sqlalchemy as sa
 
 from verify.cluster import PgCluster
+from verify.worker import History
 
 from .conftest import LONG
 from .harness import (
@@ -42,6 +43,7 @@ from .harness import (
     acquire,
     check_run,
     database,
+    events_of,
     http,
     raw_write,
     resolve_unknowns,
@@ -55,9 +57,9 @@ from .harness import (
 pytestmark = pytest.mark.postgres
 
 SCALE = (
-    Scale(jobs=300, steps=4, workers=12, ttl=3.0, run_timeout=300)
+    Scale(jobs=300, workers=12, run_timeout=300)
     if LONG
-    else Scale(jobs=16, steps=3, workers=4, ttl=3.0, run_timeout=40)
+    else Scale(jobs=16, workers=4, run_timeout=40)
 )
 OUTAGE = 6.0 if LONG else 2.0  # seconds the database stays away
 RESTARTS = 4 if LONG else 1
@@ -123,18 +125,18 @@ async def until_ready(session: aiohttp.ClientSession, replica: Replica, timeout:
 
 @pytest.mark.timeout(400 if LONG else 90)
 async def test_postgres_restart_and_outage_during_a_run(
-    group: ProcessGroup, fault_db: str, pg_cluster: PgCluster
+    group: ProcessGroup, fault_db: str, script: History, pg_cluster: PgCluster
 ) -> None:
     upstream, replicas = await start_stack(group, fault_db, [PAY, DEDUPE], delay=[0, 0.03])
     pids = [r.proc.pid for r in replicas]
-    run = Run(replicas, fault_db, SCALE, upstreams=("pay", "dedupe"), write_timeout=3.0)
+    run = Run(group, replicas, fault_db, SCALE, upstreams=("pay", "dedupe"))
     try:
         async with aiohttp.ClientSession() as session:
             probe = await acquire(session, replicas[0], "outage-probe", "prober", ttl=300)
             await run.enqueue()
             run.start_workers()
             under_way = time.monotonic() + 20
-            while sum(1 for a in run.attempts if a.ok) < 4:  # the run is under way
+            while sum(1 for e in run.history() if e.acknowledged) < 4:  # the run is under way
                 assert time.monotonic() < under_way, run.diagnostics() + group.logs()
                 await asyncio.sleep(0.05)
 
@@ -156,7 +158,9 @@ async def test_postgres_restart_and_outage_during_a_run(
                 await until_ready(session, replica, timeout=30)
             assert [r.proc.pid for r in replicas] == pids
             assert all(r.proc.alive() for r in replicas)
-            after = await raw_write(session, "prober", probe, replicas[1], "pay", "s0")
+            after = await raw_write(
+                session, "prober", probe, replicas[1], "pay", "s0", history=script
+            )
             assert after.ok and not after.replayed, after
 
             completed, parked = await run.until_settled()
@@ -165,27 +169,24 @@ async def test_postgres_restart_and_outage_during_a_run(
 
         await wait_no_live_in_flight(run.engine, timeout=PAY.deadline(ORDERING_WAIT) + 10)
         events = upstream.events()
-        print(summary(events, run.attempts))
+        print(summary(events, run.history()))
         problems = await check_run(
             run.engine,
             replicas[0],
             upstream,
-            attempts=[*run.attempts, after],
-            grants=run.grants,
+            history=[*run.history(), *events_of(script)],
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )
         assert not problems, "\n".join(problems)
 
         resolved = await resolve_unknowns(replicas[0], events)
-        run.stop.clear()
         await run.finish(replicas[1])
         problems = await check_run(
             run.engine,
             replicas[1],
             upstream,
-            attempts=[*run.attempts, after],
-            grants=run.grants,
+            history=[*run.history(), *events_of(script)],
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )

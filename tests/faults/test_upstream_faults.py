@@ -33,9 +33,9 @@ from .harness import (
 pytestmark = pytest.mark.postgres
 
 SCALE = (
-    Scale(jobs=400, steps=5, workers=16, ttl=3.0, run_timeout=300)
+    Scale(jobs=400, workers=16, run_timeout=300)
     if LONG
-    else Scale(jobs=16, steps=4, workers=6, ttl=3.0, run_timeout=30)
+    else Scale(jobs=16, workers=6, run_timeout=30)
 )
 # verify.upstream's fault mix: a pause of up to 50 ms before every answer; 4 % hang, 8 %
 # cut the connection (half of them before applying), 10 % dribble the answer out.
@@ -51,7 +51,7 @@ FAULTS: dict[str, Any] = {
 @pytest.mark.timeout(400 if LONG else 90)
 async def test_hanging_resetting_and_slow_upstreams(group: ProcessGroup, fault_db: str) -> None:
     upstream, replicas = await start_stack(group, fault_db, [PAY, DEDUPE], seed=7, **FAULTS)
-    run = Run(replicas, fault_db, SCALE, upstreams=("pay", "dedupe"), write_timeout=3.0)
+    run = Run(group, replicas, fault_db, SCALE, upstreams=("pay", "dedupe"))
     try:
         await run.enqueue()
         run.start_workers()
@@ -61,7 +61,7 @@ async def test_hanging_resetting_and_slow_upstreams(group: ProcessGroup, fault_d
         # Every forward has settled or passed its deadline: nothing is left in flight.
         await wait_no_live_in_flight(run.engine, timeout=PAY.deadline(ORDERING_WAIT) + 10)
         events = upstream.events()
-        print(summary(events, run.attempts))
+        print(summary(events, run.history()))
         faults = {e["fault"] for e in events}
         # The faults did happen (seed 7 draws a dribble, a cut and a hang within the first
         # 26 requests; a run makes at least 64).
@@ -70,35 +70,34 @@ async def test_hanging_resetting_and_slow_upstreams(group: ProcessGroup, fault_d
             run.engine,
             replicas[0],
             upstream,
-            attempts=run.attempts,
-            grants=run.grants,
+            history=run.history(),
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )
         assert not problems, "\n".join(problems)
-        held = [a for a in run.attempts if a.reason == "outcome-unknown"]
-        assert {a.step for a in held} <= {s for s in run.steps(run.jobs[0]) if int(s[1:]) % 2 == 0}
-        # ^ only the ``hold`` upstream (even steps) holds keys; ``retry`` forwards again.
+        held = [e for e in run.history() if e.reason == "outcome-unknown"]
+        assert {run.upstream_of(e.job) for e in held} <= {"pay"}, held
+        # ^ only the ``hold`` upstream holds keys; ``retry`` (a share of the jobs, verify's
+        # ``upstream_of``) forwards again.
+        assert {run.upstream_of(job) for job in run.jobs} == {"pay", "dedupe"}
 
         # The operator settles the unknown outcomes from the upstream's records; the faults
         # stop; one worker finishes every job.
         resolved = await resolve_unknowns(replicas[1], events)
         await upstream.set_knobs(delay=0, hang=0, cut=0, dribble=0)
-        run.stop.clear()
         await run.finish(replicas[0])
         events = upstream.events()
         problems = await check_run(
             run.engine,
             replicas[1],
             upstream,
-            attempts=run.attempts,
-            grants=run.grants,
+            history=run.history(),
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )
         assert not problems, "\n".join(problems)
         jobs = await run.job_rows()
         assert {row["state"] for row in jobs.values()} == {"completed"}
-        print(f"resolved by the operator: {len(resolved)}; " + summary(events, run.attempts))
+        print(f"resolved by the operator: {len(resolved)}; " + summary(events, run.history()))
     finally:
         await run.close()

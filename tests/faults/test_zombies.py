@@ -1,6 +1,8 @@
-"""(a) Zombies: workers stall past their leases (no renewal: raw HTTP, so no client-side
-check stops them) and keep writing when they wake, while other workers have taken their
-jobs over through the other replica.
+"""(a) Zombies: verify's workers whose jobs lapse (``verify.worker``'s lapse conduct: no
+look at the lease, renewals stop after the first step) stall past their leases and keep
+writing when they wake, as process ``{id}/late``, while other workers have taken their
+jobs over through the other replica. The other workers draw their conduct as in a
+verification run, so their own lapsed jobs count too.
 
 Proves: every write a zombie makes after its stall is refused by the gateway
 (``stale-generation`` when someone took over, ``lease-expired`` when nobody had yet) and
@@ -27,11 +29,10 @@ from .harness import (
 pytestmark = pytest.mark.postgres
 
 SCALE = (
-    Scale(jobs=400, steps=5, workers=12, zombies=8, ttl=1.0, run_timeout=300)
+    Scale(jobs=400, workers=12, zombies=8, run_timeout=300)
     if LONG
-    else Scale(jobs=12, steps=4, workers=4, zombies=3, ttl=1.0, run_timeout=40)
+    else Scale(jobs=12, workers=4, zombies=3, run_timeout=40)
 )
-STALL = SCALE.ttl + 0.8  # well past the lease
 
 
 @pytest.mark.timeout(300 if LONG else 90)
@@ -39,10 +40,10 @@ async def test_zombies_are_fenced_off_while_others_take_over(
     group: ProcessGroup, fault_db: str
 ) -> None:
     upstream, replicas = await start_stack(group, fault_db, delay=[0, 0.02])
-    run = Run(replicas, fault_db, SCALE, upstreams=("pay", "dedupe"))
+    run = Run(group, replicas, fault_db, SCALE, upstreams=("pay", "dedupe"))
     try:
         await run.enqueue()
-        run.start_zombies(stall=STALL, rounds=3 if LONG else 1)
+        run.start_zombies(rounds=3 if LONG else 1)
         run.start_workers()
         completed, parked = await run.until_settled()
         await run.zombies_done()
@@ -50,20 +51,27 @@ async def test_zombies_are_fenced_off_while_others_take_over(
         await run.stop_workers()
 
         events = upstream.events()
-        zombie_writes = [a for a in run.attempts if a.zombie and a.after_stall]
-        assert zombie_writes, "no zombie woke up to write"
-        for attempt in zombie_writes:
-            assert (attempt.status, attempt.reason) in {
+        history = run.history()
+        late = [e for e in history if e.process.endswith("/late") and e.type != "invoke"]
+        assert any(e.process.startswith("zombie") for e in late), "no zombie woke up to write"
+        assert any(e.f == "complete" for e in late), "no zombie completed late"
+        for event in late:  # the writes after the stall, and the complete
+            assert (event.status, event.reason) in {
                 (409, "stale-generation"),
                 (409, "lease-expired"),
-            }, attempt
-        # Nothing a zombie sent after its stall reached the upstream: the upstream's writes
-        # of a zombie's (job, generation) are exactly its forwards from before the stall.
-        zombie_grants = {(g.job, g.generation) for g in run.grants if g.owner.startswith("zombie")}
+            }, event
+        # Nothing a lapsed worker sent after its stall reached the upstream: the upstream's
+        # writes of a lapsed (job, generation) are exactly its forwards from before it.
+        lapsed = {(e.job, e.generation) for e in late}
         before = [
-            a for a in run.attempts if a.zombie and not a.after_stall and a.ok and not a.replayed
+            e
+            for e in history
+            if e.acknowledged
+            and not e.replayed
+            and (e.job, e.generation) in lapsed
+            and not e.process.endswith("/late")
         ]
-        received = [e for e in events if (e["job"], e["generation"]) in zombie_grants]
+        received = [e for e in events if (e["job"], e["generation"]) in lapsed]
         assert len(received) == len(before), (received, before)
 
         await wait_no_live_in_flight(run.engine)
@@ -71,12 +79,11 @@ async def test_zombies_are_fenced_off_while_others_take_over(
             run.engine,
             replicas[1],
             upstream,
-            attempts=run.attempts,
-            grants=run.grants,
+            history=history,
             jobs=await run.job_rows(),
             keys_of=run.keys,
         )
         assert not problems, "\n".join(problems)
-        print(summary(events, run.attempts))
+        print(summary(events, history))
     finally:
         await run.close()

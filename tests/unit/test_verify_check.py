@@ -10,6 +10,7 @@ is exit 2 with its line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verify.check import Report, Violation, check, main
+from verify.check import Refresh, Report, Violation, check, main
 from verify.events import (
     HistoryEvent,
     JsonlWriter,
@@ -31,6 +32,7 @@ from verify.events import (
     read_ledger,
     sha256_hex,
 )
+from verify.run import lease_refreshes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,11 +71,22 @@ class Run:
         return entry
 
     def claim(
-        self, process: str, job: str, generation: int, ttl: float | None = None
+        self,
+        process: str,
+        job: str,
+        generation: int,
+        ttl: float | None = None,
+        holder: str | None = None,
     ) -> HistoryEvent:
         self.event(process=process, type="invoke", f="claim", job=job)
         return self.event(
-            process=process, type="ok", f="claim", job=job, generation=generation, ttl=ttl
+            process=process,
+            type="ok",
+            f="claim",
+            job=job,
+            generation=generation,
+            ttl=ttl,
+            holder=holder,
         )
 
     def renew(
@@ -799,6 +812,54 @@ def test_11_a_skewed_replica_clock_excuses_the_expiry() -> None:
     assert not check(run.history, run.ledger, skewed=[(3.0, 5.0)]).ok
 
 
+def test_11_a_store_restart_gives_the_leases_it_held_their_ttl_again() -> None:
+    """etcd, back from a restart, gives every lease it held its TTL again (and its election
+    timeout): a write of a holder that let its lease lapse across the restart counts as
+    held until then; other jobs, and leases gone or not yet granted, are judged as before."""
+    run = Run()
+    run.claim("w1", "j1", 1, ttl=2.0)  # ok at 2: held until 4
+    run.tick(), run.tick(), run.tick()
+    run.write("w1", "j1", 1, "k1")  # invoked at 6
+    run.complete("w1", "j1", 1)
+    assert invariants(run.check()) == [11]
+    # Down at 3 while it lived, back at 4: held until 4 + 2 + 1.
+    assert check(run.history, run.ledger, refreshed=[("j", 3.0, 4.0)]).ok
+    for refresh in [("x", 3.0, 4.0), ("j", 5.5, 5.8), ("j", 0.5, 1.0), ("j", 2.2, 2.4)]:
+        # another source's jobs; down after it lapsed (past the slack); down before it
+        # was granted; back so early that TTL + 1 s still ends before the write
+        assert invariants(check(run.history, run.ledger, refreshed=[refresh])) == [11], refresh
+
+
+def test_15_a_job_granted_while_its_lease_is_current() -> None:
+    """A claim ok of generation 2 before generation 1's lease could end (its claim's
+    invoke plus its TTL) breaks 15; after it, or once 1 was completed, or for a lease
+    source's holdings (a holder), or in a skewed clock's span, it does not."""
+    early = Run()
+    first = early.claim("w1", "j1", 1, ttl=3.0)  # invoked at 1: held at least until 4
+    second = early.claim("w2", "j1", 2, ttl=3.0)  # ok at 4: before 4 - 0.1? no: at 4
+    assert second.time == 4.0 and invariants(early.check()) == [7]
+    early = Run()
+    first = early.claim("w1", "j1", 1, ttl=5.0)  # held at least until 6
+    second = early.claim("w2", "j1", 2, ttl=5.0)  # ok at 4
+    report = early.check()
+    assert invariants(report) == [7, 15], report.render()
+    violation = next(v for v in report.violations if v.invariant == 15)
+    assert first.to_json() in violation.events and second.to_json() in violation.events
+    assert "granted 2.00 s before generation 1's lease could end" in violation.message
+    assert invariants(check(early.history, early.ledger, skewed=[(3.5, 4.5)])) == [7]
+    done = Run()
+    done.claim("w1", "j1", 1, ttl=5.0)
+    done.complete("w1", "j1", 1)  # invoked at 3
+    done.claim("w2", "j1", 2, ttl=5.0)
+    done.complete("w2", "j1", 2)
+    assert done.check().ok
+    holders = Run()
+    holders.claim("l0", "locks/a", 1, ttl=5.0, holder="x")
+    holders.claim("l1", "locks/a", 2, ttl=5.0, holder="y")  # a lock store's own TTL
+    holders.complete("l1", "locks/a", 2)
+    assert 15 not in invariants(holders.check())
+
+
 def test_11_a_write_invoked_after_its_job_completed() -> None:
     run = Run()
     run.claim("w1", "j1", 1, ttl=60.0)
@@ -812,7 +873,7 @@ def test_11_a_write_invoked_after_its_job_completed() -> None:
 
 def test_8_to_11_every_cause_excluded_names_the_latest() -> None:
     run = Run()
-    run.claim("w1", "j1", 1, ttl=60.0)
+    run.claim("w1", "j1", 1)  # untimed: generation 2's grant is not judged (15)
     run.claim("w2", "j1", 2, ttl=60.0)
     run.write("w1", "j1", 1, "k1", applied=False, outcome="info")  # fenced: 8
     run.write(
@@ -1124,3 +1185,48 @@ def test_python_c_entry_point(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "1 of 1 claimed jobs completed (100.0%)" in done.stdout
+
+
+def test_11_zookeeper_paused_or_restarted_gives_its_sessions_their_timeout_again(
+    tmp_path: Path,
+) -> None:
+    """ZooKeeper, paused or killed and started again, gives every session it holds its
+    timeout again from the moment it serves (a holder whose client reconnects keeps its
+    lock, however long the server was away): ``zk-loss``'s pauses and restarts refresh the
+    ZooKeeper lock workers' leases as etcd's restarts refresh etcd's; its other faults,
+    and other sources' jobs, do not."""
+    job = "zklocks//verify-locks/lock-z0"
+    run = Run()
+    run.claim("z0", job, 7, ttl=4.5, holder="n1")  # ok at 2: held until 6.5
+    while run.clock < 11:
+        run.tick()
+    run.write("z0", job, 7, "k1")  # invoked at 12, after the TTL: 11 without a refresh
+    run.history[-2] = dataclasses.replace(run.history[-2], holder="n1")  # its invoke
+    run.complete("z0", job, 7)
+    assert invariants(run.check()) == [11]
+
+    def refreshes(*faults: tuple[str, str, float, float]) -> list[Refresh]:
+        lines = []
+        for index, (kind, how, start, end) in enumerate(faults):
+            fault = {"index": index, "kind": kind, "params": {"how": how}}
+            lines += [
+                {"phase": "plan", **fault},
+                {"phase": "start", "time": start, **fault},
+                {"phase": "end", "time": end, **fault},
+            ]
+        (tmp_path / "faults.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return lease_refreshes(tmp_path)
+
+    for how in ("pause", "restart"):
+        # Away from 3 (while the lease lived) to 8: held until 8 + 4.5 + 1.
+        refreshed = refreshes(("zk-loss", how, 3.0, 8.0))
+        assert refreshed == [("zklocks/", 3.0, 8.0)]
+        assert check(run.history, run.ledger, refreshed=refreshed).ok
+    for faults in [
+        (("zk-loss", "pause", 8.0, 9.0),),  # away only after the lease lapsed (and 1 s)
+        (("etcd-loss", "restart", 3.0, 8.0),),  # etcd's restart: another source's jobs
+        (("etcd-loss", "revoke", 3.0, 3.5), ("lock-loss", "restart", 3.0, 8.0)),
+    ]:
+        refreshed = refreshes(*faults)
+        assert invariants(check(run.history, run.ledger, refreshed=refreshed)) == [11], faults
+    assert refreshes(("etcd-loss", "restart", 3.0, 8.0)) == [("etcdlocks/", 3.0, 8.0)]

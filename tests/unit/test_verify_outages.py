@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from verify.nemesis import KINDS, plan
-from verify.outages import BUSY_TIMEOUT
+from verify.outages import BUSY_TIMEOUT, WAITING
 from verify.run import SetupError, choose_nemeses, excused_windows
+from verify.stack import ORDERING_WAIT_UNDER_SHUTDOWN, SHUTDOWN_GRACE_UNDER_NEMESIS
 
 
 def test_all_takes_store_on_postgresql_and_shutdown_everywhere() -> None:
@@ -82,3 +83,18 @@ def test_the_excused_spans(tmp_path: Path) -> None:
         (80, 81),
         (100, float("inf")),
     ]
+
+
+def test_the_shutdown_looks_for_a_write_waiting_behind_an_older_one() -> None:
+    """The gauge the shutdown nemesis reads before its SIGTERM (``waiter``), and the
+    ordering wait it is given to outlast the grace by more than a look takes."""
+    text = (
+        "# TYPE fencegate_gateway_waiting_requests gauge\n"
+        'fencegate_gateway_waiting_requests{wait="first"} 3.0\n'
+        'fencegate_gateway_waiting_requests{wait="older"} 2.0\n'
+    )
+    found = WAITING.search(text)
+    assert found is not None and float(found[1]) == 2.0
+    idle = WAITING.search(text.replace('"older"} 2.0', '"older"} 0.0'))
+    assert idle is not None and float(idle[1]) == 0.0
+    assert ORDERING_WAIT_UNDER_SHUTDOWN - SHUTDOWN_GRACE_UNDER_NEMESIS >= 0.5

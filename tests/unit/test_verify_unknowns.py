@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fencegate_client.reasons import GATEWAY_REASONS, REASONS, Sent
-from tests.unit.test_verify_check import Run, invariants
-from verify.check import GAVE_UP, NOT_FORWARDED, RECORD_LIFE, Report, check, main
+from tests.unit.test_verify_check import Run, invariants, sha
+from verify.check import GAVE_UP, LET_GO, NOT_FORWARDED, RECORD_LIFE, Report, check, main
 from verify.events import HeldUnknown, JsonlWriter, read_unknowns
 
 
@@ -129,6 +129,35 @@ def test_13_a_fault_that_loses_writes_unseen_excuses_it() -> None:
     assert judged(run, [listing], [(late, late + 1)]).ok
     later = completion.time + RECORD_LIFE + 0.5
     assert 13 in invariants(judged(run, [listing], [(later, later + 1)]))
+
+
+@pytest.mark.parametrize("reason", ["disconnected", "ServerDisconnectedError"])
+def test_13_a_connection_the_gateway_closed_is_not_excused_by_a_later_fault(reason: str) -> None:
+    """Issue 53: the shutdown's waiter, never sent, its connection closed by the stopping
+    replica (``disconnected``); a partition to the upstream 10 s later excused it (the
+    checker before, ``RECORD_LIFE``), though the replica had let it go by then."""
+    run = Run()
+    run.claim("w9", "j9", 1)
+    run.complete("w9", "j9", 1)
+    run.claim("w1", "j1", 1)
+    run.write("w1", "j1", 1, "k0")
+    run.claim("w2", "j1", 2)
+    write = {"process": "w2", "f": "write", "job": "j1", "generation": 2, "key": "k1"}
+    run.event(type="invoke", body_sha256=sha("body k1"), **write)
+    closed = run.event(type="info", reason=reason, **write)
+    listing = held(run, "j1", "k1", 2, note=None)
+    partition = (closed.time + 10.0, closed.time + 12.0)
+    assert partition[0] < closed.time + RECORD_LIFE  # the old widening reached it
+    assert invariants(judged(run, [listing], [partition])) == [13]
+    # a fault while the stopping replica may still have had it still excuses it
+    soon = closed.time + LET_GO[reason] - 0.5
+    assert judged(run, [listing], [(soon, soon + 1)]).ok
+    # a refused connection: no gateway ever had it; only a fault during it excuses
+    refused = {**write, "key": "k2"}
+    run.event(type="invoke", body_sha256=sha("body k2"), **refused)
+    never = run.event(type="info", reason="connection-refused", **refused)
+    second = held(run, "j1", "k2", 2)
+    assert invariants(judged(run, [second], [(never.time + 0.5, never.time + 1)])) == [13]
 
 
 def test_13_a_key_this_history_never_sent_is_not_judged() -> None:

@@ -3,7 +3,6 @@ host side, a cut stops that (and only that port), a heal brings it back."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support import namespace_for_test
 from verify import netns
 
 CONNECT = (
@@ -27,21 +27,8 @@ CONNECT = (
 
 @pytest.fixture
 def namespace() -> Iterator[netns.Namespace]:
-    why = netns.unavailable()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"the partition nemesis cannot run in CI: {why}")
-        pytest.skip(why)
-    # One subnet (and veth name) per xdist worker: two workers' tests run at once, and
-    # a shared index made one's ``ip link add`` meet the other's interface. 241..250 is
-    # apart from verify's stacks (1..240).
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    ns = netns.Namespace(f"{netns.PREFIX}-test{os.getpid() % 1000}", 241 + worker % 10)
-    ns.create()
-    try:
+    with namespace_for_test("test", 241, 10) as ns:
         yield ns
-    finally:
-        ns.destroy()
 
 
 def serve(host: str) -> tuple[socket.socket, int]:

@@ -5,7 +5,8 @@
 on PostgreSQL with three replicas; (d) ``--seed`` repeats the fault plan; (e) the lock
 workers under ``lock-loss``: the gateway binds a generation to its first holder (issue 44)
 and breaks nothing (without the binding, invariant 12 breaks: the mutant
-``source-generation-reissued``).
+``source-generation-reissued``); (f) the etcd lock workers under ``etcd-loss``; (g) the
+ZooKeeper lock workers under ``zk-loss``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any
 
 import pytest
 
-from tests.support import postgres_unavailable, redis_unavailable
+from tests.support import etcd_unavailable, postgres_unavailable, redis_unavailable, unavailable
 from verify.cluster import PG_BIN
+from verify.etcd_locks import etcd_binary
 from verify.locks import redis_binary
+from verify.zk_locks import zk_binary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,6 +75,7 @@ def test_gateway_under_every_nemesis_on_sqlite(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr
     assert doc["violations"] == []
     assert sum(doc["faults"].values()) > 0 and doc["jobs_completed"] > 0
+    assert doc["options"]["signed_workers"] == 1  # the signed tokens' stalled uploads
 
 
 @pytest.mark.postgres
@@ -109,5 +113,43 @@ def test_lock_workers_under_lock_loss(tmp_path: Path) -> None:
     assert doc["options"]["lock_workers"] == 3
     assert doc["faults"].get("lock-loss", 0) > 0
     assert doc["jobs_completed"] > 0
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
+    assert doc["violations"] == []
+
+
+def test_etcd_lock_workers_under_etcd_loss(tmp_path: Path) -> None:
+    """etcd's locks (verify.etcd_locks) held by three workers while etcd loses every
+    lease or is killed and comes back: their writes reach the upstream, and the gateway
+    breaks no invariant."""
+    if etcd_binary() is None:
+        etcd_unavailable("no etcd (apt-get install etcd-server)")
+    out = tmp_path / "etcd"
+    result = verify(
+        out, "--db", "sqlite", "--seconds", "20", "--nemesis", "etcd-loss,pause", "--seed", "3"
+    )
+    doc = summary(out)
+    assert doc["options"]["etcd_lock_workers"] == 3
+    assert doc["faults"].get("etcd-loss", 0) > 0
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    assert any(entry["job"].startswith("etcdlocks/") for entry in ledger)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr
+    assert doc["violations"] == []
+
+
+def test_zookeeper_lock_workers_under_zk_loss(tmp_path: Path) -> None:
+    """ZooKeeper's locks (verify.zk_locks, kazoo's recipe) held by three workers while
+    ZooKeeper is paused past their sessions' timeout or restarted on its data: their
+    writes reach the upstream, and the gateway breaks no invariant."""
+    if zk_binary() is None:
+        unavailable("ZooKeeper", "no zkServer.sh (apt-get install zookeeper)")
+    out = tmp_path / "zookeeper"
+    result = verify(
+        out, "--db", "sqlite", "--seconds", "20", "--nemesis", "zk-loss,pause", "--seed", "3"
+    )
+    doc = summary(out)
+    assert doc["options"]["zk_lock_workers"] == 3
+    assert doc["faults"].get("zk-loss", 0) > 0
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    assert any(entry["job"].startswith("zklocks/") for entry in ledger)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr
     assert doc["violations"] == []
