@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.commit_floor import SAMPLES, two_commits
 from bench.open_loop import body_of
 from bench.options import Options
 from bench.pgadmin import Database, _sa_url, pg_dsn, set_autovacuum
@@ -385,6 +386,10 @@ def run_open_loop(
         seed_records(db, opts.seed_records[0])
         db.vacuum("jobs", "leases", "idempotency_records", "audit_log")
         gateway, control, proxy = start_gateway(children, opts, backend, config)
+        floor = None
+        if backend == "postgres":
+            print("  measuring the floor: two durable commits, one client ...", flush=True)
+            floor = asyncio.run(two_commits(db.dsn, 30 if opts.quick else SAMPLES))
         tag = f"o{secrets.token_hex(2)}"
         out = children.workdir / f"open-loop-{backend}.json"
         argv = [
@@ -457,6 +462,7 @@ def run_open_loop(
                 )
             )
         result["autovacuum"] = db.setting("autovacuum")
+        result["floor"] = floor
         rows.append({"section": "open-loop", "backend": backend, **result})
     finally:
         if gateway is not None:

@@ -23,6 +23,12 @@ LEASE_TARGET = 0.8
 # Open loop (issue 32): at this rate, the gateway adds at most this much to the bare
 # proxy's p50 and p99, in ms.
 ADDED_RATE = 300.0
+# Issue 55: at FLOOR_RATE writes/s on PostgreSQL, the added p50 within the floor (two
+# durable commits, bench.commit_floor, same run) + FLOOR_P50_SLACK_MS, the added p99
+# within FLOOR_P99_TIMES the floor.
+FLOOR_RATE = 150.0
+FLOOR_P50_SLACK_MS = 0.5
+FLOOR_P99_TIMES = 4.0
 ADDED_P50_TARGET = 1.0
 ADDED_P99_TARGET = 3.0
 # The renewals' third comparison on PostgreSQL: HTTP and the store's batched statement
@@ -329,8 +335,8 @@ def soak_report(rows: list[dict[str, Any]], opts: Options, failures: list[str]) 
         checked = "check_rps" in intervals[0]
         # The verdict is on the gateway's own numbers. The checks' ratios are shown
         # beside them: five seconds of the bare proxy turned out to vary more than a
-        # minute of the gateway on this VM (docs/performance.md, the soak), so they
-        # read the machine, they do not judge.
+        # minute of the gateway on this VM (docs/performance-history.md, "The soaks
+        # (2026-12-04)"), so they read the machine, they do not judge.
         first, last = intervals[0], intervals[-1]
         rps_change = last["rps"] / first["rps"] - 1 if first["rps"] else None
         p99_change = last["p99_ms"] / first["p99_ms"] - 1 if first["p99_ms"] else None
@@ -538,6 +544,7 @@ def open_loop_report(rows: list[dict[str, Any]], opts: Options) -> str:
         )
         if row.get("error_samples"):
             out.append(f"errors, e.g. {row['error_samples'][:2]}")
+        out.extend(floor_lines(row))
         judge_open_loop(row)
         if row["latency_ok"] is not None:
             out.append(
@@ -564,6 +571,39 @@ def open_loop_report(rows: list[dict[str, Any]], opts: Options) -> str:
     if opts.quick:
         out.append("\n(--quick: a smoke run; the numbers are not judged)")
     return "\n".join(out)
+
+
+def floor_lines(row: dict[str, Any]) -> list[str]:
+    """The floor (two durable commits) and, at ``FLOOR_RATE``, the added p50 and p99
+    beside it: by how much and how many times the floor, and whether the targets hold."""
+    floor = row.get("floor")
+    if not floor:
+        return []
+    base = floor["p50_ms"]
+    out = [
+        f"floor: two durable commits in a row, one client, this database: p50 {base:.2f} ms, "
+        f"p99 {floor['p99_ms']:.2f} ms ({floor['samples']} pairs; synchronous_commit "
+        f"{floor['synchronous_commit']}, fsync {floor['fsync']})"
+    ]
+    for r in row["rates"]:
+        added_p50, added_p99 = r["added_p50_ms"], r["added_p99_ms"]
+        line = (
+            f"  at {r['rate']:g}/s: added p50 {added_p50:+.2f} ms = floor {added_p50 - base:+.2f} "
+            f"ms ({added_p50 / base:.2f}x the floor), added p99 {added_p99:+.2f} ms "
+            f"({added_p99 / base:.2f}x the floor)"
+        )
+        if r["rate"] == FLOOR_RATE:
+            met = (
+                not r["saturated"]
+                and added_p50 <= base + FLOOR_P50_SLACK_MS
+                and added_p99 <= FLOOR_P99_TIMES * base
+            )
+            line += (
+                f"; target p50 <= floor + {FLOOR_P50_SLACK_MS:g} ms and p99 <= "
+                f"{FLOOR_P99_TIMES:g}x the floor: {'met' if met else 'MISSED'}"
+            )
+        out.append(line)
+    return out
 
 
 def open_loop_failures(row: dict[str, Any]) -> list[str]:

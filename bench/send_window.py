@@ -38,7 +38,7 @@ from aiohttp import web
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway.config import Settings
-from gateway.fencing.request import Act
+from gateway.fencing.decision import Act
 from gateway.proxy.gateway import Gateway, create_proxy_app
 from gateway.records import migrate
 from gateway.upstream import connection
@@ -109,7 +109,7 @@ async def measure(
         judged: dict[asyncio.Task[Any], float] = {}
         reads: list[float] = []
         windows: list[float] = []
-        judge_again = gateway.steps[Act.READ_CLAIM]
+        judge_again = gateway.driver.acts[Act.READ_CLAIM]
         claim = gateway.store.claim
 
         async def timed_claim(*args: Any) -> Any:
@@ -141,7 +141,7 @@ async def measure(
         # Timers wrapped around the real methods (a measurement, not a test double).
         setattr(connection.Connection, "send", timed_send)  # noqa: B010
         setattr(gateway.store, "claim", timed_claim)  # noqa: B010
-        gateway.steps[Act.READ_CLAIM] = timed_judge_at_send
+        gateway.driver.acts[Act.READ_CLAIM] = timed_judge_at_send
 
         leases = [
             await store.acquire(job_id=f"job-{i}", owner="w", ttl=600, queue="window")

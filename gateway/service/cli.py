@@ -69,6 +69,9 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
+# ``serve --workers``' bound: more processes than this is a typo, not a machine.
+MAX_WORKERS = 256
+
 # What ``add_subparsers`` returns: each ``_<command>`` below adds its subcommand to it.
 Commands: TypeAlias = "argparse._SubParsersAction[Parser]"
 
@@ -108,6 +111,22 @@ def _serve(sub: Commands) -> None:
         action="store_true",
         help="log one line per request (refusals, errors and upstream failures are always logged)",
     )
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N",
+        help="processes serving both listeners' ports (default 1: this process alone); "
+        "with N > 1 this process binds the ports, starts N workers, replaces one that "
+        "dies and stops them all on SIGTERM (docs/operations.md, Several workers)",
+    )
+
+
+def _workers(text: str) -> int:
+    """``--workers``: a whole number from 1 to ``MAX_WORKERS``."""
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_WORKERS}")
+    return int(text)
 
 
 def _migrate(sub: Commands) -> None:
@@ -230,8 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None and args.command != "upstreams":
         print(f"fencegate: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    return reported(lambda: handler(args, settings), settings)
+
+
+def reported(run: Callable[[], int], settings: Settings) -> int:
+    """``run()``'s exit code, its failures said in one line each: a command's, and a
+    worker's of ``serve --workers`` (``gateway.service.worker``)."""
     try:
-        return handler(args, settings)
+        return run()
     except lease_exc.InvalidRequest as error:  # a bad option value: a usage error
         print(f"fencegate: {error.detail}", file=sys.stderr)
         return EXIT_USAGE

@@ -21,9 +21,13 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     except ConfigError as error:
         print(f"fencegate: {error}", file=sys.stderr)
         return EXIT_USAGE
-    configure(args.log_level, args.log_format, access_log=args.access_log)
+    configure(args.log_level, args.log_format, access_log=args.access_log, pid=args.workers > 1)
     for warning in unknown_variables(os.environ):
         logging.getLogger("fencegate.server").warning("%s", warning)
+    if args.workers > 1:
+        from gateway.service.workers import serve_workers
+
+        return serve_workers(args, settings, args.workers)
     run_loop(
         serve(
             settings,

@@ -1,7 +1,9 @@
 """The ``fencegate serve`` process: one database engine, two listeners.
 
 The engine belongs to the process, not to either app, because both listeners share it;
-it is opened before the apps start and disposed after both have stopped.
+it is opened before the apps start and disposed after both have stopped. Under
+``fencegate serve --workers N`` each worker is such a process, on the sockets its parent
+bound (``Inherited``; the parent is ``gateway.service.workers``).
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import logging
 import signal
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway.config import ConfigError, Settings, parse_listen
 from gateway.observe import logs, tracing
 from gateway.observe.logs import request_id_middleware
+from gateway.observe.metrics import scrape_registry
 from gateway.proxy.body import body_deadline_check
 from gateway.proxy.gateway import Gateway, create_proxy_app
 from gateway.proxy.held import OWED_INTERVAL_SECONDS
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("fencegate.server")
 
 SETTINGS = web.AppKey("settings", Settings)
+# What ``/metrics`` reads: the process's registry, or every worker's files.
+SCRAPE = web.AppKey("scrape", CollectorRegistry)
 CONTROL_MAX_BODY = 1024 * 1024
 # How often a replica looks whether the schema has been migrated past its code beyond
 # the schema's floor (check_schema): one read of the schema's revision.
@@ -57,8 +63,19 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+@dataclass(frozen=True)
+class Inherited:
+    """What a worker of ``fencegate serve --workers N`` gets from its parent
+    (``gateway.service.workers``): the listening sockets the parent bound, by listener
+    (``control``, ``proxy``), and the folder of every worker's metrics (its
+    ``PROMETHEUS_MULTIPROC_DIR``)."""
+
+    sockets: dict[str, list[socket.socket]]
+    metrics_dir: str
+
+
 async def metrics(request: web.Request) -> web.Response:
-    registry = request.app[lease_api.STORE].metrics.registry
+    registry = request.app[SCRAPE]
     return web.Response(
         body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
@@ -91,10 +108,15 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 def create_control_app(
-    settings: Settings, store: LeaseStore, gateway: Gateway | None = None
+    settings: Settings,
+    store: LeaseStore,
+    gateway: Gateway | None = None,
+    *,
+    scrape: CollectorRegistry | None = None,
 ) -> web.Application:
     """The control listener: lease API, admin API, health; and the background upkeep
-    (expired last attempts, retention)."""
+    (expired last attempts, retention). ``/metrics`` reads ``scrape`` (default: the
+    store's registry; a worker of ``serve --workers`` passes every worker's files)."""
     logs.protect(settings.secret_values())
     gateway = gateway or Gateway(settings, store)
     app = web.Application(
@@ -113,6 +135,7 @@ def create_control_app(
         client_max_size=CONTROL_MAX_BODY,
     )
     app[SETTINGS] = settings
+    app[SCRAPE] = scrape or store.metrics.registry
     app[lease_api.STORE] = store
     app[lease_api.SETTINGS] = settings.lease
     app.router.add_get("/healthz", healthz)
@@ -122,6 +145,32 @@ def create_control_app(
     admin.add_routes(app, gateway)
     dashboard.add_routes(app, gateway)
     openapi.add_routes(app)
+    _background(app, settings, store, gateway)
+    return app
+
+
+def _background(
+    app: web.Application, settings: Settings, store: LeaseStore, gateway: Gateway
+) -> None:
+    """The loops of the control app's lifetime. Every process runs them: each replica,
+    and each worker of ``serve --workers N``, N of them on one machine. That is safe,
+    each for its reason:
+
+    - ``upkeep``: each step is one conditional statement (on SQLite, batches of one,
+      each under the write lock) that fails jobs whose last lease expired or deletes
+      rows past their cutoff; another process running it at once finds those rows
+      changed or gone (PostgreSQL re-checks a row it waited for) or skips them
+      (``SKIP LOCKED``), so no row is counted twice in ``fencegate_purged_rows_total``.
+    - ``schema``: a read; each process must turn itself away.
+    - ``vacuum``: ``VACUUM (SKIP_LOCKED)`` skips a table another process vacuums.
+    - ``resolve``: each record is claimed by one conditional statement (PostgreSQL
+      skips a record another process holds; SQLite holds the write lock): no two
+      processes re-send one.
+    - ``owed-releases``: this process's own claims, kept in its memory; each release
+      is conditional on the claim's attempt.
+
+    Lease sources run no loop: each process asks them itself (a ZooKeeper session, an
+    etcd cache per process), and the fence in the database decides."""
     tasks.every(
         app,
         "upkeep",
@@ -141,7 +190,6 @@ def create_control_app(
     # Claims of writes never sent whose release the database refused, given back once it
     # answers again (a round with none owed does nothing).
     tasks.every(app, "owed-releases", OWED_INTERVAL_SECONDS, gateway.releases.pay)
-    return app
 
 
 async def check_schema(store: LeaseStore) -> None:
@@ -261,6 +309,7 @@ async def serve(
     announce: bool = True,
     reload_settings: Callable[[], Settings] | None = None,
     freeze_gc: bool = False,
+    inherited: Inherited | None = None,
 ) -> None:
     """Run both listeners until SIGTERM / SIGINT (or ``stop`` is set). SIGTERM stops
     accepting, lets requests in progress finish (``shutdown_timeout_seconds``) and
@@ -271,12 +320,14 @@ async def serve(
     ``freeze_gc`` (``fencegate serve`` sets it): once listening, move every object that
     exists then (modules, the app, the engine) out of the garbage collector's sight.
     They live as long as the process anyway, and scanning them in every full collection
-    stalled the event loop (docs/performance-history.md, "How the hot path got here")."""
+    stalled the event loop (docs/performance-history.md, "How the hot path got here").
+
+    ``inherited``: a worker of ``serve --workers`` (``Inherited``, ``_ready``)."""
     # The certificates first, then both ports: a bad file or a taken port is named
     # before anything else exists (no database file, no migration, no listener bound).
-    contexts = _tls_contexts(settings)
+    contexts = tls_contexts(settings)
     provider = tracing.configure(settings.tracing)
-    sockets = _bind_listeners(settings)
+    sockets = bind_listeners(settings) if inherited is None else inherited.sockets
     engine = create_engine(settings.database_url)
     store = LeaseStore(engine, clock=clock)
     stop = stop or asyncio.Event()
@@ -294,7 +345,7 @@ async def serve(
                 loop.add_signal_handler(
                     signal.SIGHUP, lambda: _reload(gateway, contexts, reload_settings)
                 )
-        await _set_up_apps(settings, store, gateway, runners)
+        await _set_up_apps(settings, store, gateway, runners, inherited)
         # Both apps set up before either listens: /healthz and /readyz never answer while
         # the proxy is still starting (its lease sources wait for their stores).
         addresses = await _listen(runners, sockets, contexts)
@@ -302,18 +353,31 @@ async def serve(
         if freeze_gc:
             gc.collect()
             gc.freeze()
-        _announce(addresses, announce=announce)
-        if on_ready is not None:
-            result = on_ready(addresses)
-            if result is not None:
-                await result
+        await _ready(addresses, on_ready, announce=announce, worker=inherited is not None)
         await stop.wait()
         log.info("fencegate stopping")
     finally:
         await _shut_down(runners, sockets, engine, provider)
 
 
-def _tls_contexts(settings: Settings) -> dict[str, ssl.SSLContext]:
+async def _ready(
+    addresses: list[str],
+    on_ready: Callable[[list[str]], Awaitable[None] | None] | None,
+    *,
+    announce: bool,
+    worker: bool,
+) -> None:
+    """Listening: said (by a single process; a worker's parent says it once every
+    worker is ready), then ``on_ready`` (a worker's tells its parent)."""
+    if not worker:
+        announce_listening(addresses, announce=announce)
+    if on_ready is not None:
+        result = on_ready(addresses)
+        if result is not None:
+            await result
+
+
+def tls_contexts(settings: Settings) -> dict[str, ssl.SSLContext]:
     """The listeners' TLS contexts, their files loaded; ``SystemExit`` for a listener
     exposed without auth tokens or a certificate that does not load."""
     exposed = settings.exposed_without_auth()
@@ -325,7 +389,7 @@ def _tls_contexts(settings: Settings) -> dict[str, ssl.SSLContext]:
         raise SystemExit(f"fencegate: {error}") from error
 
 
-def _bind_listeners(settings: Settings) -> dict[str, list[socket.socket]]:
+def bind_listeners(settings: Settings) -> dict[str, list[socket.socket]]:
     """Both listeners' sockets, the control listener's first; none left open when the
     proxy's port cannot be bound."""
     sockets = {"control": bind("control_listen", settings.control_listen)}
@@ -339,12 +403,19 @@ def _bind_listeners(settings: Settings) -> dict[str, list[socket.socket]]:
 
 
 async def _set_up_apps(
-    settings: Settings, store: LeaseStore, gateway: Gateway, runners: list[web.AppRunner]
+    settings: Settings,
+    store: LeaseStore,
+    gateway: Gateway,
+    runners: list[web.AppRunner],
+    inherited: Inherited | None,
 ) -> None:
     """The control app's runner, then the proxy's, each set up (the proxy's starts the
-    lease sources) and appended to ``runners`` once it is, for ``serve`` to clean up."""
+    lease sources) and appended to ``runners`` once it is, for ``serve`` to clean up.
+    A worker's ``/metrics`` sums every worker's (``scrape_registry``)."""
+    metrics_dir = None if inherited is None else inherited.metrics_dir
+    scrape = scrape_registry(store.metrics.registry, metrics_dir)
     for name, app in (
-        ("control", create_control_app(settings, store, gateway)),
+        ("control", create_control_app(settings, store, gateway, scrape=scrape)),
         ("proxy", create_proxy_app(gateway)),
     ):
         limits = settings.gateway
@@ -378,7 +449,7 @@ async def _listen(
     for name, runner in zip(("control", "proxy"), runners, strict=True):
         for sock in sockets[name]:
             await web.SockSite(runner, sock, backlog=1024, ssl_context=contexts.get(name)).start()
-        addresses.extend(f"{name}={addr}" for addr in _addresses(runner))
+        addresses.extend(f"{name}={addr}" for addr in address_texts(runner.addresses))
     return addresses
 
 
@@ -390,7 +461,7 @@ def _log_what_is_served(settings: Settings, contexts: dict[str, ssl.SSLContext])
         log.info("TLS on the %s listener(s)", " and ".join(sorted(contexts)))
 
 
-def _announce(addresses: list[str], *, announce: bool) -> None:
+def announce_listening(addresses: list[str], *, announce: bool) -> None:
     """One line, the last of the start, in the log's format; on stdout only when the log
     would not show it (``--log-level warning``), so a script can still wait for it."""
     listening = "fencegate listening: " + " ".join(addresses)
@@ -503,9 +574,10 @@ def _reload(
     tls.reload(contexts, new)
 
 
-def _addresses(runner: web.AppRunner) -> list[str]:
+def address_texts(addresses: Iterable[object]) -> list[str]:
+    """``host:port`` (``[host]:port`` for IPv6) of each socket address."""
     out = []
-    for address in runner.addresses:
+    for address in addresses:
         if isinstance(address, tuple) and len(address) >= 2:
             host = address[0]
             out.append(f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}")

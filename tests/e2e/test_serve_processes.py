@@ -52,20 +52,24 @@ def run(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProce
     )
 
 
-def write_config(folder: Path, database_url: str, extra: str = "") -> Path:
+def write_serve_config(folder: Path, database_url: str, extra: str = "") -> Path:
+    """``folder/fencegate.toml``: the database, both listeners on port 0, then ``extra``."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "fencegate.toml"
     path.write_text(
         f'database_url = "{database_url}"\n'
         'proxy_listen = "127.0.0.1:0"\n'
         'control_listen = "127.0.0.1:0"\n'
-        f"{extra}\n"
-        "[lease]\n"
-        "default_ttl_seconds = 30\n"
-        "max_ttl_seconds = 3600\n",
+        f"{extra}\n",
         encoding="utf-8",
     )
     return path
+
+
+def write_config(folder: Path, database_url: str, extra: str = "") -> Path:
+    """``write_serve_config`` with a ``[lease]`` table after ``extra``."""
+    lease = "[lease]\ndefault_ttl_seconds = 30\nmax_ttl_seconds = 3600"
+    return write_serve_config(folder, database_url, f"{extra}\n{lease}")
 
 
 @dataclass
