@@ -33,6 +33,7 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -281,7 +282,7 @@ def test_every_gateway_reason_is_documented_with_its_status_and_title() -> None:
     for reason in fence.GATEWAY_REASONS:
         assert reason.value in documented, f"protocol.md lacks gateway reason {reason.value}"
         row = documented[reason.value]
-        info = fence.REASONS.get(reason)
+        info = fence.PROBLEMS.get(reason)
         if info is None:  # not a problem document (idempotent-replay: the stored status)
             assert not row.status.isdigit(), row
             assert "stored" in row.status, row
@@ -297,7 +298,7 @@ def test_every_gateway_reason_is_documented_with_its_sent() -> None:
     documented = rows_under("proxy listener")
     for reason in fence.GATEWAY_REASONS:
         row = documented[reason.value]
-        info = fence.REASONS.get(reason)
+        info = fence.PROBLEMS.get(reason)
         sent = info.sent if info is not None else None
         expected = f"`{sent.value}`" if sent is not None else "—"
         assert row.sent == expected, (reason.value, row.sent, expected)
@@ -326,7 +327,7 @@ def test_the_reason_tables_name_only_reasons_the_code_gives() -> None:
         assert row.reason in known, f"protocol.md documents {row.reason!r}, unknown to the code"
         if not row.status.isdigit():
             # Only reasons without a fixed status may say so in words.
-            fixed = {r.value for r in fence.REASONS} | set(exception_reasons())
+            fixed = {r.value for r in fence.PROBLEMS} | set(exception_reasons())
             assert row.reason not in fixed, row
 
 
@@ -337,7 +338,7 @@ def test_the_title_of_a_problem_document_matches_the_table() -> None:
     assert docs, "protocol.md shows no problem document"
     for doc in docs:
         reason = fence.Reason(doc["reason"])
-        info = fence.REASONS[reason]
+        info = fence.PROBLEMS[reason]
         assert doc["type"] == problems.PROBLEM_TYPE_BASE + doc["reason"]
         assert (doc["status"], doc["title"], doc["detail"]) == (
             info.status,
@@ -549,7 +550,9 @@ def test_the_configuration_reference_documents_exactly_the_settings() -> None:
 
 def type_word(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
+    if origin is typing.Literal or (
+        isinstance(annotation, type) and issubclass(annotation, StrEnum)
+    ):
         return "string"
     if origin is list:
         return "list"

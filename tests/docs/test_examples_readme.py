@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ZooKeeperServer
+from verify.zookeeper import SCRIPT as ZK_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-ZK_START = f"{ZooKeeperServer.SCRIPT} start-foreground"
+ZK_START = f"{ZK_SCRIPT} start-foreground"
 ZK_PACKAGE_CONFIG = Path("/etc/zookeeper/conf/zoo.cfg")
 # A zkServer.sh command: the script as written (with whatever path precedes it) and an
 # action, possibly on the next line of a paragraph.
@@ -44,7 +44,7 @@ def test_every_zookeeper_command_names_the_script_by_its_debian_path() -> None:
         for match in ZK_COMMAND.finditer(path.read_text(encoding="utf-8")):
             script = match.group(1).strip("`(\"'")
             where = f"{path.relative_to(ROOT)}: {match.group(0)!r}"
-            assert script == ZooKeeperServer.SCRIPT, f"{where}: not {ZooKeeperServer.SCRIPT}"
+            assert script == ZK_SCRIPT, f"{where}: not {ZK_SCRIPT}"
             commands.append(where)
     assert commands
 
