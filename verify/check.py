@@ -62,7 +62,8 @@ expired or completed (11). The violation is named by the latest such write.
     comes after every older generation's lease of its job could have ended: each claim
     and renew ``ok`` of that lease holds it at least until its invoke plus its ``ttl``
     (the lease core dates a lease from when it handles the call, after the worker
-    invoked it), unless a complete of it was invoked before the claim, or a replica's
+    invoked it), unless a complete or a fail (the lease given back) of it was invoked
+    before the claim, or a replica's
     clock was skewed (``skewed``) at the grant or the claim. A lease core that hands a
     job out early (a claimable time judged with slack) breaks it while the gateway still
     fences the old holder off.
@@ -574,7 +575,7 @@ class Causes:
             self.granted[event.job].append(event)
         if event.f in ("claim", "renew"):
             self.grants_of[lease].append(event)
-        elif event.f == "complete" and lease not in self.ended:
+        elif event.f in ENDS_LEASE and lease not in self.ended:
             self.ended[lease] = event
 
     def in_skew(self, at: float) -> bool:
@@ -614,7 +615,7 @@ class Causes:
         lease = lease_of(invoke)
         ended = self.ended.get(lease)
         if ended is not None and invoke.time > ended.time + self.margin:
-            return 11, "invoked after its lease was completed", (ended,)
+            return 11, f"invoked after its lease was ended ({ended.f})", (ended,)
         # Only the grants asked for before the write: a renewal invoked after it cannot
         # have kept the lease for it (a lease core that renews an expired lease would
         # otherwise excuse the writes made before that renewal).
@@ -840,6 +841,12 @@ class Causes:
         return any(start <= end and attempt.time <= stop for start, stop in excused)
 
 
+ENDS_LEASE: Final = frozenset({"complete", "fail"})
+"""The operations by which a holder ends its own lease: ``complete``, and ``fail`` (the
+lease given back, its job pending again: a parked job), after which the job may be
+granted again at once (15) and no write of that lease may be forwarded (11)."""
+
+
 GRANT_MARGIN: Final = 0.1
 """Seconds a claim ``ok`` must come before an older lease's certain end to show that lease
 was current when the job was granted again (15): one machine's clock, and the lease core
@@ -851,7 +858,7 @@ def granted_while_current(
 ) -> Iterable[Violation]:
     """15: per job of the gateway's own leases, no generation granted while an older one's
     lease was certainly current (its latest claim or renew ``ok``'s invoke plus its
-    ``ttl``), unless that lease was completed first or a clock was skewed."""
+    ``ttl``), unless that lease was completed or given back first or a clock was skewed."""
     outstanding: dict[str, HistoryEvent] = {}
     # job -> generation -> (the lease's certain end, the grant that gives it)
     ends: dict[str, dict[int, tuple[float, HistoryEvent]]] = defaultdict(dict)
@@ -861,7 +868,7 @@ def granted_while_current(
             continue
         if event.type == "invoke":
             outstanding[event.process] = event
-            if event.f == "complete" and event.generation is not None:
+            if event.f in ENDS_LEASE and event.generation is not None:
                 completed.setdefault((event.job, event.generation), event.time)
             continue
         invoke = outstanding.pop(event.process, None)

@@ -16,9 +16,10 @@ the times of the two files compare.
   completion names the job granted. An invoke with no completion (the run ended) counts as
   ``info``.
 - ``f``: ``claim`` (a queue claim or a named acquire), ``renew``, ``write`` (a fenced
-  request through the gateway), ``complete``.
+  request through the gateway), ``complete``, ``fail`` (the lease given back by its
+  holder, the job pending again: a parked job).
 - ``generation``: on a ``claim`` ``ok``, the generation granted (required); on ``renew``,
-  ``complete`` and ``write`` events, the generation of the lease used, where known. A
+  ``complete``, ``fail`` and ``write`` events, the generation of the lease used, where known. A
   claim that got nothing (``204``) is a ``fail`` with that status.
 - ``key``: the idempotency key of a ``write`` (required on every write event), else null.
   Keys are per job: a step's identity is ``(job, key)``. Spell it as the upstream receives
@@ -66,7 +67,7 @@ from types import TracebackType
 from typing import Any, Final, Literal, TypeVar, get_args
 
 Type = Literal["invoke", "ok", "fail", "info"]
-F = Literal["claim", "renew", "write", "complete"]
+F = Literal["claim", "renew", "write", "complete", "fail"]
 
 TYPES: Final[frozenset[str]] = frozenset(get_args(Type))
 FS: Final[frozenset[str]] = frozenset(get_args(F))

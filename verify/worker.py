@@ -421,13 +421,30 @@ class Worker:
             outcome = await self.work(target, lease, self.conduct())
             worked += 1
             if outcome == "park":
-                with contextlib.suppress(exc.LeaseError, aiohttp.ClientError, TimeoutError):
-                    retry_in = self.park
-                    if retry_in is None:
-                        retry_in = parked_for(self.upstream_for(lease.job_id))
-                    await lease.fail(error=PARKED, retry_in=retry_in)
+                await self.give_back(lease)
             elif outcome not in ("completed", "lost"):
                 await asyncio.sleep(self.random.uniform(0.1, 0.3))
+
+    async def give_back(self, lease: Lease) -> None:
+        """Park the job: its lease failed with ``PARKED``, the job pending again in
+        ``park`` seconds (or its upstream's ``parked_for``). Recorded as ``fail``: a lease
+        given back ends before its TTL, and a named acquire (the fault tests' finisher)
+        may be granted the job at once (invariant 15)."""
+        retry_in = self.park
+        if retry_in is None:
+            retry_in = parked_for(self.upstream_for(lease.job_id))
+        process, history = self.name, self.history
+        history.invoke(process, "fail", lease.job_id, lease.generation)
+        try:
+            await lease.fail(error=PARKED, retry_in=retry_in)
+        except exc.LeaseError as error:
+            history.complete(
+                process, "fail", status=error_status(error), reason=error_reason(error)
+            )
+        except (aiohttp.ClientError, TimeoutError) as error:
+            history.complete(process, "info", reason=type(error).__name__)
+        else:
+            history.complete(process, "ok", status=200)
 
     def upstream_for(self, job: str) -> str:
         """Where a job's writes go: the second upstream for a share of the jobs

@@ -111,6 +111,13 @@ class Run:
             process=process, type="ok", f="complete", job=job, generation=generation, status=200
         )
 
+    def fail(self, process: str, job: str, generation: int) -> HistoryEvent:
+        """The holder gives its lease back (``POST /v1/leases/fail``: a parked job)."""
+        self.event(process=process, type="invoke", f="fail", job=job, generation=generation)
+        return self.event(
+            process=process, type="ok", f="fail", job=job, generation=generation, status=200
+        )
+
     def write(
         self,
         process: str,
@@ -832,7 +839,9 @@ def test_11_a_store_restart_gives_the_leases_it_held_their_ttl_again() -> None:
 
 def test_15_a_job_granted_while_its_lease_is_current() -> None:
     """A claim ok of generation 2 before generation 1's lease could end (its claim's
-    invoke plus its TTL) breaks 15; after it, or once 1 was completed, or for a lease
+    invoke plus its TTL) breaks 15; after it, or once 1 was completed or given back
+    (failed: a parked job, which the finisher of the fault tests acquires by name at
+    once), or for a lease
     source's holdings (a holder), or in a skewed clock's span, it does not."""
     early = Run()
     first = early.claim("w1", "j1", 1, ttl=3.0)  # invoked at 1: held at least until 4
@@ -853,6 +862,12 @@ def test_15_a_job_granted_while_its_lease_is_current() -> None:
     done.claim("w2", "j1", 2, ttl=5.0)
     done.complete("w2", "j1", 2)
     assert done.check().ok
+    parked = Run()
+    parked.claim("w1", "j1", 1, ttl=10.0)  # held until 11, unless given back
+    parked.fail("w1", "j1", 1)  # given back (parked) at 3: the job is claimable at once
+    parked.claim("w2", "j1", 2, ttl=10.0)  # ok at 6
+    parked.complete("w2", "j1", 2)
+    assert parked.check().ok, parked.check().render()
     holders = Run()
     holders.claim("l0", "locks/a", 1, ttl=5.0, holder="x")
     holders.claim("l1", "locks/a", 2, ttl=5.0, holder="y")  # a lock store's own TTL
