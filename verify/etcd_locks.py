@@ -30,7 +30,7 @@ import aiohttp
 
 from verify.cluster import free_port
 from verify.etcd import EtcdMember
-from verify.procs import Child, Children
+from verify.procs import Children, Service
 
 SOURCE = "etcdlocks"  # the lease source's name at the gateway: tokens "etcdlocks:<key>"
 # etcd's smallest lease TTL is 1.5 election timeouts (1.5 s with its defaults): its TTLs
@@ -73,12 +73,13 @@ async def call(session: aiohttp.ClientSession, url: str, path: str, body: dict[s
     return answer
 
 
-class EtcdStore:
-    """The run's ``etcd`` (blocking methods; the nemesis calls them in a thread)."""
+class EtcdStore(Service):
+    """The run's ``etcd``: its data stays across a kill, and ``start`` brings the same
+    member back on it."""
 
     def __init__(self, binary: str, children: Children, hosts: list[str]) -> None:
+        super().__init__(children)
         self.binary = binary
-        self.children = children
         self.hosts = hosts  # 127.0.0.1 first, then each namespace's host address
         self.port = free_port()
         self.member = EtcdMember(
@@ -87,7 +88,6 @@ class EtcdStore:
             client_url=f"http://127.0.0.1:{self.port}",
             peer_url=f"http://127.0.0.1:{free_port()}",
         )
-        self.child: Child | None = None
         self.url = self.member.client_url
 
     def url_for(self, host: str) -> str:
@@ -98,8 +98,7 @@ class EtcdStore:
         listen = ",".join(self.url_for(h) for h in self.hosts)
         argv = [a for a in argv if not a.startswith("--listen-client-urls=")]
         argv.append(f"--listen-client-urls={listen}")
-        self.child = self.children.spawn("etcd", argv)
-        self.child.until(self.member.healthy, timeout, every=0.1)
+        self.spawn("etcd", argv, self.member.healthy, timeout, every=0.1)
 
     def lose(self) -> int:
         """Every lease revoked (every lock key with it); how many."""
@@ -122,15 +121,6 @@ class EtcdStore:
             except OSError:
                 pass  # revoked meanwhile (released, or lapsed)
         return len(leases)
-
-    def kill(self) -> None:
-        """kill -9: its data stays; ``start`` brings the same member back on it."""
-        if self.child is not None:
-            self.child.kill()
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop(timeout=5.0)
 
 
 class EtcdLock:

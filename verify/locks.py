@@ -49,7 +49,7 @@ from verify.cluster import free_port
 from verify.etcd_locks import SOURCE as ETCD_SOURCE
 from verify.etcd_locks import EtcdError, EtcdLock
 from verify.events import Type, sha256_hex
-from verify.procs import Child, Children
+from verify.procs import Children, Service
 from verify.worker import History, SourceWorker
 
 SOURCE = "locks"  # the lease source's name at the gateway: tokens "locks:<lock>:<value>"
@@ -170,15 +170,14 @@ def lock_body(lock: str, holder: str, step: int) -> bytes:
     return json.dumps({"holder": holder, "lock": lock, "step": step}, sort_keys=True).encode()
 
 
-class LockStore:
-    """The run's ``redis-server`` (blocking methods; the nemesis calls them in a thread)."""
+class LockStore(Service):
+    """The run's ``redis-server``, in memory only: a kill brings it back empty."""
 
     def __init__(self, binary: str, children: Children, hosts: list[str]) -> None:
+        super().__init__(children)
         self.binary = binary
-        self.children = children
         self.hosts = hosts  # 127.0.0.1 first, then each namespace's host address
         self.port = free_port()
-        self.child: Child | None = None
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def url_for(self, host: str) -> str:
@@ -190,8 +189,7 @@ class LockStore:
             "--save", "", "--appendonly", "no", "--dir", str(self.children.folder),
             "--protected-mode", "no",
         ]  # fmt: skip
-        self.child = self.children.spawn("redis", argv)
-        self.child.until(self.answers, timeout)
+        self.spawn("redis", argv, self.answers, timeout, every=0.05)
 
     def answers(self) -> bool:
         try:
@@ -205,15 +203,6 @@ class LockStore:
         """``FLUSHALL``: every lock and every fence counter gone at once."""
         with redis.Redis.from_url(self.url, socket_timeout=2) as client:
             client.flushall()
-
-    def kill(self) -> None:
-        """kill -9: with no persistence, it comes back empty."""
-        if self.child is not None:
-            self.child.kill()
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop(timeout=5.0)
 
 
 class Holding:

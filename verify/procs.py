@@ -111,6 +111,33 @@ class Child:
         return self.output()[-chars:]
 
 
+class Service:
+    """A store of the run's own that the nemesis kills and starts again (the lock stores:
+    Redis, etcd, ZooKeeper): its one process, started by ``spawn`` until it answers.
+    Blocking methods: the nemesis calls them in a thread. What a kill loses is the
+    store's own (said by each subclass)."""
+
+    def __init__(self, children: Children) -> None:
+        self.children = children
+        self.child: Child | None = None
+
+    def spawn(
+        self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float, every: float
+    ) -> None:
+        self.child = self.children.spawn(name, argv)
+        self.child.until(ready, timeout, every=every)
+
+    def kill(self) -> None:
+        """kill -9."""
+        if self.child is not None:
+            self.child.kill()
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after 5 s."""
+        if self.child is not None:
+            self.child.stop(timeout=5.0)
+
+
 class Children:
     """Every process of a run, by name (a restarted one replaces its predecessor)."""
 

@@ -45,7 +45,7 @@ from kazoo.retry import KazooRetry
 
 from fencegate_client.zookeeper import lock_token
 from verify.cluster import free_port
-from verify.procs import Child, Children
+from verify.procs import Children, Service
 from verify.zookeeper import TICK_MS, ZooKeeperMember, zookeeper_script
 
 SOURCE = "zklocks"  # the lease source's name at the gateway: tokens "zklocks:<path>/<node>"
@@ -73,18 +73,18 @@ class ZkError(Exception):
     """ZooKeeper did not answer in time, or the session is gone."""
 
 
-class ZkStore:
-    """The run's ZooKeeper (blocking methods; the nemesis calls them in a thread)."""
+class ZkStore(Service):
+    """The run's ZooKeeper: its data stays across a kill, and ``start`` brings it back on
+    it, sessions and all."""
 
     def __init__(self, script: str, children: Children, hosts: list[str]) -> None:
+        super().__init__(children)
         self.script = script
-        self.children = children
         self.port = free_port()
         # ZooKeeper listens on one address or on all: all when the replicas reach it from
         # their namespaces (at the host side's address).
         address = "127.0.0.1" if hosts == ["127.0.0.1"] else "0.0.0.0"
         self.member = ZooKeeperMember(children.folder / "zookeeper", self.port, address)
-        self.child: Child | None = None
         self.hosts = self.member.hosts
 
     def hosts_for(self, host: str) -> str:
@@ -95,8 +95,7 @@ class ZkStore:
         # kill -9 of the process loses nothing of it (the kernel has it), and the lock
         # workers' many sessions do not wait for the disk of a busy machine.
         self.member.write_config(["forceSync=no", "maxSessionTimeout=20000"])
-        self.child = self.children.spawn("zookeeper", self.member.argv(self.script))
-        self.child.until(self.member.serves, timeout, every=0.1)
+        self.spawn("zookeeper", self.member.argv(self.script), self.member.serves, timeout, 0.1)
 
     def lose(self) -> None:
         """SIGSTOP (until ``resume``): nobody is heard from meanwhile, and the sessions
@@ -107,15 +106,6 @@ class ZkStore:
     def resume(self) -> None:
         if self.child is not None:
             self.child.signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        """kill -9: its data stays; ``start`` brings it back on it, sessions and all."""
-        if self.child is not None:
-            self.child.kill()
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop(timeout=5.0)
 
 
 class ZkKind:
