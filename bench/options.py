@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway-log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="fencegate serve --log-level (default INFO, as shipped: one JSON access line "
-        "per request, written to a file)",
+        help="fencegate serve --log-level (default INFO, as shipped: JSON lines written to "
+        "a file; no access line per request, which serve writes only with --access-log)",
     )
     parser.add_argument(
         "--records-per-job",
