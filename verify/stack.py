@@ -26,6 +26,7 @@ import aiohttp
 
 from verify import netns
 from verify.cluster import ClusterError, PgCluster, execute, free_port
+from verify.config import UpstreamTable, replica_config
 from verify.etcd_locks import SOURCE as ETCD_SOURCE
 from verify.etcd_locks import EtcdStore, etcd_binary
 from verify.locks import SOURCE, LockStore, redis_binary
@@ -449,31 +450,47 @@ class Stack:
                 f'url = "{self.lock_store.url_for(upstream_host)}"\n'
                 "timeout_seconds = 1\n"
             )
+        upstreams = [
+            UpstreamTable(
+                "pay",
+                f"http://{upstream_host}:{upstream_port}",
+                "hold",
+                UPSTREAM_TIMEOUT,
+                UPSTREAM_CONNECT_TIMEOUT,
+            )
+        ]
+        if self.resolving_port is not None:
+            upstreams.append(
+                UpstreamTable(
+                    RESOLVING,
+                    f"http://{upstream_host}:{self.resolving_port}/dedupe",
+                    "resolve",
+                    UPSTREAM_TIMEOUT,
+                    UPSTREAM_CONNECT_TIMEOUT,
+                    dedup={
+                        "header": "Idempotency-Key",
+                        "window_seconds": DEDUP_WINDOW,
+                        "final_statuses": ["2xx"],
+                    },
+                )
+            )
         config.write_text(
-            f"database_url = {json.dumps(database_url)}\n"
-            f'proxy_listen = "{bind}:{proxy_port}"\n'
-            f'control_listen = "{bind}:{control_port}"\n'
-            "[auth]\n"
-            f'worker_tokens = ["{self.worker_token}"]\n'
-            f'admin_tokens = ["{self.admin_token}"]\n'
-            "[lease]\n"
-            "default_ttl_seconds = 5\n"
-            "max_ttl_seconds = 600\n"
-            "default_max_attempts = 1000\n"
-            "[gateway]\n"
-            f"ordering_wait_seconds = {self.ordering_wait}\n"
-            f"shutdown_timeout_seconds = {self.shutdown_grace}\n"
-            f"purge_interval_seconds = {PURGE_INTERVAL}\n"
-            f"resolve_interval_seconds = {RESOLVE_INTERVAL}\n"
-            f"resolve_max_attempts = {RESOLVE_ATTEMPTS}\n"
-            "[[upstreams]]\n"
-            'name = "pay"\n'
-            f'url = "http://{upstream_host}:{upstream_port}"\n'
-            'unknown_outcome = "hold"\n'
-            f"timeout_seconds = {UPSTREAM_TIMEOUT}\n"
-            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n"
-            + self._resolving_upstream(upstream_host)
-            + sources,
+            replica_config(
+                database_url=database_url,
+                proxy_listen=f"{bind}:{proxy_port}",
+                control_listen=f"{bind}:{control_port}",
+                upstreams=upstreams,
+                gateway={
+                    "ordering_wait_seconds": self.ordering_wait,
+                    "shutdown_timeout_seconds": self.shutdown_grace,
+                    "purge_interval_seconds": PURGE_INTERVAL,
+                    "resolve_interval_seconds": RESOLVE_INTERVAL,
+                    "resolve_max_attempts": RESOLVE_ATTEMPTS,
+                },
+                max_attempts=1000,
+                tokens=(self.worker_token, self.admin_token),
+                extra=sources,
+            ),
             encoding="utf-8",
         )
         replica = Replica(name, config, bind, proxy_port, control_port, namespace, self.children)
@@ -498,23 +515,6 @@ class Stack:
     def steer(self, replica: Replica | None) -> None:
         index = "" if replica is None else str(self.replicas.index(replica))
         self.steer_file.write_text(index, encoding="utf-8")
-
-    def _resolving_upstream(self, host: str) -> str:
-        """The ``[[upstreams]]`` table of ``RESOLVING`` (none without ``--resolving``)."""
-        if self.resolving_port is None:
-            return ""
-        return (
-            "[[upstreams]]\n"
-            f'name = "{RESOLVING}"\n'
-            f'url = "http://{host}:{self.resolving_port}/dedupe"\n'
-            'unknown_outcome = "resolve"\n'
-            f"timeout_seconds = {UPSTREAM_TIMEOUT}\n"
-            f"connect_timeout_seconds = {UPSTREAM_CONNECT_TIMEOUT}\n"
-            "[upstreams.dedup]\n"
-            'header = "Idempotency-Key"\n'
-            f"window_seconds = {DEDUP_WINDOW}\n"
-            'final_statuses = ["2xx"]\n'
-        )
 
     async def _upstream(self, port: int) -> Upstream:
         hosts = ["127.0.0.1", *(n.host_addr for n in self.namespaces)]

@@ -36,6 +36,7 @@ from verify import records as account
 from verify import stack
 from verify.check import check
 from verify.cluster import free_port
+from verify.config import UpstreamTable, replica_config
 from verify.events import HistoryEvent, LedgerEntry, read_history, read_ledger, sha256_hex
 from verify.procs import FENCEGATE, Child, Children, child_env
 from verify.roles import resolution
@@ -161,29 +162,31 @@ def write_config(
     shutdown_timeout: float = 10.0,
     extra: str = "",
 ) -> Path:
+    """A replica's config file, written as verify's replicas' are (``verify.config``):
+    ``upstreams`` at ``upstream_url``'s paths; ``extra``: more TOML tables."""
     path = folder / name
-    text = (
-        f'database_url = "{database_url}"\n'
-        'proxy_listen = "127.0.0.1:0"\n'
-        'control_listen = "127.0.0.1:0"\n'
-        "[lease]\n"
-        "default_ttl_seconds = 5\n"
-        "max_ttl_seconds = 600\n"
-        "default_max_attempts = 100\n"
-        "[gateway]\n"
-        f"ordering_wait_seconds = {ordering_wait}\n"
-        f"shutdown_timeout_seconds = {shutdown_timeout}\n"
-        f"{extra}\n"
-    )
-    for spec in upstreams:
-        text += (
-            "[[upstreams]]\n"
-            f'name = "{spec.name}"\n'
-            f'url = "{upstream_url}/{spec.path}"\n'
-            f'unknown_outcome = "{spec.policy}"\n'
-            f"timeout_seconds = {spec.timeout}\n"
-            f"connect_timeout_seconds = {spec.connect_timeout}\n"
+    tables = [
+        UpstreamTable(
+            spec.name,
+            f"{upstream_url}/{spec.path}",
+            spec.policy,
+            spec.timeout,
+            spec.connect_timeout,
         )
+        for spec in upstreams
+    ]
+    text = replica_config(
+        database_url=database_url,
+        proxy_listen="127.0.0.1:0",
+        control_listen="127.0.0.1:0",
+        upstreams=tables,
+        gateway={
+            "ordering_wait_seconds": ordering_wait,
+            "shutdown_timeout_seconds": shutdown_timeout,
+        },
+        max_attempts=100,
+        extra=extra,
+    )
     path.write_text(text, encoding="utf-8")
     return path
 
