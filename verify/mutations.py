@@ -695,6 +695,121 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "tests/integration/test_source_zookeeper.py::test_two_workers_take_the_lock_in_turn"
         ),
     ),
+    # Hidden mutants (issue 53's independent review, 2026-12-07): written against main
+    # without reading which workloads reach which spot; each a spot no mutant above
+    # touches. docs/verification.md has their runs.
+    Mutant(
+        name="hidden-renew-from-old-expiry",
+        rule="expiry",
+        databases=BOTH,
+        edits=(
+            Edit(
+                _COMMON,
+                "    lease_expires_at = {now} + COALESCE(:ttl, lease_ttl_seconds),\n"
+                "    claimable_at = {now} + COALESCE(:ttl, lease_ttl_seconds),\n",
+                "    lease_expires_at = lease_expires_at + COALESCE(:ttl, lease_ttl_seconds),\n"
+                "    claimable_at = claimable_at + COALESCE(:ttl, lease_ttl_seconds),\n",
+            ),
+            Edit(
+                _POSTGRES,
+                "        lease_expires_at = {now} + COALESCE(w.ttl, jobs.lease_ttl_seconds),\n"
+                "        claimable_at = {now} + COALESCE(w.ttl, jobs.lease_ttl_seconds),\n",
+                "        lease_expires_at = jobs.lease_expires_at"
+                " + COALESCE(w.ttl, jobs.lease_ttl_seconds),\n"
+                "        claimable_at = jobs.claimable_at"
+                " + COALESCE(w.ttl, jobs.lease_ttl_seconds),\n",
+            ),
+        ),
+        why=(
+            "A renewal extends the lease by its TTL from its previous expiry instead of "
+            "from now (both dialects' renew), so a lease renewed at a third of its TTL "
+            "holds two thirds of a TTL longer than its holder was told, and more at each "
+            "renewal: a holder that stopped renewing (a lapse, a paused worker) still "
+            "writes after the lease it was granted has ended, with nobody newer granted "
+            "(invariant 11)."
+        ),
+        killed_by=(
+            "tests/integration/test_lease_api.py"
+            "::test_renew_extends_the_lease_without_giving_out_the_token"
+        ),
+    ),
+    Mutant(
+        name="hidden-cancelled-send-released",
+        rule="unknown-outcomes",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "gateway/upstream/forwarding.py",
+                "            if not began:\n"
+                "                await asyncio.shield(end.ended(Exchange.NOT_SENT))\n",
+                "            await asyncio.shield(end.ended(Exchange.NOT_SENT))\n",
+            ),
+        ),
+        why=(
+            "A forward cancelled (a shutdown past its grace) gives its key back as never "
+            "sent whether or not its bytes had left, so a write the upstream received, "
+            "and applied, while the gateway waited for its answer loses its record instead "
+            "of turning unknown at its deadline, and the next generation's retry of the "
+            "step is forwarded again: applied twice (invariants 3, 4), under the shutdown "
+            "nemesis, whose slow answers keep writes in flight at the SIGTERM (under all on "
+            "PostgreSQL only where a seed draws enough shutdowns; --nemesis shutdown kills "
+            "it). Its test's older write ('old-step') is such a write, and its key must stay."
+        ),
+        killed_by=(
+            "tests/integration/test_truthful_answers.py"
+            "::test_a_shutdown_answers_a_waiting_write_never_sent_and_frees_its_key"
+        ),
+    ),
+    Mutant(
+        name="hidden-replay-one-piece-behind",
+        rule="duplicates",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "gateway/upstream/forwarding.py",
+                "                            stored += chunk\n",
+                "                            stored += held\n",
+            ),
+        ),
+        why=(
+            "The answer kept for replays is built from the pieces already relayed to the "
+            "client (the held-back piece, one behind) instead of the pieces received, so "
+            "the last piece is never kept: an answer that came in one piece is stored "
+            "empty, and every replay (a retry, the next generation repeating a step) "
+            "answers 2xx with a body other than the first answer's (invariant 5)."
+        ),
+        killed_by=(
+            "tests/integration/test_gateway_idempotency.py::test_replay_gives_the_stored_answer"
+        ),
+    ),
+    Mutant(
+        name="hidden-acquire-any-owner",
+        rule="expiry",
+        databases=BOTH,
+        edits=(
+            Edit(
+                "lease_core/sql/sqlite.sql",
+                "       OR (state = {State.LEASED} AND owner = :owner))\n",
+                "       OR (state = {State.LEASED} AND owner = owner))\n",
+            ),
+            Edit(
+                _POSTGRES,
+                "           OR (state = {State.LEASED} AND owner = :owner))\n",
+                "           OR (state = {State.LEASED} AND owner = owner))\n",
+            ),
+        ),
+        why=(
+            "The acquire of a named job compares the owner column with itself (a colon "
+            "dropped from :owner), so its same-owner clause holds for every leased job: "
+            "anyone who acquires a job by name takes it from a current holder at once, a "
+            "new generation while the old lease is current (invariant 15; the gateway "
+            "still fences the old holder off). Reached by the solo rounds, whose second "
+            "process asks for the job by name while the first lease is current (it survived "
+            "every run before they did: no other workload acquires a job another owner "
+            "holds)."
+        ),
+        killed_by="tests/integration/test_lease_api.py::test_acquire_of_a_held_job_is_409",
+    ),
 )
 
 

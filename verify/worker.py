@@ -486,7 +486,11 @@ class Worker:
         completed) or twice the TTL and 2 s have passed. Nothing else is in that queue
         but earlier rounds' jobs, so the queue hands the job out the moment it is
         claimable: a lease core that hands it out before the first lease could end breaks
-        invariant 15."""
+        invariant 15. Right after the first grant, ``<worker>/next`` also asks for the job
+        by name (an acquire, another owner) while the first lease is current: it must be
+        refused ``lease-held`` (issue 53: an independent review's mutant, an acquire that
+        takes a held job from any owner, survived every run, as no other workload
+        acquires a job someone else holds)."""
         queue = f"solo-{self.name}"
         self.solos += 1
         try:
@@ -501,6 +505,11 @@ class Worker:
             return
         until = time.monotonic() + 2 * ttl + 2.0
         process = f"{self.name}/next"
+        asking = target.client.acquire(first.job_id, owner=process, ttl=ttl, queue=queue)
+        taken, _ = await self.grant(first.job_id, asking, process=process)
+        if taken is not None:  # the first lease was over already (a pause): it is done
+            await self.complete(target, taken, process=process)
+            return
         while time.monotonic() < until:
             await asyncio.sleep(SOLO_POLL)
             asking = target.client.claim(queue, owner=process, ttl=ttl)

@@ -260,6 +260,10 @@ async def test_a_shutdown_answers_a_waiting_write_never_sent_and_frees_its_key(
         assert "new-step" not in [r["key"] for r in upstream.received]
         # The never-sent write's key is free: nothing to resolve, nothing in flight.
         assert await GatewayStore(store).record(new["job_id"], "new-step") is None
+        # The older write had left (the upstream holds it) when the shutdown cut it off:
+        # its key is kept, its outcome unknown, never given back as never sent.
+        sent = await GatewayStore(store).record(old["job_id"], "old-step")
+        assert sent is not None and sent.state in ("in_flight", "unknown"), sent
     finally:
         await session.close()
         await control.close()
