@@ -8,7 +8,7 @@ import asyncio
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from verify import check
@@ -20,6 +20,33 @@ from verify.zk_locks import zk_binary
 
 DEFAULT_LOCK_WORKERS = 3
 DEFAULT_SIGNED_WORKERS = 1
+
+
+def _store_lock_workers(
+    given: int | None,
+    option: str,
+    its_nemeses: frozenset[str],
+    nemeses: list[str],
+    direct: bool,
+    binary: Callable[[], str | None],
+    needs: str,
+) -> int | None:
+    """How many lock workers of a store of the run's own (etcd, ZooKeeper) to run: as
+    ``--{option}-lock-workers`` says, or 3 when one of ``its_nemeses`` runs; None (after
+    saying why) when the number is out of range, given with ``--direct``, or the store
+    is not installed."""
+    workers = given
+    if workers is None:
+        workers = DEFAULT_LOCK_WORKERS if its_nemeses & set(nemeses) else 0
+    if not 0 <= workers <= 64 or (direct and workers):
+        print(
+            f"verify: --{option}-lock-workers 0..64, and none with --direct (they need the gateway)"
+        )
+        return None
+    if workers and binary() is None:
+        print(f"verify: {needs}")
+        return None
+    return workers
 
 
 def _share(text: str) -> float:
@@ -166,23 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= lock_workers <= 64:
         print("verify: --lock-workers 0..64")
         return 2
-    etcd_workers = args.etcd_lock_workers
-    if etcd_workers is None:
-        etcd_workers = DEFAULT_LOCK_WORKERS if ETCD_NEMESES & set(nemeses) else 0
-    if not 0 <= etcd_workers <= 64 or (args.direct and etcd_workers):
-        print("verify: --etcd-lock-workers 0..64, and none with --direct (they need the gateway)")
-        return 2
-    if etcd_workers and etcd_binary() is None:
-        print("verify: the etcd lock workers need etcd: apt-get install etcd-server")
-        return 2
-    zk_workers = args.zk_lock_workers
-    if zk_workers is None:
-        zk_workers = DEFAULT_LOCK_WORKERS if ZK_NEMESES & set(nemeses) else 0
-    if not 0 <= zk_workers <= 64 or (args.direct and zk_workers):
-        print("verify: --zk-lock-workers 0..64, and none with --direct (they need the gateway)")
-        return 2
-    if zk_workers and zk_binary() is None:
-        print("verify: the ZooKeeper lock workers need ZooKeeper: apt-get install zookeeper")
+    etcd_workers = _store_lock_workers(
+        args.etcd_lock_workers, "etcd", ETCD_NEMESES, nemeses, args.direct,
+        etcd_binary, "the etcd lock workers need etcd: apt-get install etcd-server",
+    )  # fmt: skip
+    zk_workers = _store_lock_workers(
+        args.zk_lock_workers, "zk", ZK_NEMESES, nemeses, args.direct,
+        zk_binary, "the ZooKeeper lock workers need ZooKeeper: apt-get install zookeeper",
+    )  # fmt: skip
+    if etcd_workers is None or zk_workers is None:
         return 2
     signed_workers = args.signed_workers
     if signed_workers is None:

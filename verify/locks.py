@@ -50,21 +50,25 @@ from verify.etcd_locks import SOURCE as ETCD_SOURCE
 from verify.etcd_locks import EtcdError, EtcdLock
 from verify.events import Type, sha256_hex
 from verify.procs import Children, Service
-from verify.worker import History, SourceWorker
+from verify.worker import (
+    RETRY_STATUSES,
+    SOURCE_LAPSE_PAST,
+    SOURCE_LAPSE_SHARE,
+    SOURCE_MAX_SENDS,
+    WRITE_TIMEOUT,
+    History,
+    SourceWorker,
+)
 
 SOURCE = "locks"  # the lease source's name at the gateway: tokens "locks:<lock>:<value>"
 LOCKS = 4
 IN_FLIGHT_SHARE = 0.3
 RECKLESS_SHARE = 0.5
 # Of the holdings: a lock of the worker's own, which nobody else takes, held for one step
-# and then let lapse (no more extends) for its TTL and LAPSE_PAST more before the
+# and then let lapse (no more extends) for its TTL and SOURCE_LAPSE_PAST more before the
 # remaining steps are sent once each: writes after the lock lapsed and before anyone else
-# took it, which the gateway must refuse (invariant 11).
-LAPSE_SHARE = 0.2
-LAPSE_PAST = (0.7, 1.5)
-WRITE_TIMEOUT = 5.0
-RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
-MAX_SENDS = 20
+# took it, which the gateway must refuse (invariant 11): SOURCE_LAPSE_SHARE and
+# SOURCE_LAPSE_PAST, verify.worker's.
 
 
 def job_of(lock: str, source: str = SOURCE) -> str:
@@ -121,7 +125,7 @@ class RedisKind:
 
     source = SOURCE
     errors: tuple[type[BaseException], ...] = (RedisError, OSError)
-    lapse_past = LAPSE_PAST
+    lapse_past = SOURCE_LAPSE_PAST
 
     def __init__(self, url: str) -> None:
         self.redis = redis.asyncio.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=1)
@@ -147,7 +151,7 @@ class EtcdKind:
 
     source = ETCD_SOURCE
     errors: tuple[type[BaseException], ...] = (EtcdError,)
-    lapse_past = (LAPSE_PAST[0] + 1.0, LAPSE_PAST[1] + 1.0)
+    lapse_past = (SOURCE_LAPSE_PAST[0] + 1.0, SOURCE_LAPSE_PAST[1] + 1.0)
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -234,7 +238,7 @@ class LockWorker(SourceWorker):
     async def run(self) -> None:
         again: str | None = None
         while True:
-            lapse = again is None and self.random.random() < LAPSE_SHARE
+            lapse = again is None and self.random.random() < SOURCE_LAPSE_SHARE
             name = again or (f"lock-{self.name}" if lapse else self.random.choice(self.locks))
             ttl = round(self.random.uniform(1.0, 3.0), 2)
             lock = self.kind.make(name, ttl)
@@ -302,7 +306,7 @@ class LockWorker(SourceWorker):
         """A holding of the worker's own lock that lapses: one step, then the extends stop
         (at the renewer's next turn, so none is left of unknown outcome), the kind lets
         the lock go where a TTL does not (``Kind.lapse``), and the worker
-        waits the lock's TTL and ``LAPSE_PAST`` more, so the lock has lapsed in Redis
+        waits the lock's TTL and ``SOURCE_LAPSE_PAST`` more, so the lock has lapsed in Redis
         before it sends its remaining steps, once each; nobody else takes this lock, so
         the gateway sees a token whose lock is simply gone. Released only when the first
         step was not answered 2xx (the holding ends there); else it lapsed."""
@@ -381,7 +385,7 @@ class LockWorker(SourceWorker):
         if self.random.random() < IN_FLIGHT_SHARE:
             headers["Verify-Apply-Delay"] = f"{self.random.uniform(0.2, 0.7):.3f}"
         timeouts = 0
-        for _ in range(1 if once else MAX_SENDS):
+        for _ in range(1 if once else SOURCE_MAX_SENDS):
             history.invoke(
                 process, "write", holding.job, holding.generation, key, sha256_hex(body),
                 holder=holding.holder,
@@ -419,7 +423,7 @@ class LockWorker(SourceWorker):
                 return reason or "refused"
             if reason == "outcome-unknown":
                 return "gave-up"
-            if status not in RETRYABLE_STATUSES and status != 425:
+            if status not in RETRY_STATUSES and status != 425:
                 return "gave-up"
             await asyncio.sleep(self.random.uniform(0.05, 0.2))
         return "gave-up"

@@ -39,22 +39,26 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fencegate_client import protocol as p
 from fencegate_client.signed import mint_token
 from verify.events import Type, sha256_hex
-from verify.worker import History, SourceWorker
+from verify.worker import (
+    RETRY_STATUSES,
+    SOURCE_LAPSE_PAST,
+    SOURCE_LAPSE_SHARE,
+    SOURCE_MAX_SENDS,
+    WRITE_TIMEOUT,
+    History,
+    SourceWorker,
+)
 
 SOURCE = "signed"  # the lease source's name at the gateway: tokens "signed:<JWS>"
 ISSUER = "verify"
 TTL = 10.0  # seconds a token is valid (its exp, whole seconds, may cut up to 1 s off)
 STALL_SHARE = 0.5
 # Of the holdings: a token of a short TTL whose holder writes once, waits past its exp
-# and LAPSE_PAST more, and sends two more steps once each (``SignedWorker.lapse``): the
+# and SOURCE_LAPSE_PAST more, and sends two more steps once each (``SignedWorker.lapse``): the
 # admission must refuse them lease-expired (invariant 11). Drawn from a random of its own,
 # so a seed's other draws are as before.
-LAPSE_SHARE = 0.2
+# SOURCE_LAPSE_SHARE and SOURCE_LAPSE_PAST: verify.worker's.
 LAPSE_TTL = 2.0
-LAPSE_PAST = (0.7, 1.5)
-WRITE_TIMEOUT = 5.0
-RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
-MAX_SENDS = 20
 
 
 class SigningKey:
@@ -127,7 +131,7 @@ class SignedWorker(SourceWorker):
     async def run(self) -> None:
         grant = self.sign(self.name)
         while True:
-            if self.lapse_random.random() < LAPSE_SHARE:
+            if self.lapse_random.random() < SOURCE_LAPSE_SHARE:
                 grant = await self.lapse(grant)
                 continue
             gateway = self.random.choice(self.gateways)
@@ -146,14 +150,14 @@ class SignedWorker(SourceWorker):
     async def lapse(self, grant: Grant) -> Grant:
         """A holding whose token expires while its holder still writes: ``grant`` is
         completed, the next generation signed with a TTL of ``LAPSE_TTL``, its first
-        step written, and once its exp and ``LAPSE_PAST`` more have passed its next two
+        step written, and once its exp and ``SOURCE_LAPSE_PAST`` more have passed its next two
         steps are sent; nothing newer is signed meanwhile, so only the token's expiry
         (judged by the database's clock) refuses them. The grant to go on with."""
         self.complete(grant, self.name)
         short = self.sign(self.name, ttl=LAPSE_TTL)
         gateway = self.lapse_random.choice(self.gateways)
         if await self.write(short, gateway, 0, self.name) == "ok":
-            past = self.lapse_random.uniform(*LAPSE_PAST)
+            past = self.lapse_random.uniform(*SOURCE_LAPSE_PAST)
             await asyncio.sleep(max(0.0, short.expires - time.time()) + past)
             for step in (1, 2):
                 if await self.write(short, gateway, step, self.name) != "ok":
@@ -239,7 +243,7 @@ class SignedWorker(SourceWorker):
             p.IDEMPOTENCY_KEY: key,
         }
         timeouts = 0
-        for _ in range(1 if hold else MAX_SENDS):
+        for _ in range(1 if hold else SOURCE_MAX_SENDS):
             history.invoke(
                 process, "write", grant.job, grant.generation, key, sha256_hex(body),
                 holder=grant.holder,
@@ -274,7 +278,7 @@ class SignedWorker(SourceWorker):
             )  # fmt: skip
             if type_ == "ok":
                 return "ok"
-            if status not in RETRYABLE_STATUSES:
+            if status not in RETRY_STATUSES:
                 return "refused"
             await asyncio.sleep(self.random.uniform(0.05, 0.2))
         return "gave-up"

@@ -134,6 +134,13 @@ SOLO_SHARE = 0.1
 SOLO_POLL = 0.05
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_SENDS = 40
+# The source workers' (``verify.locks``, ``verify.signed``): of their holdings, a share
+# let lapse and written with again ``SOURCE_LAPSE_PAST`` seconds past the lapse (each
+# module says how it lapses); a write sent at most ``SOURCE_MAX_SENDS`` times while it is
+# answered one of ``RETRY_STATUSES``.
+SOURCE_LAPSE_SHARE = 0.2
+SOURCE_LAPSE_PAST = (0.7, 1.5)
+SOURCE_MAX_SENDS = 20
 # Of the jobs: worked recklessly (no look at the lease before a write, a zombie after a
 # refusal); of those, with renewals that stop (lapse), or with a write in flight while
 # the next generation writes (overlap). Of the steps: also a key of the generation's own.
