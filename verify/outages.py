@@ -22,11 +22,21 @@ with writes waiting behind an older generation's. Their entries are in
   started again 0.5-3 s after it exited. A replica still running 5 s after
   the SIGTERM is killed (SIGKILL), and the fault log says so (``phase: killed``):
   invariant 13 excuses what such a replica lost.
+  On SQLite, half the shutdowns (``"locked"``, a draw of their own, so the rest of a
+  seed's plan is as before) come instead while another process holds the database's
+  write lock: taken, then ``LOCKED_BEFORE`` s later (the replica's admissions waiting on
+  its database thread for the lock) the SIGTERM, the lock held ``LOCKED_AFTER`` s past
+  it (past the grace: the requests are cancelled while their admissions wait) and then
+  given up, well within the thread's busy timeout, so the admissions still commit their
+  claims (found by ``tests/faults/test_cancelled_admission.py``; the mutant
+  ``admission-claim-orphaned``: a claim committed for a request that is gone, never
+  sent, turns unknown).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import sys
 import time
@@ -39,7 +49,6 @@ from verify.procs import wait_for_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from random import Random
 
     from verify.nemesis import Fault, Nemesis
 
@@ -58,6 +67,10 @@ STOP_WAIT = 5.0  # seconds after the SIGTERM before a replica is killed
 # shutdown: how long past the slow answers' delay a waiter is looked for, and how often
 WAITER_SEARCH = 4.0
 WAITER_POLL = 0.02
+# a locked shutdown: the lock held this long before the SIGTERM, and this long after it
+# (the grace, 0.2 s, and a second more; the replica must end within STOP_WAIT)
+LOCKED_BEFORE = 1.0
+LOCKED_AFTER = 1.2
 WAITING = re.compile(r'^fencegate_gateway_waiting_requests\{wait="older"\} (\S+)$', re.MULTILINE)
 # While the store is broken, the upstream answers after this many seconds and cuts this
 # share of its answers after applying the write.
@@ -66,17 +79,22 @@ CUT_SHARE = 0.5
 HEAL_TRIES = 40  # ALLOW_CONNECTIONS true, every 0.5 s, until the server takes it
 
 
-def draw_store(rng: Random, pick: Callable[[], str], span: float, db: str) -> Any:
+def draw_store(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
     outage = round(rng.uniform(1.0, 5.0), 2)
     if db == "sqlite":  # the lock is held past the busy timeout, by a fifth of the outage
         return pick(), round(BUSY_TIMEOUT + outage / 5, 2), {"how": "exclusive-lock"}
     return pick(), outage, {"how": "connections-refused"}
 
 
-def draw_shutdown(rng: Random, pick: Callable[[], str], span: float, db: str) -> Any:
+def draw_shutdown(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
     target = pick()
     slow = round(rng.uniform(0.4, 0.9), 2)
-    return target, round(rng.uniform(0.5, 3.0), 2), {"slow": slow}
+    down = round(rng.uniform(0.5, 3.0), 2)
+    # A draw of its own (from what the seed's draw gave), so the plan is otherwise the
+    # seed's as it was before the locked shutdowns.
+    if db == "sqlite" and random.Random(f"shutdown/{target}/{slow}/{down}").random() < 0.5:
+        return target, down, {"slow": slow, "locked": True}
+    return target, down, {"slow": slow}
 
 
 async def break_store(n: Nemesis, fault: Fault) -> None:
@@ -130,7 +148,11 @@ async def heal_store(n: Nemesis, fault: Fault) -> None:
 
 async def shut_down(n: Nemesis, fault: Fault) -> None:
     """Slow answers for a moment, then SIGTERM to the replica as soon as a write waits
-    there behind an older generation's (``waiter``); wait for it to end."""
+    there behind an older generation's (``waiter``); wait for it to end. A ``locked``
+    shutdown: SIGTERM while the replica's admissions wait for SQLite's write lock."""
+    if fault.params.get("locked"):
+        await _shut_down_locked(n, fault)
+        return
     replica = n.replica(fault.target)
     upstream = n.stack.upstream
     assert upstream is not None
@@ -149,6 +171,30 @@ async def shut_down(n: Nemesis, fault: Fault) -> None:
         n.slowing -= 1
         if not n.slowing:
             await upstream.set_knobs(delay=[0.0, 0.0])
+
+
+async def _shut_down_locked(n: Nemesis, fault: Fault) -> None:
+    """Another process takes the database's write lock (unless the store nemesis holds it
+    already); ``LOCKED_BEFORE`` s later, SIGTERM to the replica; the lock is given up
+    ``LOCKED_AFTER`` s after that, past the grace; then wait for the replica to end."""
+    stack, replica = n.stack, n.replica(fault.target)
+    locker = None
+    if n.store_lock is None:
+        argv = [sys.executable, "-c", LOCKER, str(stack.out / "fencegate.db")]
+        since = len(_read(stack.out / "shutdown-lock.log"))
+        locker = stack.children.spawn("shutdown-lock", argv)
+    try:
+        if locker is not None:
+            await wait_for_line(locker, LOCKED, 30, since)
+        await asyncio.sleep(LOCKED_BEFORE)
+        started = time.monotonic()
+        stopping = asyncio.ensure_future(asyncio.to_thread(replica.stop, STOP_WAIT))
+        await asyncio.sleep(LOCKED_AFTER)
+    finally:
+        if locker is not None:
+            await asyncio.to_thread(locker.kill)
+    if not await stopping:
+        n.note_killed(fault, time.monotonic() - started)
 
 
 async def waiter(control: str, token: str, seconds: float) -> float | None:

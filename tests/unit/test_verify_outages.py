@@ -5,13 +5,20 @@ invariant 13 (``verify.run.excused_windows``)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from verify.nemesis import KINDS, plan
-from verify.outages import BUSY_TIMEOUT, WAITING
+from verify.outages import (
+    BUSY_TIMEOUT,
+    LOCKED_AFTER,
+    LOCKED_BEFORE,
+    STOP_WAIT,
+    WAITING,
+)
 from verify.run import SetupError, choose_nemeses, excused_windows
 from verify.stack import ORDERING_WAIT_UNDER_SHUTDOWN, SHUTDOWN_GRACE_UNDER_NEMESIS
 
@@ -40,6 +47,24 @@ def test_the_plan_draws_outages_past_the_busy_timeout_on_sqlite() -> None:
     stops = plan(5, ["shutdown"], seconds=120, replicas=["a", "b"], workers=[], db="pg")
     assert {f.target for f in stops} == {"a", "b"}
     assert all(0.4 <= f.params["slow"] <= 0.9 and 0.5 <= f.duration <= 3 for f in stops)
+
+
+def test_half_the_shutdowns_on_sqlite_come_while_the_write_lock_is_held() -> None:
+    """A locked shutdown (SIGTERM while the replica's admissions wait for the lock) is a
+    draw of its own: leave its mark out and the plan is the one PostgreSQL's seed gives
+    (the seed's plan as it was before locked shutdowns)."""
+    shape: dict[str, Any] = {"seconds": 300, "replicas": ["a", "b"], "workers": []}
+    on_sqlite = plan(7, ["shutdown"], db="sqlite", **shape)
+    locked = [f for f in on_sqlite if f.params.get("locked")]
+    assert 0.25 * len(on_sqlite) <= len(locked) <= 0.75 * len(on_sqlite)
+    unmarked = [
+        replace(f, params={k: v for k, v in f.params.items() if k != "locked"}) for f in on_sqlite
+    ]
+    assert unmarked == plan(7, ["shutdown"], db="pg", **shape)
+    assert not any(f.params.get("locked") for f in plan(7, ["shutdown"], db="pg", **shape))
+    assert LOCKED_AFTER > SHUTDOWN_GRACE_UNDER_NEMESIS  # the grace ends while locked
+    assert LOCKED_BEFORE + LOCKED_AFTER < BUSY_TIMEOUT  # the admissions still commit
+    assert LOCKED_AFTER < STOP_WAIT  # and the replica ends before it is killed
 
 
 def _faults(path: Path, lines: list[tuple[str, int, str, float, dict[str, Any]]]) -> None:
