@@ -11,7 +11,9 @@ to the first violation, killed or survived, the invariants broken) and writes
 Exit 0: every mutant killed on every seed and the baseline clean; 1: a mutant survived or
 the baseline had a violation; 2: a mutant no longer applies or a run could not start.
 A mutant with ``run_args`` runs with those ``verify run`` arguments (``--resolving``: a
-workload that masks other mutants), and so does a baseline of its own (``none+resolving``).
+workload that masks other mutants; ``--nemesis shutdown``: the one nemesis that reaches
+it, in place of ``--nemesis``'s), and so does a baseline of its own (``none+resolving``,
+``none+nemesis+shutdown``).
 A mutant that names no database is one the verification cannot reach (the workload does
 not exercise its layer, or another layer masks it): it is listed, not run.
 
