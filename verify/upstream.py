@@ -51,6 +51,14 @@ A write with ``Verify-Apply-Delay: S`` (the workers' ``overlap``) waits S second
 most 5) before it is applied: a write in flight at the upstream while the job's next
 generation is granted and writes.
 
+``--let-go FILE``: every write whose connection the sender closed gracefully (a FIN: the
+connection lost without an error) before it was answered, seen once it was applied or
+when its answer was due, as a ledger line (its ``time`` when seen, ``seen``: ``applied``
+or ``answer``). A sender that lets go of a write it has sent must reset the connection
+(the gateway's ``SO_LINGER`` 0): a graceful close leaves the kernel retransmitting the
+write's unacknowledged bytes, and a partition that heals delivers it after the sender
+gave up on it (invariant 16, ``verify.check``).
+
 ``GET /__state``: counts, and ``handling``: the requests received and not yet answered
 (0: every write received so far is in the ledger). It prints ``upstream listening on
 PORT`` when ready.
@@ -78,6 +86,10 @@ MODES = ("none", "cut", "slow", "5xx")
 MIX = ("hang", "cut", "dribble", "apply_before_cut")
 FORCED = frozenset({"none", "hang", "cut", "cut-before-apply", "dribble", "slow", "5xx"})
 HANG_SECONDS = 60.0  # a hanging answer: the gateway gives up long before
+# --let-go: a connection closed gracefully is remembered this long (past any answer's
+# delay), looked through once more than CLOSED_PRUNE are remembered
+CLOSED_KEPT = 120.0
+CLOSED_PRUNE = 1000
 
 
 @dataclass
@@ -140,9 +152,15 @@ class Upstream:
         seed: int | None,
         received: JsonlWriter | None,
         dedup_window: float | None = None,
+        let_go: JsonlWriter | None = None,
     ) -> None:
         self.ledger = ledger
         self.received = received
+        self.let_go = let_go
+        # the connections (their protocols) the sender closed without an error, and when
+        # (held, so that no other connection takes the id; forgotten after CLOSED_KEPT,
+        # or once told)
+        self.closed_gracefully: dict[web.RequestHandler, float] = {}
         self.faults = Faults()
         self.random = random.Random(seed)
         self.seq = 0
@@ -169,6 +187,33 @@ class Upstream:
                 return name, delay
             roll -= chance
         return ("delay" if delay else "none"), delay
+
+    def watch(self, server: web.Server) -> None:
+        """Tell a connection closed by a FIN from one reset: aiohttp's handler gets the
+        connection's end from the transport (None: end of file) and hands it on as a
+        reset either way."""
+        lost = server.connection_lost
+
+        def connection_lost(handler: web.RequestHandler, exc: BaseException | None = None) -> None:
+            if exc is None:
+                now = time.monotonic()
+                if len(self.closed_gracefully) > CLOSED_PRUNE:
+                    old = [h for h, at in self.closed_gracefully.items() if at < now - CLOSED_KEPT]
+                    for gone in old:
+                        del self.closed_gracefully[gone]
+                self.closed_gracefully[handler] = now
+            lost(handler, exc)
+
+        server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    def check_let_go(self, request: web.Request, entry: LedgerEntry, seen: str) -> None:
+        """``--let-go``: the write's connection was closed gracefully before its answer."""
+        if self.let_go is None:
+            return
+        # one request at most on a connection lost: told once
+        if self.closed_gracefully.pop(request.protocol, None) is not None:
+            extra = {**entry.extra, "seen": seen}
+            self.let_go.write({**entry.to_json(), "time": time.time(), **extra})
 
     def note(self, event: str, entry: LedgerEntry) -> None:
         """A write received, in ``--received``."""
@@ -235,7 +280,9 @@ class Upstream:
             self.ledger.write(entry)
             self.note("applied", entry)
             self.counts["applied"] += 1
-        return await self.answer(request, fault, wait, answer)
+        await asyncio.sleep(0)  # an end of the connection read with the request, handled
+        self.check_let_go(request, entry, "applied")
+        return await self.answer(request, fault, wait, answer, entry)
 
     def remembered(self, job: str, key: str) -> str | None:
         """``/dedupe/``: the first answer to (job, key), while the key is kept."""
@@ -248,19 +295,20 @@ class Upstream:
         return answer
 
     async def answer(
-        self, request: web.Request, fault: str, wait: float, answer: str
+        self, request: web.Request, fault: str, wait: float, answer: str, entry: LedgerEntry
     ) -> web.StreamResponse:
         if fault != "none":
             self.counts[fault] = self.counts.get(fault, 0) + 1
         if fault == "cut":
             return self.cut(request)
         if fault == "hang":
-            await asyncio.sleep(HANG_SECONDS)
+            await self.hang(request, entry)
             return self.cut(request)
         if fault == "slow":
             await asyncio.sleep(self.random.uniform(0.0, self.faults.slow_seconds))
         if wait:
             await asyncio.sleep(wait)
+        self.check_let_go(request, entry, "answer")
         if fault != "dribble":
             return web.Response(status=201, text=answer, content_type="application/json")
         out = web.StreamResponse(status=201, headers={"Content-Type": "application/json"})
@@ -272,6 +320,14 @@ class Upstream:
             await asyncio.sleep(0.5 / len(pieces))
         await out.write_eof()
         return out
+
+    async def hang(self, request: web.Request, entry: LedgerEntry) -> None:
+        """No answer for ``HANG_SECONDS``, or until the connection ends (the sender gave
+        up: how it closed is looked at then)."""
+        ended = time.monotonic() + HANG_SECONDS
+        while time.monotonic() < ended and request.transport is not None:
+            await asyncio.sleep(0.1)
+        self.check_let_go(request, entry, "answer")
 
     @staticmethod
     def cut(request: web.Request) -> web.Response:
@@ -319,6 +375,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
+        "--let-go",
+        default=None,
+        help="every write whose connection was closed gracefully before its answer (appended to)",
+    )
+    parser.add_argument(
         "--second-port",
         type=int,
         default=None,
@@ -338,13 +399,16 @@ async def serve(args: argparse.Namespace) -> None:
     with contextlib.ExitStack() as files:
         ledger = files.enter_context(JsonlWriter(args.ledger))
         received = files.enter_context(JsonlWriter(args.received)) if args.received else None
-        upstream = Upstream(ledger, args.seed, received, args.dedup_window)
+        let_go = files.enter_context(JsonlWriter(args.let_go)) if args.let_go else None
+        upstream = Upstream(ledger, args.seed, received, args.dedup_window, let_go)
         app = web.Application(client_max_size=16 * 1024 * 1024)
         app.router.add_get("/__state", upstream.get_state)
         app.router.add_post("/__faults", upstream.set_faults)
         app.router.add_route("*", "/{tail:.*}", upstream.handle)
         runner = web.AppRunner(app, access_log=None, handle_signals=True)
         await runner.setup()
+        assert runner.server is not None
+        upstream.watch(runner.server)
         try:
             for host in args.hosts.split(","):
                 await web.TCPSite(runner, host.strip(), args.port, backlog=1024).start()
