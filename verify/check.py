@@ -68,9 +68,19 @@ expired or completed (11). The violation is named by the latest such write.
     job out early (a claimable time judged with slack) breaks it while the gateway still
     fences the old holder off.
 
+16. ``let-go-gracefully``: the gateway never closes a connection to the upstream
+    gracefully (a FIN) while a write it sent on it is unanswered: a graceful close leaves
+    the kernel retransmitting the write's unacknowledged bytes after the gateway gave up
+    on it, and a partition that heals delivers it then, after the next generation's
+    writes or past the upstream's deduplication window. It resets such a connection
+    (``gateway.upstream.connection``). The upstream sees the FIN (``verify.upstream
+    --let-go``, ``let-go.jsonl``, each line a ledger entry of such a write, its ``time``
+    when seen); whether the bytes arrived late is only chance (a partition falling on a
+    write in flight), the graceful close is not. Not judged without the file.
+
 ``python -m verify check HISTORY LEDGER [--min-completed X] [--expiry-margin S]
-[--clock-skew FROM,TO ...] [--unknowns FILE] [--excused FROM,TO ...] [--json]``: 0 no
-violation, 1 violation, 2 a file cannot be read.
+[--clock-skew FROM,TO ...] [--unknowns FILE] [--let-go FILE] [--excused FROM,TO ...]
+[--json]``: 0 no violation, 1 violation, 2 a file cannot be read.
 """
 
 from __future__ import annotations
@@ -114,6 +124,7 @@ NAMES = {
     13: "never-sent-held-unknown",
     14: "acked-body-not-applied",
     15: "granted-while-current",
+    16: "let-go-gracefully",
 }
 
 REISSUED: Final = Reason.GENERATION_REISSUED.value
@@ -295,8 +306,9 @@ def check(
     held: Sequence[HeldUnknown] | None = None,
     excused: Sequence[tuple[float, float]] = (),
     refreshed: Sequence[Refresh] = (),
+    let_go: Sequence[LedgerEntry] = (),
 ) -> Report:
-    """Check invariants 1-15 of a run; the violations in invariant order, then ledger order.
+    """Check invariants 1-16 of a run; the violations in invariant order, then ledger order.
 
     ``skewed``: the spans of time (``time.time()``, from, to) in which a replica that
     judges leases by its own clock (SQLite) ran with a skewed clock; invariant 11 does
@@ -305,7 +317,8 @@ def check(
     None: invariant 13 is not judged); ``excused``: the spans in which a replica or the
     network could lose a write without the gateway knowing whether it left (13);
     ``refreshed``: restarts of a lease source's store that gave its leases their TTL
-    again (``Refresh``; 11)."""
+    again (``Refresh``; 11); ``let_go``: the writes whose connection the upstream saw
+    closed gracefully before their answer (16)."""
     report = Report(min_completed=min_completed)
     report.history_events = len(history)
     report.writes_applied = len(ledger)
@@ -357,6 +370,7 @@ def check(
     if held is not None:
         v.extend(causes.held_unknown(held, ledger, excused))
     v.extend(granted_while_current(history, causes.in_skew))
+    v.extend(let_go_gracefully(let_go))
     v.extend(liveness(history, report))
     v.sort(key=lambda violation: violation.invariant)
     return report
@@ -898,6 +912,19 @@ def granted_while_current(
             ends[event.job][event.generation] = (end, event)
 
 
+def let_go_gracefully(let_go: Iterable[LedgerEntry]) -> Iterable[Violation]:
+    """16: no write's connection closed gracefully before its answer."""
+    for entry in let_go:
+        yield Violation(
+            16,
+            entry.job,
+            f"generation {entry.generation} write (key {entry.key!r}): the gateway closed "
+            "its connection to the upstream gracefully before the answer (a FIN, not a "
+            "reset), so the kernel could deliver its bytes after the gateway let go of it",
+            (entry,),
+        )
+
+
 def liveness(history: Iterable[HistoryEvent], report: Report) -> Iterable[Violation]:
     """7: the share of claimed jobs completed, set on ``report``; none is a violation."""
     claimed = {e.job for e in history if e.f == "claim" and e.type == "ok"}
@@ -927,9 +954,11 @@ def check_files(
     unknowns: str | Path | None = None,
     excused: Sequence[tuple[float, float]] = (),
     refreshed: Sequence[Refresh] = (),
+    let_go: str | Path | None = None,
 ) -> Report:
     """Read the files (``UnreadableFile``) and check them; ``unknowns``: an
-    ``unknowns.jsonl`` for invariant 13 (None: not judged)."""
+    ``unknowns.jsonl`` for invariant 13 (None: not judged); ``let_go``: a
+    ``let-go.jsonl`` for 16 (None: not judged)."""
     return check(
         read_history(history),
         read_ledger(ledger),
@@ -939,6 +968,7 @@ def check_files(
         held=None if unknowns is None else read_unknowns(unknowns),
         excused=excused,
         refreshed=refreshed,
+        let_go=() if let_go is None else read_ledger(let_go),
     )
 
 
@@ -1014,6 +1044,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "without it 13 is not judged)",
     )
     parser.add_argument(
+        "--let-go",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="let-go.jsonl: the writes whose connection the upstream saw closed gracefully "
+        "before their answer (invariant 16; without it 16 is not judged)",
+    )
+    parser.add_argument(
         "--excused",
         type=_span,
         action="append",
@@ -1046,6 +1084,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             unknowns=args.unknowns,
             excused=args.excused,
             refreshed=args.lease_refresh,
+            let_go=args.let_go,
         )
     except UnreadableFile as exc:
         print(f"verify check: unreadable: {exc}", file=sys.stderr)

@@ -597,8 +597,14 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
             "bytes, so the kernel keeps retransmitting a request the gateway let go of (its "
             "timeout, its process killed or frozen) and a partition that heals delivers it "
             "late: after the next generation's writes (invariants 1, 2, 6), or, a re-send "
-            "of the resolver, past the upstream's deduplication window (applied twice)."
+            "of the resolver, past the upstream's deduplication window (applied twice). "
+            "Those need a partition to fall on a write in flight (killed on one run of "
+            "four); invariant 16 sees the graceful close itself, at the upstream "
+            "(let-go.jsonl), whenever the gateway lets go of a write in flight: its "
+            "timeout on a slow answer, a shutdown. The bound on unacknowledged bytes (the "
+            "other edit: a frozen process's retransmissions) is left to the fault test."
         ),
+        fast=True,
         killed_by=(
             "tests/faults/test_partitioned_send.py::"
             "test_a_write_cut_off_never_reaches_the_upstream_after_the_gateway_let_go"

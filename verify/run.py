@@ -30,6 +30,7 @@ from verify.patroni import PATRONI
 from verify.procs import Child, StartError
 from verify.roles import Control, Feeder, Observer, Operator, Tail
 from verify.stack import (
+    LET_GO,
     ORDERING_WAIT,
     ORDERING_WAIT_UNDER_SHUTDOWN,
     SHUTDOWN_ALONE,
@@ -292,7 +293,14 @@ def _violation_so_far(out: Path, db: str, names: list[str]) -> tuple[float, Viol
     ledger = [LedgerEntry.from_json(obj) for obj in Tail(out / "ledger.jsonl").read()]
     ledger = [entry for entry in ledger if entry.time <= read_at]
     events = sorted((e for e in events if e.time <= read_at), key=lambda event: event.time)
-    report = check(events, ledger, skewed=skew_windows(out, db), refreshed=lease_refreshes(out))
+    let_go = [LedgerEntry.from_json(obj) for obj in Tail(out / LET_GO).read()]
+    report = check(
+        events,
+        ledger,
+        skewed=skew_windows(out, db),
+        refreshed=lease_refreshes(out),
+        let_go=[entry for entry in let_go if entry.time <= read_at],
+    )
     # A violation whose records are all older than a write's longest wait for its answer:
     # an answer that would excuse it (``GAVE_UP``) has come by then.
     settled = [(at, v) for at, v in _safety(report) if at <= read_at - SETTLED_AFTER]
@@ -500,6 +508,7 @@ def finish(
             unknowns=out / "unknowns.jsonl" if (out / "unknowns.jsonl").exists() else None,
             excused=excused_windows(out),
             refreshed=lease_refreshes(out),
+            let_go=out / LET_GO if (out / LET_GO).exists() else None,
         )
     except UnreadableFile as error:
         print(f"verify check: unreadable: {error}")

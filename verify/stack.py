@@ -67,6 +67,9 @@ SHUTDOWN_GRACE = 2.0
 # re-send arrived seconds late after a partition healed and was applied twice (issue 53's
 # runs), and this upstream was left out of the partitions' reach.
 DEDUP_WINDOW = 4.0
+# The writes whose connection the gateway closed gracefully before their answer, as the
+# upstream saw them (``verify.upstream --let-go``; invariant 16)
+LET_GO = "let-go.jsonl"
 RESOLVE_INTERVAL = 0.5
 RESOLVE_ATTEMPTS = 10
 # With the shutdown nemesis: a grace shorter than the ordering wait, so that a SIGTERM
@@ -262,6 +265,7 @@ async def start_upstream(
     name: str = "upstream",
     dedup_window: float | None = None,
     second_port: int | None = None,
+    let_go: Path | None = None,
 ) -> Upstream:
     """``python -m verify.upstream`` as a child, once it listens (``port`` 0: a free one)."""
     argv = [
@@ -276,6 +280,8 @@ async def start_upstream(
         argv += ["--dedup-window", f"{dedup_window:g}"]
     if second_port is not None:
         argv += ["--second-port", str(second_port)]
+    if let_go is not None:
+        argv += ["--let-go", str(let_go)]
     child = children.spawn(name, argv, env=python_env())
     port = int((await wait_for_line(child, UPSTREAM_LISTENING, 30))[1])
     return Upstream(child, port, f"http://127.0.0.1:{port}", ledger=ledger, received=received)
@@ -526,6 +532,7 @@ class Stack:
             seed=self.seed,
             dedup_window=DEDUP_WINDOW,
             second_port=self.resolving_port,
+            let_go=self.out / LET_GO,
         )
 
     def spawn_worker(

@@ -875,6 +875,35 @@ def test_15_a_job_granted_while_its_lease_is_current() -> None:
     assert 15 not in invariants(holders.check())
 
 
+def test_16_a_write_let_go_gracefully_is_caught(tmp_path: Path) -> None:
+    """The upstream saw the gateway close a write's connection gracefully before its
+    answer (``let-go.jsonl``): a violation whatever the history says (the write given up
+    on, ``upstream-timeout``, and applied in order); not judged without the file."""
+    run = Run()
+    run.claim("w1", "j1", 1, ttl=60.0)
+    run.write("w1", "j1", 1, "k1", outcome="fail", status=504, reason="upstream-timeout")
+    entry = run.ledger[-1]
+    seen = LedgerEntry.from_json({**entry.to_json(), "time": entry.time + 1.0, "seen": "answer"})
+    run.complete("w1", "j1", 1)
+    assert run.check().ok, run.check().render()
+    report = check(run.history, run.ledger, let_go=[seen])
+    assert invariants(report) == [16], report.render()
+    violation = report.violations[0]
+    assert violation.name == "let-go-gracefully" and violation.job == "j1"
+    assert "gracefully before the answer" in violation.message
+    assert violation.events == [seen.to_json()]
+    (tmp_path / "history.jsonl").write_text(
+        "".join(json.dumps(e.to_json()) + "\n" for e in run.history)
+    )
+    (tmp_path / "ledger.jsonl").write_text(
+        "".join(json.dumps(e.to_json()) + "\n" for e in run.ledger)
+    )
+    (tmp_path / "let-go.jsonl").write_text(json.dumps(seen.to_json()) + "\n")
+    args = [str(tmp_path / "history.jsonl"), str(tmp_path / "ledger.jsonl")]
+    assert main(args) == 0
+    assert main([*args, "--let-go", str(tmp_path / "let-go.jsonl")]) == 1
+
+
 def test_11_a_write_invoked_after_its_job_completed() -> None:
     run = Run()
     run.claim("w1", "j1", 1, ttl=60.0)
