@@ -205,6 +205,7 @@ class Upstream:
     faults: dict[str, Any] = field(default_factory=dict)
     ledger: Path | None = None
     received: Path | None = None  # every write received (``--received``), when kept
+    let_go: Path | None = None  # writes let go of gracefully (``--let-go``), when kept
 
     async def set_faults(self, mode: str, probability: float = 0.0, slow: float = 2.0) -> None:
         await self.set_knobs(mode=mode, probability=probability, slow_seconds=slow)
@@ -284,7 +285,9 @@ async def start_upstream(
         argv += ["--let-go", str(let_go)]
     child = children.spawn(name, argv, env=python_env())
     port = int((await wait_for_line(child, UPSTREAM_LISTENING, 30))[1])
-    return Upstream(child, port, f"http://127.0.0.1:{port}", ledger=ledger, received=received)
+    return Upstream(
+        child, port, f"http://127.0.0.1:{port}", ledger=ledger, received=received, let_go=let_go
+    )
 
 
 def migrate(database_url: str, cwd: Path) -> None:

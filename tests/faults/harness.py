@@ -116,6 +116,7 @@ async def start_upstream(
         seed=seed,
         received=group.folder / f"{name}.jsonl",
         name=name,
+        let_go=group.folder / f"{name}-let-go.jsonl",
     )
     if knobs:
         await upstream.set_knobs(**knobs)
@@ -684,15 +685,17 @@ async def check_run(
       applied at most once, and exactly once when a worker got a 2xx; generations in
       order at the upstream; every 2xx the upstream's first answer; no write applied that
       was refused, or sent after a newer grant or its lease's end, or never sent with
-      that body; no lease granted while an older one could be current. Liveness (7) is
-      the tests' own, stricter: every job ends.
+      that body; no lease granted while an older one could be current; no write's
+      connection closed gracefully before its answer (16). Liveness (7) is the tests'
+      own, stricter: every job ends.
     - ``verify.records``: every job the database says completed had each step
       (``keys_of``) applied once; every 2xx the upstream's first answer, status and
       body; per job, no lower generation received after a higher one (applied or not);
       the records and ``replica``'s list of unknown outcomes.
     """
     applied = ledger(upstream)
-    found = problems(history, applied, upstream.events(), jobs or {}, keys_of)
+    let_go = read_ledger(upstream.let_go) if upstream.let_go and upstream.let_go.exists() else []
+    found = problems(history, applied, upstream.events(), jobs or {}, keys_of, let_go=let_go)
     rows, now = await records(engine)
     async with aiohttp.ClientSession() as session:
         listed = await unknown_outcomes(session, replica)
@@ -705,10 +708,13 @@ def problems(
     received: Sequence[dict[str, Any]],
     jobs: Mapping[str, Mapping[str, Any]],
     keys_of: Callable[[str], Sequence[str]],
+    *,
+    let_go: Sequence[LedgerEntry] = (),
 ) -> list[str]:
-    """``check_run``'s checks that need no database: ``verify.check`` (but 7) and
-    ``verify.records``' completed jobs, answers acknowledged and order of receipt."""
-    report = check(sorted(history, key=lambda e: e.time), applied)
+    """``check_run``'s checks that need no database: ``verify.check`` (but 7; 16 over
+    ``let_go``, the upstream's ``--let-go`` file) and ``verify.records``' completed jobs,
+    answers acknowledged and order of receipt."""
+    report = check(sorted(history, key=lambda e: e.time), applied, let_go=let_go)
     found = [
         f"[{v.invariant} {v.name}] job {v.job!r}: {v.message}: {v.events}"
         for v in report.violations
