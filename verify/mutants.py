@@ -256,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan += [(m, db, seed, m.run_args) for m in running for seed in seeds]
     print(
         f"mutants: {len(mutants)} mutant(s), {len(plan)} run(s) of --seconds "
-        f"{options.seconds:g} --nemesis {options.nemesis} on {', '.join(databases)}, seeds "
+        f"{options.seconds:g} --nemesis {options.nemesis} (a mutant's run_args after it) on "
+        f"{', '.join(databases)}, seeds "
         f"{', '.join(map(str, seeds))}; files in {out}",
         flush=True,
     )
