@@ -26,6 +26,10 @@ class NetnsError(Exception):
     """A namespace command failed."""
 
 
+class IndexTaken(NetnsError):
+    """Another namespace's veth pair has the index's interface names (another run's)."""
+
+
 def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if check and result.returncode != 0:
@@ -78,10 +82,17 @@ class Namespace:
         return f"Namespace({self.name!r}, {self.addr})"
 
     def create(self) -> None:
-        self.destroy()  # leftovers of a crashed run under the same name
+        """The namespace and its pair; ``IndexTaken`` (nothing left behind) when another
+        run's pair has this index: its interface is never deleted from here (two runs of
+        one index once met that way, and one lost its replica's address)."""
+        _run(["ip", "netns", "del", self.name], check=False)  # a crashed run's, same name
         _run(["ip", "netns", "add", self.name])
         try:
             _run(["ip", "link", "add", self._host_if, "type", "veth", "peer", self._inner_if])
+        except NetnsError as exc:
+            _run(["ip", "netns", "del", self.name], check=False)
+            raise IndexTaken(str(exc)) from exc
+        try:
             _run(["ip", "link", "set", self._inner_if, "netns", self.name])
             _run(["ip", "addr", "add", f"{self.host_addr}/24", "dev", self._host_if])
             _run(["ip", "link", "set", self._host_if, "up"])
@@ -117,6 +128,19 @@ class Namespace:
     def heal(self) -> None:
         """Remove every cut."""
         _run(self.command(["iptables", "-w", "-F", "OUTPUT"]))
+
+
+def claim(name: str, first: int, last: int = 220) -> Namespace:
+    """A namespace created on the first index from ``first`` on (then from 1, up to
+    ``last``) that no other namespace's pair holds."""
+    for step in range(last):
+        namespace = Namespace(name, (first - 1 + step) % last + 1)
+        try:
+            namespace.create()
+        except IndexTaken:
+            continue
+        return namespace
+    raise NetnsError(f"no index of 1..{last} is free for {name}")
 
 
 def sweep(prefix: str = PREFIX) -> list[str]:

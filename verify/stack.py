@@ -363,12 +363,9 @@ class Stack:
     async def start(self) -> None:
         if self.use_netns:
             base = 1 + (os.getpid() % 55) * 4  # 1..220: apart from another run's, most likely
-            self.namespaces = [
-                netns.Namespace(f"{netns.PREFIX}-{os.getpid()}-{i}", base + i)
-                for i in range(self.count)
-            ]
-            for namespace in self.namespaces:
-                await asyncio.to_thread(namespace.create)
+            for i in range(self.count):  # else the next free index (netns.claim)
+                name = f"{netns.PREFIX}-{os.getpid()}-{i}"
+                self.namespaces.append(await asyncio.to_thread(netns.claim, name, base + i))
         urls = await self._database()
         if self.locks:
             binary = redis_binary()

@@ -117,3 +117,23 @@ def test_destroy_and_sweep_leave_nothing(namespace: netns.Namespace) -> None:
     assert netns.sweep(namespace.name) == [namespace.name]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert namespace.name not in listed
+
+
+def test_an_index_another_run_holds_is_refused_and_left_whole(namespace: netns.Namespace) -> None:
+    """Two runs once drew one index: the second's create deleted the first's interface,
+    and the first's replica could not bind its address. Now the second is refused
+    (``IndexTaken``, nothing of its own left) and the first's pair still carries its
+    address; ``netns.claim`` then moves on to the next index."""
+    second = netns.Namespace(f"{namespace.name}-second", namespace.index)
+    with pytest.raises(netns.IndexTaken):
+        second.create()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert second.name not in listed
+    inside = namespace.command(["ip", "-o", "addr", "show"])
+    addresses = subprocess.run(inside, capture_output=True, text=True, timeout=30).stdout
+    assert namespace.addr in addresses
+    first, port = serve(namespace.host_addr)
+    try:
+        assert connect_from(namespace, namespace.host_addr, port).strip() == "hi"
+    finally:
+        first.close()
