@@ -91,7 +91,9 @@ class Namespace:
             _run(["ip", "link", "add", self._host_if, "type", "veth", "peer", self._inner_if])
         except NetnsError as exc:
             _run(["ip", "netns", "del", self.name], check=False)
-            raise IndexTaken(str(exc)) from exc
+            if _run(["ip", "link", "show", self._host_if], check=False).returncode == 0:
+                raise IndexTaken(str(exc)) from exc
+            raise  # not another run's pair: the error as it is (``claim`` stops there)
         try:
             _run(["ip", "link", "set", self._inner_if, "netns", self.name])
             _run(["ip", "addr", "add", f"{self.host_addr}/24", "dev", self._host_if])

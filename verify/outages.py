@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from verify.nemesis import Fault, Nemesis
+    from verify.procs import Child
+    from verify.stack import Stack
 
 DATABASE = "verify"  # the run's database on PostgreSQL (verify.stack)
 BUSY_TIMEOUT = BUSY_TIMEOUT_MS / 1000
@@ -97,6 +99,16 @@ def draw_shutdown(rng: random.Random, pick: Callable[[], str], span: float, db: 
     return target, down, {"slow": slow}
 
 
+async def write_lock(stack: Stack, name: str) -> Child:
+    """A process of the run's own (``name``, its log ``NAME.log``) holding the SQLite
+    file's write lock until it is killed, once it holds it."""
+    argv = [sys.executable, "-c", LOCKER, str(stack.out / "fencegate.db")]
+    since = len(_read(stack.out / f"{name}.log"))
+    locker = stack.children.spawn(name, argv)
+    await wait_for_line(locker, LOCKED, 30, since)
+    return locker
+
+
 async def break_store(n: Nemesis, fault: Fault) -> None:
     """The database broken in the middle of exchanges: the upstream first answers late
     (so writes admitted just before are in its hands) and cuts a share of its answers
@@ -108,10 +120,7 @@ async def break_store(n: Nemesis, fault: Fault) -> None:
         await stack.upstream.set_knobs(delay=list(CUT_DELAY), cut=CUT_SHARE, apply_before_cut=1.0)
         await asyncio.sleep(CUT_DELAY[0])
     if stack.db == "sqlite":
-        argv = [sys.executable, "-c", LOCKER, str(stack.out / "fencegate.db")]
-        since = len(_read(stack.out / "store-lock.log"))
-        n.store_lock = stack.children.spawn("store-lock", argv)
-        await wait_for_line(n.store_lock, LOCKED, 30, since)
+        n.store_lock = await write_lock(stack, "store-lock")
         return
     assert stack.cluster is not None
     await stack.cluster.execute(f'ALTER DATABASE "{DATABASE}" ALLOW_CONNECTIONS false')
@@ -177,15 +186,9 @@ async def _shut_down_locked(n: Nemesis, fault: Fault) -> None:
     """Another process takes the database's write lock (unless the store nemesis holds it
     already); ``LOCKED_BEFORE`` s later, SIGTERM to the replica; the lock is given up
     ``LOCKED_AFTER`` s after that, past the grace; then wait for the replica to end."""
-    stack, replica = n.stack, n.replica(fault.target)
-    locker = None
-    if n.store_lock is None:
-        argv = [sys.executable, "-c", LOCKER, str(stack.out / "fencegate.db")]
-        since = len(_read(stack.out / "shutdown-lock.log"))
-        locker = stack.children.spawn("shutdown-lock", argv)
+    replica = n.replica(fault.target)
+    locker = None if n.store_lock is not None else await write_lock(n.stack, "shutdown-lock")
     try:
-        if locker is not None:
-            await wait_for_line(locker, LOCKED, 30, since)
         await asyncio.sleep(LOCKED_BEFORE)
         started = time.monotonic()
         stopping = asyncio.ensure_future(asyncio.to_thread(replica.stop, STOP_WAIT))

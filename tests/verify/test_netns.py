@@ -123,7 +123,7 @@ def test_an_index_another_run_holds_is_refused_and_left_whole(namespace: netns.N
     """Two runs once drew one index: the second's create deleted the first's interface,
     and the first's replica could not bind its address. Now the second is refused
     (``IndexTaken``, nothing of its own left) and the first's pair still carries its
-    address; ``netns.claim`` then moves on to the next index."""
+    address (``netns.claim``, a stack's, moves on to the next index on ``IndexTaken``)."""
     second = netns.Namespace(f"{namespace.name}-second", namespace.index)
     with pytest.raises(netns.IndexTaken):
         second.create()
