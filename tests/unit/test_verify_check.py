@@ -892,13 +892,10 @@ def test_16_a_write_let_go_gracefully_is_caught(tmp_path: Path) -> None:
     assert violation.name == "let-go-gracefully" and violation.job == "j1"
     assert "gracefully before the answer" in violation.message
     assert violation.events == [seen.to_json()]
-    (tmp_path / "history.jsonl").write_text(
-        "".join(json.dumps(e.to_json()) + "\n" for e in run.history)
-    )
-    (tmp_path / "ledger.jsonl").write_text(
-        "".join(json.dumps(e.to_json()) + "\n" for e in run.ledger)
-    )
-    (tmp_path / "let-go.jsonl").write_text(json.dumps(seen.to_json()) + "\n")
+    for name, records_ in (("history", run.history), ("ledger", run.ledger), ("let-go", [seen])):
+        with JsonlWriter(tmp_path / f"{name}.jsonl") as out:
+            for record in records_:
+                out.write(record)
     args = [str(tmp_path / "history.jsonl"), str(tmp_path / "ledger.jsonl")]
     assert main(args) == 0
     assert main([*args, "--let-go", str(tmp_path / "let-go.jsonl")]) == 1
