@@ -91,12 +91,15 @@ async def test_lease_lost_during_renewal_surfaces_as_lease_lost(
     job_id = unique("takeover")
 
     def work(client: LeaseClient) -> None:
-        with client.acquire(job_id, owner="w", ttl=1) as first:
+        # A TTL of 3 s: renewed every second, the takeover is seen at a renewal long before
+        # the lease could lapse on a loaded machine (with 1 s, a renewal that came late
+        # was judged a lapse, LeaseExpired, in one CI run).
+        with client.acquire(job_id, owner="w", ttl=3) as first:
             assert first is not None
             # The same owner acquiring again (a restarted process): a newer generation.
             second = client.acquire(job_id, owner="w", ttl=30).take()
             assert second is not None and second.generation > first.generation
-            assert first.lost.wait(3), "the renewing thread did not notice the takeover"
+            assert first.lost.wait(5), "the renewing thread did not notice the takeover"
             assert isinstance(first.lost_reason, exc.StaleGeneration)
             assert not first.held
             with pytest.raises(exc.StaleGeneration):
