@@ -53,11 +53,16 @@ LOW = 128 * 1024
 # when the process ends), and the kernel is told to drop the connection rather than keep
 # its bytes unacknowledged past the exchange's deadline (TCP_USER_TIMEOUT, Linux), which
 # holds while the process is frozen too. A connection whose exchange finished cleanly
-# closes gracefully again (idle, it holds nothing unsent): an upstream does not log a
-# reset for every idle connection the pool closes.
+# closes gracefully (idle, it holds nothing unsent): an upstream does not log a reset
+# for every idle connection the pool closes. The reset is set once, when the connection
+# is made, and the graceful close only right before such a close: no system call per
+# exchange for it. TCP_USER_TIMEOUT is set again only when the exchange's deadline is
+# shorter than the value the socket has, or longer by an eighth (USER_TIMEOUT_SLACK):
+# the bound never exceeds an exchange's deadline.
 RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 SHUT_ON_CLOSE = struct.pack("ii", 0, 0)
 USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", None)
+USER_TIMEOUT_SLACK = 8
 
 
 class Connection(asyncio.Protocol):
@@ -71,6 +76,9 @@ class Connection(asyncio.Protocol):
         self._pool = pool
         self._max_head_bytes = max_head_bytes
         self.transport: asyncio.Transport | None = None
+        self._sock: socket.socket | None = None  # a TCP socket's, for its options
+        self._user_timeout: int | None = None  # milliseconds, as last set on the socket
+        self._clean = True  # no exchange yet, or the last one finished cleanly
         self._parser = httptools.HttpResponseParser(self)
         self.gone = False  # closed, lost, or the upstream's end shut: never used again
         self.idle_since = 0.0
@@ -104,6 +112,7 @@ class Connection(asyncio.Protocol):
 
     def begin(self, deadline: float, *, head_only: bool) -> None:
         self._active = True
+        self._clean = False
         self._head_only = head_only
         self._error = None
         self._informational = self._framed = self.head_done = self.done = False
@@ -192,8 +201,7 @@ class Connection(asyncio.Protocol):
 
     def end(self) -> None:
         """The exchange is over (released to the pool or about to be closed)."""
-        if self.finished_cleanly():
-            self._set_linger(SHUT_ON_CLOSE)
+        self._clean = self.finished_cleanly()
         self._active = False
         self._cancel_timer()
 
@@ -201,6 +209,8 @@ class Connection(asyncio.Protocol):
         self.gone = True
         self._cancel_timer()
         if self.transport is not None:
+            if self._clean and not self._active:
+                self._set_linger(SHUT_ON_CLOSE)  # idle: nothing of a request unsent
             self.transport.close()
 
     async def _wait(self) -> None:
@@ -220,32 +230,31 @@ class Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
-    def _socket(self) -> socket.socket | None:
-        transport = self.transport
-        sock = None if transport is None else transport.get_extra_info("socket")
-        return None if sock is None or sock.family == socket.AF_UNIX else sock
-
     def _guard(self, deadline: float) -> None:
-        """From now until the exchange finishes cleanly, closing the socket discards
-        what it has not sent, and the kernel drops the connection if its bytes stay
-        unacknowledged past ``deadline`` (this loop's time), whatever this process is
-        doing then."""
-        sock = self._set_linger(RESET_ON_CLOSE)
+        """Until the exchange finishes cleanly, closing the socket discards what it has
+        not sent (``SO_LINGER``, set when the connection was made), and the kernel drops
+        the connection if its bytes stay unacknowledged past ``deadline`` (this loop's
+        time), whatever this process is doing then."""
+        sock = self._sock
         if sock is None or USER_TIMEOUT is None:
             return
         milliseconds = max(1, int((deadline - self._loop.time()) * 1000))
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, USER_TIMEOUT, milliseconds)
-
-    def _set_linger(self, linger: bytes) -> socket.socket | None:
-        sock = self._socket()
-        if sock is None:
-            return None
+        last = self._user_timeout
+        if last is not None and last <= milliseconds <= last + last // USER_TIMEOUT_SLACK:
+            return  # the socket's bound is already within the deadline, and near it
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, USER_TIMEOUT, milliseconds)
+        except OSError:
+            self._user_timeout = None
+        else:
+            self._user_timeout = milliseconds
+
+    def _set_linger(self, linger: bytes) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        with contextlib.suppress(OSError, ValueError):  # closed already
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-        except (OSError, ValueError):  # not a TCP socket (a Unix one), or closed already
-            return None
-        return sock
 
     def _expired(self) -> None:
         self._timer = None
@@ -272,6 +281,10 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's is not an asyncio.Transport subclass).
         self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family != socket.AF_UNIX:
+            self._sock = sock
+            self._set_linger(RESET_ON_CLOSE)
 
     def data_received(self, data: bytes) -> None:
         if not self._active or self.done:
@@ -313,6 +326,8 @@ class Connection(asyncio.Protocol):
             )
 
     def eof_received(self) -> bool:
+        if self._clean and not self._active:
+            self._set_linger(SHUT_ON_CLOSE)  # the upstream closed an idle connection
         self._at_eof()
         return False  # close our end too
 
