@@ -396,8 +396,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         edits=(
             Edit(
                 "gateway/proxy/held.py",
-                "        kept = await settle_quietly(self._perform(fate, answer or KeptAnswer()))",
-                "        await self._perform(fate, answer or KeptAnswer())\n        kept = True",
+                "        kept = await settle_quietly(self._perform(fate, answer))",
+                "        await self._perform(fate, answer)\n        kept = True",
             ),
             Edit(
                 _MACHINE,

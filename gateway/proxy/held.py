@@ -50,7 +50,9 @@ class Behind:
         self._keys: Counter[str] = Counter()  # asked by key alone: before the job is known
 
     def start(self, key: str, settling: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(settle_quietly(settling))
+        """``settling`` in a task of its own: nothing cancels it (shutdown waits for it,
+        ``flush``), so it needs no shield."""
+        task = asyncio.ensure_future(settle_quietly(settling, shielded=False))
         self._tasks.add(task)
         self._keys[key] += 1
 
@@ -256,7 +258,14 @@ class HeldKey:
         fate = self._machine.exchange_ended(ended)
         if fate is None:
             return
-        kept = await settle_quietly(self._perform(fate, answer or KeptAnswer()))
+        answer = answer or KeptAnswer()
+        if fate is Fate.KEEP and not self._behind.full():
+            # The common end, a final answer stored behind it: begun here and now, with
+            # no await before it, so a cancellation cannot stop it half-way either.
+            self._behind.start(self._key, self._keep(answer))
+            self._machine.fate_performed(True)
+            return
+        kept = await settle_quietly(self._perform(fate, answer))
         self._machine.fate_performed(kept)
 
     async def refusal(self) -> web.StreamResponse:
@@ -267,12 +276,11 @@ class HeldKey:
             await self._releases.release(self._machine, self._key)
         elif fate is Fate.HOLD_UNKNOWN:
             await self._settle(RecordState.UNKNOWN, answer)
-        else:
-            settling = self._settle(RecordState.COMPLETED, answer._replace(note=None))
-            if self._behind.full():
-                await settling  # before the answer: as configured, or the database is behind
-            else:
-                self._behind.start(self._key, settling)
+        else:  # kept before the answer: as configured, or the database is behind (``ended``)
+            await self._keep(answer)
+
+    def _keep(self, answer: KeptAnswer) -> Coroutine[Any, Any, None]:
+        return self._settle(RecordState.COMPLETED, answer._replace(note=None))
 
     async def _settle(self, state: RecordState, answer: KeptAnswer) -> None:
         began = time.perf_counter()

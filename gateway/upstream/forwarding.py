@@ -421,15 +421,19 @@ def upstream_url(upstream: UpstreamSettings, rest: str, query: str) -> str:
     return f"{url}?{query}" if query else url
 
 
-async def settle_quietly(settling: Coroutine[Any, Any, None]) -> bool:
+async def settle_quietly(settling: Coroutine[Any, Any, None], *, shielded: bool = True) -> bool:
     """What the exchange's end does to the key (release, settle, hold as unknown),
     performed once any byte may have left: a failure here (the database went away) must
     not change what the worker is told (it was sent, or maybe sent; and never a second
     response on the same connection). The record then stays in flight and turns unknown
-    at its deadline. Shielded: a cancellation does not stop it half-way. Whether it was
-    kept."""
+    at its deadline. Shielded: a cancellation does not stop it half-way (``shielded``
+    False: the caller is a task of its own that nobody cancels, and a shield would only
+    cost another task). Whether it was kept."""
     try:
-        await asyncio.shield(settling)
+        if shielded:
+            await asyncio.shield(settling)
+        else:
+            await settling
     except lease_exc.StoreUnavailable:
         log.warning("the database is unavailable: the key's record turns unknown at its deadline")
         return False
