@@ -60,7 +60,7 @@ def namespace_for_test(tag: str, first_index: int, indexes: int) -> Iterator[net
     ``first_index`` on, ``indexes`` of them: two workers' tests run at once, and a shared
     index made one's ``ip link add`` meet the other's interface. verify's stacks take
     1..220; tests/faults/test_partitioned_send.py 221..229, tests/verify/test_netns.py
-    241..250."""
+    241..248, and 249..250 for its test of ``netns.claim``."""
     why = netns.unavailable()
     if why is not None:
         unavailable("network namespaces", why)

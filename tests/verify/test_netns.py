@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import namespace_for_test
+from tests.support import namespace_for_test, unavailable
 from verify import netns
 
 CONNECT = (
@@ -27,7 +27,7 @@ CONNECT = (
 
 @pytest.fixture
 def namespace() -> Iterator[netns.Namespace]:
-    with namespace_for_test("test", 241, 10) as ns:
+    with namespace_for_test("test", 241, 8) as ns:
         yield ns
 
 
@@ -137,3 +137,29 @@ def test_an_index_another_run_holds_is_refused_and_left_whole(namespace: netns.N
         assert connect_from(namespace, namespace.host_addr, port).strip() == "hi"
     finally:
         first.close()
+
+
+def test_claim_moves_on_past_an_index_another_run_holds() -> None:
+    """What a stack does when its drawn index is held (``netns.claim``): the next free
+    one, the holder's pair untouched. Indexes 249 and 250 are this test's alone."""
+    why = netns.unavailable()
+    if why is not None:
+        unavailable("network namespaces", why)
+    holder = netns.Namespace(f"{netns.PREFIX}-holdc", 249)
+    holder.create()
+    try:
+        claimed = netns.claim(f"{netns.PREFIX}-claimc", 249, last=250)
+        try:
+            assert claimed.index == 250
+            server, port = serve(claimed.host_addr)
+            try:
+                assert connect_from(claimed, claimed.host_addr, port).strip() == "hi"
+            finally:
+                server.close()
+            inside = holder.command(["ip", "-o", "addr", "show"])
+            addresses = subprocess.run(inside, capture_output=True, text=True, timeout=30).stdout
+            assert holder.addr in addresses
+        finally:
+            claimed.destroy()
+    finally:
+        holder.destroy()
