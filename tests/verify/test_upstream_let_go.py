@@ -7,12 +7,14 @@ A real ``verify.upstream`` process, and raw sockets for the three senders."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,26 @@ def _write(port: int, key: str, fault: str = f"delay={ANSWER_AFTER}") -> socket.
     return sock
 
 
+@contextlib.contextmanager
+def _upstream(ledger: Path, let_go: Path) -> Iterator[int]:
+    """A real ``verify.upstream`` process writing ``ledger`` and ``let_go``: its port."""
+    argv = [sys.executable, "-m", "verify.upstream", "--port", "0"]
+    argv += ["--ledger", str(ledger), "--let-go", str(let_go)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline().split()[-1])
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0), not a FIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
 def _lines(path: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
@@ -41,25 +63,16 @@ def _lines(path: Path) -> list[dict[str, object]]:
 @pytest.mark.timeout(60)
 def test_a_write_let_go_gracefully_is_told_from_one_reset_or_answered(tmp_path: Path) -> None:
     ledger, let_go = tmp_path / "ledger.jsonl", tmp_path / "let-go.jsonl"
-    argv = [sys.executable, "-m", "verify.upstream", "--port", "0"]
-    argv += ["--ledger", str(ledger), "--let-go", str(let_go)]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline().split()[-1])
+    with _upstream(ledger, let_go) as port:
         fin, reset, waited = _write(port, "fin"), _write(port, "reset"), _write(port, "waited")
         time.sleep(0.2)  # each received and applied, its answer not yet due
         fin.shutdown(socket.SHUT_WR)  # let go gracefully: a FIN, still reading
-        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        reset.close()  # let go as the gateway does: a reset
+        _reset(reset)  # let go as the gateway does
         answer = waited.recv(4096)
         assert answer.startswith(b"HTTP/1.1 201"), answer
         waited.close()  # gracefully, after its answer: nothing let go
         time.sleep(ANSWER_AFTER)
         fin.close()
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=10)
     assert sorted(str(e["key"]) for e in _lines(ledger)) == ["fin", "reset", "waited"]
     seen = _lines(let_go)
     assert [(e["key"], e["generation"], e["job"]) for e in seen] == [("fin", 1, "job-1")]
@@ -72,16 +85,10 @@ def test_a_hanging_answer_ends_with_its_connection_and_is_judged_then(tmp_path: 
     looked at when its sender lets go, not 60 s later: a FIN is reported at once, a reset
     never."""
     ledger, let_go = tmp_path / "ledger.jsonl", tmp_path / "let-go.jsonl"
-    argv = [sys.executable, "-m", "verify.upstream", "--port", "0"]
-    argv += ["--ledger", str(ledger), "--let-go", str(let_go)]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline().split()[-1])
+    with _upstream(ledger, let_go) as port:
         fin, reset = _write(port, "hang-fin", "hang"), _write(port, "hang-reset", "hang")
         time.sleep(0.3)  # each received, applied and hanging
-        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        reset.close()
+        _reset(reset)
         fin.shutdown(socket.SHUT_WR)
         let_go_by = time.monotonic() + 5  # the hang polls its connection every 0.1 s
         while time.monotonic() < let_go_by and not _lines(let_go):
@@ -89,8 +96,5 @@ def test_a_hanging_answer_ends_with_its_connection_and_is_judged_then(tmp_path: 
         time.sleep(0.5)  # time for a wrong report of the reset one
         seen = _lines(let_go)
         fin.close()
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=10)
     assert sorted(str(e["key"]) for e in _lines(ledger)) == ["hang-fin", "hang-reset"]
     assert [(e["key"], e["seen"]) for e in seen] == [("hang-fin", "answer")]
