@@ -316,13 +316,30 @@ def plan(
 
 
 # Kinds every run exercises within the first share of its window, whatever the draw (one
-# kind among eleven may fall late or not at all): Redis losing its locks and fence
-# counters (a FLUSHALL: the counters start again while holders still write) is what the
-# lease-source mutants need. Added from a draw of their own, so the rest of the plan is
-# the seed's as before.
-# A FLUSHALL early, while the counters are low: they regrow to the generations last
-# admitted soon after, which is when a lock's generation is issued twice.
-EARLY: Final = {"lock-loss": (0.15, {"how": "flush"})}  # kind: (share, its params)
+# kind among eleven may fall late or not at all). Each is added from a draw of its own,
+# so the rest of the plan is the seed's as before.
+@dataclass(frozen=True)
+class Early:
+    share: float  # it falls within this share of the run
+    params: dict[str, Any]  # its params (the kind's draw gives the target)
+    seconds: float  # its duration
+    match: tuple[str, ...]  # a planned fault of the kind with these params equal counts
+    clearance: float = 0.0  # seconds between its start and one of its kind already planned
+
+
+EARLY: Final = {
+    # Redis losing its locks and fence counters (a FLUSHALL: the counters start again
+    # while holders still write) is what the lease-source mutants need. Early, while the
+    # counters are low: they regrow to the generations last admitted soon after, which is
+    # when a lock's generation is issued twice. Done at once.
+    "lock-loss": Early(0.15, {"how": "flush"}, 0.5, ("how",), clearance=3.0),
+    # Answers that come after the gateway's timeout, for writes the upstream applied:
+    # the one way a write is given up on with its outcome unknown that needs no other
+    # fault to land at the right moment (a freeze delays answers only when the frozen
+    # loop runs the exchange's timer before reading the socket). What the unknown-outcome
+    # rules (held, not released; not re-sent) need on every seed.
+    "upstream": Early(0.25, {"mode": "slow", "probability": 0.4}, 3.0, ("mode",)),
+}
 
 
 def _with_early(
@@ -334,29 +351,32 @@ def _with_early(
     pools: dict[str, list[str]],
     db: str,
 ) -> list[Fault]:
-    for name, (share, params) in EARLY.items():
-        early = [f for f in faults if f.kind == name and f.params == params]
-        if name not in kinds or any(f.at <= share * seconds for f in early):
+    for name, early in EARLY.items():
+        if name not in kinds:
+            continue
+        kin = [f for f in faults if f.kind == name]
+        alike = [f for f in kin if all(f.params.get(k) == early.params[k] for k in early.match)]
+        if any(f.at <= early.share * seconds for f in alike):
             continue
         rng = random.Random(f"nemesis/{seed}/{name}")
-        times = (round(rng.uniform(0.05, share) * seconds, 3) for _ in range(20))
-        clear = (
-            at
-            for at in times
-            if all(f.kind != name or abs(f.at - at) >= EARLY_CLEARANCE for f in faults)
-        )
+        times = (round(rng.uniform(0.05, early.share) * seconds, 3) for _ in range(50))
+        clear = (at for at in times if all(_apart(f, at, early) for f in kin))
         at = next(clear, None)
         if at is None:
             continue
         fault = _draw(rng, 0, at, name, pools, db, {})
         if fault is not None:
-            faults.append(replace(fault, params=params, duration=EARLY_SECONDS))
+            faults.append(replace(fault, params=dict(early.params), duration=early.seconds))
     faults.sort(key=lambda f: f.at)
     return [replace(f, index=i) for i, f in enumerate(faults)]
 
 
-EARLY_CLEARANCE = 3.0  # seconds between an early fault and one of its kind already planned
-EARLY_SECONDS = 0.5  # an early fault's duration (a FLUSHALL is done at once)
+def _apart(planned: Fault, at: float, early: Early) -> bool:
+    """An early fault at ``at`` neither starts near nor overlaps one of its kind already
+    planned (whose healing would end it early)."""
+    if abs(planned.at - at) < early.clearance:
+        return False
+    return at + early.seconds <= planned.at or planned.at + planned.duration <= at
 
 
 def _draw(
