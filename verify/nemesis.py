@@ -310,9 +310,9 @@ def plan(
             faults.append(fault)
             busy[fault.slot] = t + fault.duration + KINDS[kind].rest
         t += rng.uniform(1.0, 4.0)
-    return _with_early(
-        faults, seed, kinds, seconds, pools={"replicas": replicas, "workers": workers}, db=db
-    )
+    pools = {"replicas": replicas, "workers": workers}
+    faults = _with_early(faults, seed, kinds, seconds, pools=pools, db=db)
+    return _with_outage_during_cuts(faults, seed, kinds, seconds, pools=pools, db=db)
 
 
 # Kinds every run exercises within the first share of its window, whatever the draw (one
@@ -371,12 +371,67 @@ def _with_early(
     return [replace(f, index=i) for i, f in enumerate(faults)]
 
 
+# Where the plan breaks the store (``store``: PostgreSQL's connections refused), every run
+# also has, within its first half, an outage that begins while the upstream cuts
+# answers it applied: the writes whose outcome turns unknown then have their key held
+# against a database that is down, and their workers must still be told the write may
+# have been sent. Without it, whether a run sees that rested on a store fault the seed
+# happened to draw inside a cut (unknown-settle-unguarded: PostgreSQL seed 1 drew a
+# 0.6 s overlap at 58 s, and the mutant survived the current tree).
+CUTS: Final = {"mode": "cut", "probability": 0.5}
+CUTS_SECONDS = 4.0
+OUTAGE_AFTER = 1.0  # seconds into the cuts the outage begins
+OUTAGE_SECONDS = 2.0
+OUTAGE_SHARE = 0.5
+
+
+def _with_outage_during_cuts(
+    faults: list[Fault],
+    seed: int,
+    kinds: list[str],
+    seconds: float,
+    *,
+    pools: dict[str, list[str]],
+    db: str,
+) -> list[Fault]:
+    if "store" not in kinds or "upstream" not in kinds:
+        return faults
+    rng = random.Random(f"nemesis/{seed}/outage-during-cuts")
+    for _ in range(50):
+        at = round(rng.uniform(0.05, OUTAGE_SHARE) * seconds, 3)
+        down = round(at + OUTAGE_AFTER, 3)
+        if all(_clear(f, at, CUTS_SECONDS, 0.0) for f in faults if f.kind == "upstream") and all(
+            _clear(f, down, OUTAGE_SECONDS, STORE_GAP) for f in faults if f.kind == "store"
+        ):
+            break
+    else:
+        return faults
+    cut = _draw(rng, 0, at, "upstream", pools, db, {})
+    store = _draw(rng, 0, down, "store", pools, db, {})
+    if cut is None or store is None:
+        return faults
+    faults = [
+        *faults,
+        replace(cut, params=dict(CUTS), duration=CUTS_SECONDS),
+        replace(store, duration=OUTAGE_SECONDS),
+    ]
+    faults.sort(key=lambda f: f.at)
+    return [replace(f, index=i) for i, f in enumerate(faults)]
+
+
 def _apart(planned: Fault, at: float, early: Early) -> bool:
     """An early fault at ``at`` neither starts near nor overlaps one of its kind already
     planned (whose healing would end it early)."""
-    if abs(planned.at - at) < early.clearance:
-        return False
-    return at + early.seconds <= planned.at or planned.at + planned.duration <= at
+    return abs(planned.at - at) >= early.clearance and _clear(planned, at, early.seconds, 0.0)
+
+
+def _clear(planned: Fault, at: float, seconds: float, gap: float) -> bool:
+    """A fault at ``at`` for ``seconds`` ends ``gap`` seconds before ``planned`` begins,
+    or begins ``gap`` seconds after it ended."""
+    return at + seconds + gap <= planned.at or planned.at + planned.duration + gap <= at
+
+
+STORE_GAP = 3.0  # seconds the database rests between two of the store's outages
 
 
 def _draw(
