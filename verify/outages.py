@@ -81,8 +81,11 @@ CUT_SHARE = 0.5
 HEAL_TRIES = 40  # ALLOW_CONNECTIONS true, every 0.5 s, until the server takes it
 
 
+PG_OUTAGE_MAX = 5.0  # seconds PostgreSQL's connections stay refused, at most
+
+
 def draw_store(rng: random.Random, pick: Callable[[], str], span: float, db: str) -> Any:
-    outage = round(rng.uniform(1.0, 5.0), 2)
+    outage = round(rng.uniform(1.0, PG_OUTAGE_MAX), 2)
     if db == "sqlite":  # the lock is held past the busy timeout, by a fifth of the outage
         return pick(), round(BUSY_TIMEOUT + outage / 5, 2), {"how": "exclusive-lock"}
     return pick(), outage, {"how": "connections-refused"}
