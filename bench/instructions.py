@@ -242,8 +242,7 @@ def report(counts: list[dict[str, Any]], backends: list[str]) -> dict[str, float
     for backend in backends:
         ratios[backend] = least[backend] / least["bare"]
         print(
-            f"  {backend:<8} {ratios[backend]:.3f}x  "
-            f"({least[backend]:,.0f} / {least['bare']:,.0f})"
+            f"  {backend:<8} {ratios[backend]:.3f}x  ({least[backend]:,.0f} / {least['bare']:,.0f})"
         )
     return ratios
 
