@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=16, help="jobs holding a lease (16)")
     p.add_argument("--rounds", type=int, default=1, help="times each target is counted (1)")
     p.add_argument("--json", help="write every count and the ratios to this file")
+    p.add_argument(
+        "--dumps",
+        help="keep callgrind's dump of each count in this folder (read them with "
+        "callgrind_annotate: where in the process the instructions went, by C function)",
+    )
     return p
 
 
@@ -194,7 +199,10 @@ def _count(
         _control(server, "--dump")
     finally:
         connection.close()
-    total = _dumped(out, server)
+    dump, total = _dumped(out, server)
+    if args.dumps:
+        Path(args.dumps).mkdir(parents=True, exist_ok=True)
+        shutil.copy(dump, Path(args.dumps) / f"callgrind.{out.parent.name}.out")
     return {
         "target": target,
         "requests": args.requests,
@@ -215,9 +223,9 @@ def _control(server: Child, option: str) -> None:
         raise BenchError(f"callgrind_control {option} failed:\n{done.stdout}{done.stderr}")
 
 
-def _dumped(out: Path, server: Child) -> int:
-    """The instructions of the dump just asked for (callgrind names it after the pid
-    and the dump's number)."""
+def _dumped(out: Path, server: Child) -> tuple[Path, int]:
+    """The dump just asked for (callgrind names it after the pid and the dump's
+    number) and its instructions."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         dumps = sorted(out.parent.glob(f"{out.name}.{server.pid}.*"))
@@ -225,7 +233,7 @@ def _dumped(out: Path, server: Child) -> int:
         for dump in reversed(dumps):
             match = TOTALS.search(dump.read_text(errors="replace"))
             if match is not None:
-                return int(match.group(1))
+                return dump, int(match.group(1))
         time.sleep(0.2)
     raise BenchError(f"no callgrind dump with totals in {out.parent}")
 
