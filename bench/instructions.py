@@ -84,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(VALGRIND_MISSING, file=sys.stderr)
         return 2
     if args.requests < 1 or args.warmup < 0:
-        print("bench.instructions: --requests must be 1 or more, --warmup 0 or more")
+        print(
+            "bench.instructions: --requests must be 1 or more, --warmup 0 or more", file=sys.stderr
+        )
         return 2
     backends = [b for b in args.backends.split(",") if b]
     workdir = Path(tempfile.mkdtemp(prefix="fencegate-bench-instructions-"))
@@ -199,7 +201,7 @@ def _count(
         _control(server, "--dump")
     finally:
         connection.close()
-    dump, total = _dumped(out, server)
+    dump, total = _dumped(out)
     if args.dumps:
         Path(args.dumps).mkdir(parents=True, exist_ok=True)
         shutil.copy(dump, Path(args.dumps) / f"callgrind.{out.parent.name}.out")
@@ -223,14 +225,12 @@ def _control(server: Child, option: str) -> None:
         raise BenchError(f"callgrind_control {option} failed:\n{done.stdout}{done.stderr}")
 
 
-def _dumped(out: Path, server: Child) -> tuple[Path, int]:
-    """The dump just asked for (callgrind names it after the pid and the dump's
-    number) and its instructions."""
+def _dumped(out: Path) -> tuple[Path, int]:
+    """The dump just asked for (``out`` with the dump's number after it; the last one
+    first) and its instructions."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        dumps = sorted(out.parent.glob(f"{out.name}.{server.pid}.*"))
-        dumps = dumps or sorted(out.parent.glob(f"{out.name}*"))
-        for dump in reversed(dumps):
+        for dump in sorted(out.parent.glob(f"{out.name}*"), reverse=True):
             match = TOTALS.search(dump.read_text(errors="replace"))
             if match is not None:
                 return dump, int(match.group(1))

@@ -69,6 +69,21 @@ def run_stopped(argv: list[str], timeout: float = TIMEOUT) -> subprocess.Complet
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def run_without_tools(module: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m module --backends sqlite`` with a PATH that holds nothing: a bench
+    whose tool (wrk, valgrind) is missing must say so and start nothing."""
+    (tmp_path / "bin").mkdir()
+    return subprocess.run(
+        [sys.executable, "-m", module, "--backends", "sqlite"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": str(tmp_path / "bin")},
+        cwd=ROOT,
+        check=False,
+    )
+
+
 def run_quick(*args: str) -> subprocess.CompletedProcess[str]:
     return run_stopped([sys.executable, "-m", "bench.run", "--quick", *args])
 

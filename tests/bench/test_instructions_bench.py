@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from bench.instructions import VALGRIND_MISSING
-from tests.bench.test_bench_smoke import STOP_GRACE, TIMEOUT, run_stopped
+from tests.bench.test_bench_smoke import STOP_GRACE, TIMEOUT, run_stopped, run_without_tools
 from tests.support import unavailable
 
 pytestmark = pytest.mark.timeout(TIMEOUT + STOP_GRACE + 30)
@@ -50,16 +49,7 @@ def test_it_counts_both_targets_and_prints_their_ratio(tmp_path: Path) -> None:
 
 def test_without_valgrind_it_says_so_and_exits_2(tmp_path: Path) -> None:
     """No valgrind on PATH: one sentence naming the package, exit 2, nothing started."""
-    (tmp_path / "bin").mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.instructions", "--backends", "sqlite"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": str(tmp_path / "bin")},
-        cwd=Path(__file__).resolve().parents[2],
-        check=False,
-    )
+    done = run_without_tools("bench.instructions", tmp_path)
     assert done.returncode == 2, done
     assert done.stderr.strip() == VALGRIND_MISSING
     assert done.stdout == ""

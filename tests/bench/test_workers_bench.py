@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from bench.workers import WRK_MISSING
-from tests.bench.test_bench_smoke import STOP_GRACE, TIMEOUT, run_stopped
+from tests.bench.test_bench_smoke import STOP_GRACE, TIMEOUT, run_stopped, run_without_tools
 from tests.support import unavailable
 
 pytestmark = pytest.mark.timeout(TIMEOUT + STOP_GRACE + 30)
@@ -42,17 +41,7 @@ def test_two_workers_against_one_reports_both_runs_and_their_ratio(tmp_path: Pat
 
 def test_without_wrk_it_says_so_and_exits_2(tmp_path: Path) -> None:
     """No wrk on PATH: one sentence naming the package, exit 2, nothing started."""
-    python = Path(sys.executable)
-    (tmp_path / "bin").mkdir()
-    done = subprocess.run(
-        [str(python), "-m", "bench.workers", "--backends", "sqlite"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": str(tmp_path / "bin")},
-        cwd=Path(__file__).resolve().parents[2],
-        check=False,
-    )
+    done = run_without_tools("bench.workers", tmp_path)
     assert done.returncode == 2, done
     assert done.stderr.strip() == WRK_MISSING
     assert done.stdout == ""
